@@ -1,0 +1,17 @@
+# The two commands of the README. Each creates .venv and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/tokenbus: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+.PHONY: run test
+run: $(BIN)/tokenbus
+	$(BIN)/tokenbus generate --max-tokens 48 "The engine" "A paged KV cache"
+
+test: $(BIN)/tokenbus
+	$(BIN)/python -m pytest

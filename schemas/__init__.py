@@ -1,0 +1,1 @@
+"""What every tokenbus process agrees on: wire messages, subjects, limits and the block hash."""

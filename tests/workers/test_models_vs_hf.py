@@ -1,0 +1,42 @@
+"""Greedy outputs of our engine equal HF transformers `generate`, token for token."""
+import pytest
+import torch
+import transformers
+
+from tests.workers.checkpoints import ARCHS, make_checkpoint
+from workers import SamplingParams
+from workers.engine.engine import EngineConfig, LLMEngine
+
+PROMPTS = [[5, 17, 99, 230, 7], list(range(40, 77)), [300] * 3 + list(range(100, 160)), [11]]
+MAX_TOKENS = 24
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: make_checkpoint(root, arch) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_batched_equals_hf_generate_each_prompt_alone(checkpoints, arch):
+    path = checkpoints[arch]
+    engine = LLMEngine(str(path), EngineConfig(num_kv_blocks=64, device="cpu"))
+    ours = engine_greedy(engine, PROMPTS, MAX_TOKENS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, got in zip(PROMPTS, ours):
+        assert got == hf_greedy(hf, prompt, MAX_TOKENS)

@@ -1,0 +1,188 @@
+"""The engine: add requests, step (schedule, run, update), abort. Tokens in, tokens out; text
+and stop strings are the caller's (the offline LLM or the gateway)."""
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.request import Request, Status
+from workers.engine.runner import ModelRunner
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from workers.models.config import ModelConfig
+
+CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None       # the KV pool size; else sized from kv_cache_memory
+    kv_cache_memory: int | None = None     # bytes for the pool; default 1 GiB on CPU, the free GPU memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048     # the token budget of one step
+    max_num_seqs: int = 128
+    max_model_len: int | None = None       # default and upper bound: the model's context
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str | None = None               # default: float32 on CPU, the checkpoint's 16-bit type on CUDA
+    device: str | None = None              # default: cuda when available, else cpu
+    seed: int = 0                          # draws the seeds of requests that bring none
+
+
+@dataclass(slots=True)
+class StepTrace:
+    num_requests: int
+    num_tokens: int
+    seconds: float          # the whole step
+    forward_seconds: float  # model forward + logits
+    kv_waste_slots: int     # allocated but unused KV slots over the scheduled requests
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_cfg = ModelConfig.load(model_dir)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = pick_dtype(config.dtype, self.model_cfg.dtype, self.device)
+        self.max_model_len = min(config.max_model_len or self.model_cfg.max_model_len, self.model_cfg.max_model_len)
+        self.runner = ModelRunner(model_dir, self.model_cfg, self.dtype, self.device, config.block_size)
+        num_blocks = config.num_kv_blocks or self.blocks_in_budget()
+        self.runner.allocate_kv(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.enable_chunked_prefill), self.kv)
+        self.requests: dict[str, Request] = {}
+        self.eos = frozenset(self.model_cfg.eos_token_ids)
+        self.seeds = random.Random(config.seed)
+        self.num_steps = 0
+        self.trace: list[StepTrace] | None = None  # set to a list to record every step
+
+    def blocks_in_budget(self) -> int:
+        budget = self.config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1 - self.config.gpu_memory_utilization) * total)
+        budget = budget or CPU_KV_CACHE_MEMORY
+        return max(1, budget // self.runner.block_bytes())
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError, naming the field and the limit, for a request the engine cannot take."""
+        n, vocab = len(prompt_token_ids), self.model_cfg.vocab_size
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
+                             "leaves no room for output")
+        need = self.kv.num_blocks_for(min(n + params.max_tokens, self.max_model_len))
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks for prompt + max_tokens, more than the whole pool "
+                             f"(num_kv_blocks={self.kv.num_blocks}); lower max_tokens or grow the pool")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        self.check_request(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
+        req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed,
+                      self.config.block_size, cache_salt)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        """Ends a request wherever it is and frees its KV; None when it is not (or no longer) here."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.abort(req)
+        return req
+
+    def finish(self, request_id: str, stop_reason: str) -> None:
+        """Ends a request the caller found stopped (a stop string in its text)."""
+        req = self.abort(request_id)
+        if req is not None:
+            req.finish_reason, req.stop_reason = "stop", stop_reason
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """One engine step. Returns the requests that got a token or finished in it."""
+        start = time.perf_counter()
+        forward_before = self.runner.forward_seconds
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
+        tokens, logprobs = self.runner.run(batch, tables)
+        updated = self.update(batch, tokens, logprobs)
+        self.num_steps += 1
+        if self.trace is not None:
+            waste = sum(len(t) * self.config.block_size - r.num_computed_tokens
+                        for r, t in zip(batch.requests, tables))
+            self.trace.append(StepTrace(len(batch.requests), batch.num_tokens, time.perf_counter() - start,
+                                        self.runner.forward_seconds - forward_before, waste))
+        return updated
+
+    def update(self, batch: Batch, tokens: list[int], logprobs: list) -> list[Request]:
+        sampled = iter(zip(tokens, logprobs))
+        updated = []
+        now = time.monotonic()
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing to sample yet
+            token, lp = next(sampled)
+            req.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            if req.num_output_tokens == 1:
+                req.first_token_time = now
+            reason = self.stop_reason(req, token)
+            if reason is not None:
+                self.requests.pop(req.request_id)
+                self.scheduler.finish(req, reason)
+            updated.append(req)
+        self.scheduler.drop_finished()
+        return updated
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        if (token in self.eos and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def stats(self) -> dict:
+        return {
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "steps": self.num_steps,
+        }
+
+
+def pick_dtype(asked: str | None, checkpoint: str, device: torch.device) -> torch.dtype:
+    if asked:
+        dtype = getattr(torch, asked, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype {asked!r} is not a torch floating-point type (e.g. float32, bfloat16)")
+        return dtype
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint == "float16" else torch.bfloat16

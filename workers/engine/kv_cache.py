@@ -1,0 +1,143 @@
+"""Paged KV cache bookkeeping: blocks, block tables and the prefix cache (vLLM V1's algorithm).
+
+Blocks are fixed-size (block_size tokens). A full block of final tokens is registered under its
+chained hash, so a later request whose prefix hashes the same reuses it. A freed block keeps its
+hash and waits in an LRU free list; it is evicted (its hash forgotten) only when popped for
+reuse. Requests free their blocks tail first, so a chain's tail is evicted before its parents.
+"""
+from dataclasses import dataclass
+
+from workers.engine.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    hash: int | None = None
+    prev: "Block | None" = None  # free-list links
+    next: "Block | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop the least recently freed, remove any, append, in O(1)."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head, self.tail = Block(-1), Block(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: Block) -> None:
+        last = self.tail.prev
+        last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
+        self.num_free += 1
+
+    def remove(self, block: Block) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> Block:
+        assert self.num_free > 0, "no free KV block"
+        block = self.head.next
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self.head.next
+        while block is not self.tail:
+            yield block
+            block = block.next
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}           # block hash -> block holding that KV
+        self.req_blocks: dict[str, list[Block]] = {}  # request id -> its block table
+        self.num_hashed: dict[str, int] = {}          # request id -> how many of its blocks are registered
+        self.prefix_queries = self.prefix_hits = 0    # in tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free.num_free
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, req: Request) -> list[Block]:
+        """The longest cached prefix of req, in whole blocks, leaving at least its last token to
+        compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hits: list[Block] = ()) -> bool:
+        """Gives req the blocks for `hits` (cached blocks right after its computed tokens) and for
+        num_new_tokens more tokens. False, changing nothing, when the free blocks do not suffice."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        need = -(-num_tokens // self.block_size) - len(blocks) - len(hits)
+        if need > self.free.num_free - sum(b.ref_cnt == 0 for b in hits):
+            return False
+        for block in hits:
+            if block.ref_cnt == 0:
+                self.free.remove(block)
+            block.ref_cnt += 1
+        blocks = self.req_blocks.setdefault(req.request_id, blocks)
+        blocks.extend(hits)
+        blocks.extend(self.pop_free() for _ in range(need))
+        self.hash_full_blocks(req, num_tokens)
+        return True
+
+    def pop_free(self) -> Block:
+        block = self.free.popleft()
+        if block.hash is not None:  # lazy eviction: the cached KV is overwritten only now
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+            block.hash = None
+        block.ref_cnt = 1
+        return block
+
+    def hash_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Registers the blocks that will be full of computed final tokens after this step."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks[req.request_id]
+        start = self.num_hashed.get(req.request_id, 0)
+        end = min(num_tokens // self.block_size, len(req.block_hashes))
+        for block, h in zip(blocks[start:end], req.block_hashes[start:end]):
+            if block.hash is None and h not in self.cached:
+                block.hash = h
+                self.cached[h] = block
+        self.num_hashed[req.request_id] = max(start, end)
+
+    def free_request(self, req: Request) -> None:
+        """Returns req's blocks, tail first, so the LRU evicts chain tails before their parents."""
+        self.num_hashed.pop(req.request_id, None)
+        for block in reversed(self.req_blocks.pop(req.request_id, [])):
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free.append(block)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,69 @@
+import enum
+import time
+from dataclasses import dataclass, field
+
+from schemas.hashing import hash_blocks
+from workers.engine.sampling_params import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float                         # of the sampled token
+    top: list[tuple[int, float]]           # the `logprobs` most likely tokens, best first
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A sequence and how far its KV has been computed. There are no prefill or decode phases:
+    each step the scheduler lets num_computed_tokens catch up with len(token_ids)."""
+    request_id: str
+    token_ids: list[int]                    # prompt then output: the whole sequence
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    block_size: int
+    cache_salt: str | None = None
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1             # prefix-cache hit when first scheduled
+    block_hashes: list[int] = field(default_factory=list)   # of the full blocks of token_ids
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None    # the stop token id or stop string that ended it
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float = 0.0
+
+    def __post_init__(self):
+        self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        if self.num_tokens % self.block_size == 0:
+            self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt, self.block_hashes)

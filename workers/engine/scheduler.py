@@ -1,0 +1,116 @@
+"""One token budget per step, no phases: running requests first, then waiting ones (vLLM V1).
+
+Each scheduled request gets min(tokens it has not computed, budget left) new tokens, so a long
+prompt is chunked across steps and a decode gets its one token. When a running request cannot
+get a block, the most recently admitted running request is preempted by recompute: its blocks
+are freed (they stay in the prefix cache, so the resume is cheap) and it goes back to the head of
+the waiting queue. Waiting requests never preempt.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes: requests[i] gets num_new_tokens[i] more tokens."""
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config, self.kv = config, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:
+            self.schedule_waiting(batch, budget)
+        return batch
+
+    def schedule_running(self, batch: Batch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    return budget
+            batch.add(req, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def schedule_waiting(self, batch: Batch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            n = req.num_tokens - num_hit
+            if n > budget and not self.config.enable_chunked_prefill:
+                return
+            n = min(n, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                return
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.add(req, n)
+            budget -= n
+
+    def preempt(self, req: Request) -> None:
+        self.kv.free_request(req)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Ends req and frees its blocks; update() drops finished requests from `running`."""
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.kv.free_request(req)
+
+    def drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+
+    def abort(self, req: Request) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status in (Status.WAITING, Status.PREEMPTED):
+            self.waiting.remove(req)
+        self.finish(req, "abort")

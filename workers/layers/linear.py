@@ -1,0 +1,81 @@
+"""Megatron-style linear layers whose weights load shard by shard.
+
+A weight loader gets `loaded`, anything sliceable with a shape: a torch tensor, or a safetensors
+slice that reads from disk only the rows or columns it is asked for, so a rank never holds the
+full tensor of a sharded weight.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import TPGroup
+
+
+def shape_of(loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def copy_weight(param: torch.Tensor, loaded) -> None:
+    """Copies a whole (unsharded) weight, checking its shape."""
+    src = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    assert param.shape == src.shape, f"shape {tuple(src.shape)} where {tuple(param.shape)} was expected"
+    param.data.copy_(src)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), W's rows split across ranks. Packed projections (q/k/v, gate/up) are
+    several shards stacked in one weight: `shards` maps a shard id to (rows held by this rank,
+    first row of this rank's part in the checkpoint tensor)."""
+
+    def __init__(self, in_features: int, shards: dict, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.shards, self.tp = shards, tp
+        self.offsets, rows = {}, 0
+        for shard_id, (n, _) in shards.items():
+            self.offsets[shard_id] = rows
+            rows += n
+        self.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
+        self.weight.weight_loader = self.load_rows
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(rows), requires_grad=False)
+            self.bias.weight_loader = self.load_rows
+
+    @classmethod
+    def split(cls, in_features: int, out_features: int, bias: bool, tp: TPGroup, parts: int = 1):
+        """`parts` equal projections of `out_features` rows each, every one split evenly."""
+        assert out_features % tp.size == 0, f"{out_features} rows do not split over {tp.size} ranks"
+        n = out_features // tp.size
+        shards = {i if parts > 1 else None: (n, tp.rank * n) for i in range(parts)}
+        return cls(in_features, shards, bias, tp)
+
+    def load_rows(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        n, start = self.shards[shard_id]
+        offset = self.offsets[shard_id]
+        param.data[offset:offset + n].copy_(loaded[start:start + n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: W's columns split across ranks, bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        assert in_features % tp.size == 0, f"{in_features} columns do not split over {tp.size} ranks"
+        self.tp, self.cols = tp, in_features // tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.cols), requires_grad=False)
+        self.weight.weight_loader = self.load_cols
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = lambda param, loaded, shard_id=None: copy_weight(param, loaded)
+
+    def load_cols(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        start = self.tp.rank * self.cols
+        param.data.copy_(loaded[:, start:start + self.cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y)

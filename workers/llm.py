@@ -1,0 +1,89 @@
+"""The offline API: `LLM(model_dir).generate(prompts, params)`."""
+import itertools
+from dataclasses import dataclass
+
+from schemas.detokenizer import Detokenizer
+from workers.engine.engine import EngineConfig, LLMEngine
+from workers.engine.request import Request, TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str                  # "stop" | "length"
+    stop_reason: int | str | None       # the stop token id or stop string, when one ended it
+    logprobs: list[TokenLogprobs] | None
+    num_cached_tokens: int              # prompt tokens served from the prefix cache
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer=None, **options):
+        """`model`: an HF checkpoint directory (default: the tiny model, built on first use).
+        Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
+        if model is None:
+            from ops.model_builder import default_model_dir  # noqa: PLC0415 - builds only when needed
+            model = str(default_model_dir())
+        if tokenizer is None:
+            from transformers import AutoTokenizer  # noqa: PLC0415 - slow import, only when needed
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model_dir, self.tokenizer = model, tokenizer
+        self.engine = LLMEngine(model, EngineConfig(**options))
+        self.ids = itertools.count()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        for i, (ids, p) in enumerate(zip(encoded, params)):
+            try:
+                self.engine.check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        requests = [self.engine.add_request(f"offline-{next(self.ids)}", ids, p, cache_salt)
+                    for ids, p in zip(encoded, params)]
+        return self.run(requests)
+
+    def chat(self, conversations: list[list[dict]] | list[dict], params=None, cache_salt=None) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation (a list of {role, content})."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+                   for c in conversations]
+        return self.generate(prompts, params, cache_salt)
+
+    def run(self, requests: list[Request]) -> list[RequestOutput]:
+        backend = self.tokenizer.backend_tokenizer
+        detoks = {r.request_id: Detokenizer(backend, r.prompt_token_ids, r.params.stop) for r in requests}
+        sent = dict.fromkeys(detoks, 0)
+        while self.engine.has_unfinished():
+            for req in self.engine.step():
+                detok = detoks.get(req.request_id)
+                if detok is None:
+                    continue
+                new = req.token_ids[req.num_prompt_tokens + sent[req.request_id]:]
+                sent[req.request_id] += len(new)
+                stop = detok.push(new)
+                if stop is not None and not req.finished:
+                    self.engine.finish(req.request_id, stop)
+                elif stop is not None:
+                    req.finish_reason, req.stop_reason = "stop", stop
+        return [self.output(r, detoks[r.request_id]) for r in requests]
+
+    def output(self, req: Request, detok: Detokenizer) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, detok.text,
+                             req.finish_reason, req.stop_reason, req.logprobs if req.params.logprobs is not None
+                             else None, max(req.num_cached_tokens, 0))
+
+    def stats(self) -> dict:
+        return self.engine.stats()

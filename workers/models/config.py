@@ -1,0 +1,93 @@
+"""The model facts the engine needs, read from an HF checkpoint's config.json."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    dtype: str  # the checkpoint's torch dtype name, e.g. "bfloat16"
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model: {model_dir} has no config.json (an HF checkpoint directory is expected)")
+        return cls.from_hf(json.loads(path.read_text()), read_generation_eos(model_dir))
+
+    @classmethod
+    def from_hf(cls, c: dict, generation_eos: tuple[int, ...] = ()) -> "ModelConfig":
+        kind = c.get("model_type")
+        if kind not in SUPPORTED:
+            raise ValueError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
+        heads = c["num_attention_heads"]
+        theta, scaling = rope_settings(c)
+        max_len = c.get("max_position_embeddings", 4096)
+        if kind == "mistral" and c.get("sliding_window"):  # no sliding-window kernel: stay inside one window
+            max_len = min(max_len, c["sliding_window"])
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            model_type=kind,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_model_len=max_len,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bias or kind == "qwen2",
+            o_bias=bias,
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=kind == "qwen3",
+            eos_token_ids=generation_eos or as_ids(c.get("eos_token_id")),
+            dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
+        )
+
+
+def rope_settings(c: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either layout: transformers 5's `rope_parameters` or the older
+    `rope_theta` + `rope_scaling`."""
+    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", c.get("rope_theta", 10000.0))
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, params
+
+
+def as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def read_generation_eos(model_dir: Path) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    return as_ids(json.loads(path.read_text()).get("eos_token_id")) if path.is_file() else ()

@@ -1,0 +1,42 @@
+"""Loads safetensors weights into the engine's own layers, shard by shard."""
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+from workers.layers.linear import copy_weight
+
+
+def target_of(name: str, packed: dict) -> tuple[str, object]:
+    """Our parameter name and shard id for a checkpoint tensor name."""
+    for source, (target, shard) in packed.items():
+        if f".{source}." in name:
+            return name.replace(f".{source}.", f".{target}."), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {model_dir}")
+    params = dict(model.named_parameters())
+    tied = model.cfg.tie_word_embeddings
+    loaded = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard = target_of(name, model.packed)
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in {model.cfg.model_type}")
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    copy_weight(param, f.get_slice(name))
+                else:
+                    loader(param, f.get_slice(name), shard)
+                loaded.add(target)
+    missing = sorted(params.keys() - loaded)
+    if missing:
+        raise ValueError(f"model: checkpoint in {model_dir} lacks weights for {', '.join(missing[:5])}")
