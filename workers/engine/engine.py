@@ -10,7 +10,7 @@ from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.models.config import ModelConfig
 
 CPU_KV_CACHE_MEMORY = 1 << 30
@@ -52,10 +52,10 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self.blocks_in_budget()
         self.runner.allocate_kv(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.enable_chunked_prefill), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
+            frozenset(self.model_cfg.eos_token_ids)), self.kv)
         self.requests: dict[str, Request] = {}
-        self.eos = frozenset(self.model_cfg.eos_token_ids)
         self.seeds = random.Random(config.seed)
         self.num_steps = 0
         self.trace: list[StepTrace] | None = None  # set to a list to record every step
@@ -125,7 +125,10 @@ class LLMEngine:
             return []
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
         tokens, logprobs = self.runner.run(batch, tables)
-        updated = self.update(batch, tokens, logprobs)
+        updated = self.scheduler.update(batch, tokens, logprobs)
+        for req in updated:
+            if req.finished:
+                del self.requests[req.request_id]
         self.num_steps += 1
         if self.trace is not None:
             waste = sum(len(t) * self.config.block_size - r.num_computed_tokens
@@ -133,36 +136,6 @@ class LLMEngine:
             self.trace.append(StepTrace(len(batch.requests), batch.num_tokens, time.perf_counter() - start,
                                         self.runner.forward_seconds - forward_before, waste))
         return updated
-
-    def update(self, batch: Batch, tokens: list[int], logprobs: list) -> list[Request]:
-        sampled = iter(zip(tokens, logprobs))
-        updated = []
-        now = time.monotonic()
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: nothing to sample yet
-            token, lp = next(sampled)
-            req.append(token)
-            if lp is not None:
-                req.logprobs.append(lp)
-            if req.num_output_tokens == 1:
-                req.first_token_time = now
-            reason = self.stop_reason(req, token)
-            if reason is not None:
-                self.requests.pop(req.request_id)
-                self.scheduler.finish(req, reason)
-            updated.append(req)
-        self.scheduler.drop_finished()
-        return updated
-
-    def stop_reason(self, req: Request, token: int) -> str | None:
-        if (token in self.eos and not req.params.ignore_eos) or token in req.params.stop_token_ids:
-            req.stop_reason = token
-            return "stop"
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def stats(self) -> dict:
         return {

@@ -6,18 +6,21 @@ get a block, the most recently admitted running request is preempted by recomput
 are freed (they stay in the prefix cache, so the resume is cheap) and it goes back to the head of
 the waiting queue. Waiting requests never preempt.
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from workers.engine.kv_cache import KVCacheManager
-from workers.engine.request import Request, Status
+from workers.engine.request import Request, Status, TokenLogprobs
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -100,13 +103,42 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def update(self, batch: Batch, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> list[Request]:
+        """Applies a step's results: tokens[k] (and logprobs[k]) belong to the k-th request of the
+        batch that reached the end of its known tokens. Returns the requests that got a token."""
+        sampled = iter(zip(tokens, logprobs, strict=True))
+        updated = []
+        now = time.monotonic()
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing to sample yet
+            token, lp = next(sampled)
+            req.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            if req.num_output_tokens == 1:
+                req.first_token_time = now
+            reason = self.stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+            updated.append(req)
+        if len(updated) != len([r for r in updated if not r.finished]):
+            self.running = [r for r in self.running if not r.finished]
+        return updated
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        if (token in self.config.eos_token_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
     def finish(self, req: Request, reason: str) -> None:
-        """Ends req and frees its blocks; update() drops finished requests from `running`."""
+        """Ends req and frees its blocks (the caller drops it from `running`)."""
         req.status, req.finish_reason = Status.FINISHED, reason
         self.kv.free_request(req)
-
-    def drop_finished(self) -> None:
-        self.running = [r for r in self.running if not r.finished]
 
     def abort(self, req: Request) -> None:
         if req.status == Status.RUNNING:

@@ -1,0 +1,1 @@
+"""The tokenbus command line and operations tools."""

@@ -1,0 +1,1 @@
+"""The pipeline services: gateway, tokenizer, router."""
