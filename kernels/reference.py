@@ -23,11 +23,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of each row's sequence: [B, length, Hkv, D]."""
-    block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+    """The first `length` positions of each row's sequence: [B, length, Hkv, D] (whole blocks are
+    copied, then trimmed: far faster than gathering slot by slot)."""
+    batch, block_size = block_tables.shape[0], cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache.view(cache.shape[0], -1).index_select(0, block_tables[:, :num_blocks].reshape(-1))
+    return blocks.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :length]
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

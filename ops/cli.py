@@ -1,0 +1,77 @@
+"""The `tokenbus` command line."""
+import argparse
+import sys
+
+
+def cmd_model(args) -> None:
+    from ops.model_builder import build_tiny_model  # noqa: PLC0415 - each command imports what it needs
+
+    print(build_tiny_model(args.dir, args.size))
+
+
+def cmd_generate(args) -> None:
+    from workers import LLM, SamplingParams  # noqa: PLC0415
+
+    llm = LLM(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params) if args.chat \
+        else llm.generate(args.prompts, params)
+    for prompt, out in zip(args.prompts, outs):
+        print(f"--- {prompt!r} -> {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
+        print(out.text)
+    print(f"--- stats: {llm.stats()}")
+
+
+def cmd_bench_engine(args) -> None:
+    from workers.bench import main  # noqa: PLC0415
+
+    main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenbus", description="LLM serving over NATS JetStream.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("model", help="build models offline")
+    msub = m.add_subparsers(dest="kind", required=True)
+    tiny = msub.add_parser("tiny", help="write a random-weight Llama checkpoint with its own tokenizer")
+    tiny.add_argument("dir")
+    tiny.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    tiny.set_defaults(func=cmd_model)
+
+    g = sub.add_parser("generate", help="offline generation with the engine (no pipeline)")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench-engine", help="the engine vs HF generate on the same workload")
+    b.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    b.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
+    b.add_argument("--hf-batch-size", type=int, default=16)
+    b.add_argument("--max-num-seqs", type=int, default=64)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--skip-hf", action="store_true", help="run only the engine")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.set_defaults(func=cmd_bench_engine)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        sys.exit(f"tokenbus: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""`tokenbus bench-engine`: the engine and HF `generate` side by side on one workload.
+
+The workload: N requests of random tokens, prompt and output lengths drawn uniformly, EOS
+ignored, greedy. The engine gets every request at once (continuous batching); HF gets static
+batches of --hf-batch-size in arrival order, left-padded, each run for its longest output, as a
+user of HF would. Throughput counts the output tokens asked for, the same for both.
+"""
+import json
+import random
+import time
+
+import torch
+
+from workers.engine.engine import EngineConfig, LLMEngine
+from workers.engine.sampling_params import SamplingParams
+
+
+def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    return [([rng.randrange(16, vocab_size) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
+            for _ in range(args.num_requests)]
+
+
+def run_engine(engine: LLMEngine, requests) -> float:
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def bench_engine(model_dir: str, requests, max_num_seqs: int) -> dict:
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=max_num_seqs))
+    run_engine(engine, requests[:4])  # warm-up
+    engine.trace = []
+    seconds = run_engine(engine, requests)
+    big = [s for s in engine.trace if s.num_requests >= 32]
+    decode = [s for s in engine.trace if s.num_tokens == s.num_requests]
+    outside = 1 - sum(s.forward_seconds for s in big) / sum(s.seconds for s in big) if big else None
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": sum(n for _, n in requests) / seconds,
+        "steps": len(engine.trace),
+        "overhead_share_batch_ge_32": outside,
+        "mean_batch_size": sum(s.num_requests for s in engine.trace) / len(engine.trace),
+        "kv_waste_slots_per_request": sum(s.kv_waste_slots for s in decode) / max(1, sum(s.num_requests for s in decode)),
+        "block_size": engine.config.block_size,
+    }
+
+
+def bench_hf(model_dir: str, requests, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - only for the baseline
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_generate(model, requests[:4])  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        hf_generate(model, requests[i:i + batch_size])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "output_tokens_per_s": sum(n for _, n in requests) / seconds}
+
+
+@torch.inference_mode()
+def hf_generate(model, batch) -> None:
+    width = max(len(p) for p, _ in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+    n = max(n for _, n in batch)
+    model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                   eos_token_id=None, pad_token_id=0)
+
+
+def main(args) -> None:
+    from ops.model_builder import default_model_dir  # noqa: PLC0415
+    from workers.models.config import ModelConfig  # noqa: PLC0415
+
+    model_dir = args.model or str(default_model_dir())
+    torch.manual_seed(args.seed)
+    requests = workload(args, ModelConfig.load(model_dir).vocab_size)
+    result = {"model": model_dir, "num_requests": len(requests), "threads": torch.get_num_threads(),
+              "engine": bench_engine(model_dir, requests, args.max_num_seqs)}
+    if not args.skip_hf:
+        result["hf_generate"] = bench_hf(model_dir, requests, args.hf_batch_size)
+        result["ratio"] = result["engine"]["output_tokens_per_s"] / result["hf_generate"]["output_tokens_per_s"]
+    print(json.dumps(result) if args.json else table(result, args))
+
+
+def table(r: dict, args) -> str:
+    e = r["engine"]
+    lines = [f"workload: {r['num_requests']} requests, prompts {args.input_len[0]}-{args.input_len[1]}, "
+             f"outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, EOS ignored; {r['threads']} threads",
+             f"{'':28}{'seconds':>10}{'output tok/s':>14}",
+             f"{'tokenbus engine':28}{e['seconds']:>10.2f}{e['output_tokens_per_s']:>14.0f}"]
+    if "hf_generate" in r:
+        h = r["hf_generate"]
+        lines += [f"{f'HF generate (batches of {args.hf_batch_size})':28}{h['seconds']:>10.2f}"
+                  f"{h['output_tokens_per_s']:>14.0f}", f"ratio engine / HF: {r['ratio']:.2f}x"]
+    share = e["overhead_share_batch_ge_32"]
+    lines += [f"engine steps: {e['steps']}, mean batch {e['mean_batch_size']:.1f} requests",
+              "step time outside the model forward at batch >= 32: "
+              + ("n/a (no such step)" if share is None else f"{share:.1%}"),
+              f"KV waste: {e['kv_waste_slots_per_request']:.1f} allocated-but-unused slots per running request "
+              f"(block size {e['block_size']})"]
+    return "\n".join(lines)

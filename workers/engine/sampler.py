@@ -1,0 +1,135 @@
+"""Picks each row's next token from its logits: penalties, then greedy or temperature + min_p +
+top_k/top_p sampling, plus the raw logprobs a request asked for.
+
+Randomness is a counter-based hash of (request seed, output position, vocab index), so a request
+draws the same token alone or in any batch, in any row, on any device, with no generator state.
+"""
+import torch
+
+from workers.engine.request import Request, TokenLogprobs
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        raw = logits
+        logits = apply_penalties(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if rows:
+            tokens[rows] = sample(logits[rows], [requests[i] for i in rows])
+        return tokens.tolist(), collect_logprobs(raw, tokens, requests)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    rows = [i for i, r in enumerate(requests) if r.params.penalized]
+    if not rows:
+        return logits
+    logits = logits.float()
+    index = torch.tensor(rows, device=logits.device)
+    return logits.index_put((index,), penalize(logits[index], [requests[i] for i in rows]))
+
+
+def penalize(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (HF), then presence and frequency
+    penalties over output tokens only (OpenAI)."""
+    vocab_size, device = logits.shape[1], logits.device
+    params = [r.params for r in requests]
+    counts = count_tokens([r.output_token_ids for r in requests], vocab_size, device)
+    repetition = [p.repetition_penalty for p in params]
+    if any(x != 1 for x in repetition):
+        seen = (counts > 0) | (count_tokens([r.prompt_token_ids for r in requests], vocab_size, device) > 0)
+        rep = torch.tensor(repetition, device=device)[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def count_tokens(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[rows, vocab_size] float32 count of each token id in each row's list."""
+    width = max(map(len, token_lists))
+    ids = torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists], dtype=torch.long, device=device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)  # last column takes the padding
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One token per row (no row greedy): temperature, min_p, top_k/top_p, then the exponential
+    race argmax(p / E) with E ~ Exp(1), which draws token j with probability p_j / sum(p)."""
+    device = logits.device
+    params = [r.params for r in requests]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        vocab_size = logits.shape[1]
+        top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        probs = filter_top_k_top_p(probs, top_k, top_p)
+    seeds = torch.tensor([r.seed for r in requests], device=device)
+    positions = torch.tensor([r.num_output_tokens for r in requests], device=device)
+    return (probs / exponentials(seeds, positions, logits.shape[1])).argmax(dim=-1)
+
+
+def filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes all but the top_k likeliest tokens, then all but the smallest set of the likeliest
+    whose renormalized mass reaches top_p (the top token always stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # stable: ties break alike in any batch
+    ranks = torch.arange(probs.shape[1], device=probs.device)
+    sorted_probs = sorted_probs.masked_fill(ranks >= top_k[:, None], 0)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    mass_before = cumulative - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None] * cumulative[:, -1:], 0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def collect_logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> list[TokenLogprobs | None]:
+    """The model's own logprobs (before penalties, temperature and filters), as vLLM returns them."""
+    out: list[TokenLogprobs | None] = [None] * len(requests)
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return out
+    logprobs = raw[rows].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[rows, None]).squeeze(1).tolist()
+    k = min(max(requests[i].params.logprobs for i in rows), raw.shape[1])
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for n, i in enumerate(rows):
+        k = requests[i].params.logprobs
+        out[i] = TokenLogprobs(logprob=chosen[n], top=list(zip(top_ids[n][:k], top_values[n][:k])))
+    return out
+
+
+# The counter-based hash: splitmix64 (Steele, Lea & Flood 2014; constants from Vigna's
+# splitmix64.c). torch has no uint64, so it runs in int64: multiplication and addition wrap
+# mod 2^64 alike, >> is arithmetic so shifts are masked, and constants >= 2^63 become negative.
+
+def as_int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+GOLDEN = as_int64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: splitmix64's counter increment
+MIX1 = as_int64(0xBF58476D1CE4E5B9)
+MIX2 = as_int64(0x94D049BB133111EB)
+
+
+def shift_right(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ shift_right(x, 30)) * MIX1
+    x = (x ^ shift_right(x, 27)) * MIX2
+    return x ^ shift_right(x, 31)
+
+
+def exponentials(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] float32 Exp(1) draws; entry (i, j) depends only on (seeds[i], positions[i], j)."""
+    keys = mix64(mix64(seeds) + positions * GOLDEN)
+    counters = torch.arange(1, vocab_size + 1, device=seeds.device) * GOLDEN
+    bits = mix64(keys[:, None] + counters)
+    uniform = (shift_right(bits, 11).double() + 0.5) * 2.0**-53  # top 53 bits, in (0, 1)
+    return (-uniform.log()).float()
