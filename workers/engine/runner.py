@@ -84,8 +84,9 @@ class ModelRunner:
                     if req.num_computed_tokens + n == req.num_tokens]
         input_ids, positions, meta = self.prepare(batch, block_tables)
         to = self.device
+        plan = self.kernels.plan_attention(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.block_size)
         meta = AttentionMetadata(*(t.to(to, non_blocking=True) for t in
-                                   (meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables)))
+                                   (meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables)), plan)
         start = time.perf_counter()
         hidden = self.model(input_ids.to(to, non_blocking=True), positions.to(to, non_blocking=True), meta)
         if not samplers:

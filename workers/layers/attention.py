@@ -17,6 +17,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor   # int32 [B+1]
     seq_lens: torch.Tensor       # int32 [B]
     block_tables: torch.Tensor   # int32 [B, max_blocks]
+    plan: object = None          # the kernels' per-step plan, made once for all layers
 
 
 class Attention(nn.Module):
@@ -29,4 +30,4 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         self.kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.kernels.unified_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q,
-                                              meta.seq_lens, meta.block_tables, self.scale)
+                                              meta.seq_lens, meta.block_tables, self.scale, meta.plan)
