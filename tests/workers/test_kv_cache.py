@@ -117,6 +117,16 @@ def test_identical_blocks_computed_twice_are_cached_once():
     check_invariants(kv)
 
 
+def test_reset_prefix_cache_forgets_every_cached_block():
+    kv = KVCacheManager(8, BLOCK)
+    a = make_request("a", range(12))
+    compute(kv, a)
+    kv.free_request(a)
+    kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(make_request("b", range(13))) == [] and kv.cached == {}
+    check_invariants(kv)
+
+
 def test_prefix_caching_off_never_hits():
     kv = KVCacheManager(8, BLOCK, enable_prefix_caching=False)
     a = make_request("a", range(12))

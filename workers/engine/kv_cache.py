@@ -139,5 +139,12 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 self.free.append(block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (e.g. between benchmark runs); only when no request holds one."""
+        assert self.free.num_free == self.num_blocks, "reset_prefix_cache with requests running"
+        for block in self.blocks:
+            block.hash = None
+        self.cached.clear()
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,0 +1,36 @@
+"""The `tokenbus` commands of this issue run end to end as a user types them."""
+import json
+import subprocess
+import sys
+
+TOKENBUS = [sys.executable, "-m", "ops.cli"]
+
+
+def run(*args, env=None) -> str:
+    return subprocess.run([*TOKENBUS, *args], check=True, capture_output=True, text=True, timeout=300, env=env).stdout
+
+
+def test_model_tiny_writes_a_loadable_checkpoint(tmp_path):
+    out = run("model", "tiny", str(tmp_path / "m"))
+    assert out.strip() == str(tmp_path / "m")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
+
+
+def test_generate_prints_each_prompts_output(tiny_model):
+    out = run("generate", "--model", tiny_model, "--max-tokens", "5", "hello", "world")
+    assert out.count("5 tokens, finish_reason=length") == 2 and "stats:" in out
+
+
+def test_bench_engine_json_reports_both_throughputs_and_their_ratio(tiny_model):
+    out = run("bench-engine", "--model", tiny_model, "--num-requests", "6", "--input-len", "8", "16",
+              "--output-len", "4", "8", "--hf-batch-size", "3", "--repeat", "1", "--json")
+    r = json.loads(out)
+    assert r["engine"]["output_tokens_per_s"] > 0 and r["hf_generate"]["output_tokens_per_s"] > 0
+    assert r["ratio"] == r["engine"]["output_tokens_per_s"] / r["hf_generate"]["output_tokens_per_s"]
+    assert 0 <= r["engine"]["kv_waste_slots_per_request"] < r["engine"]["block_size"]
+
+
+def test_a_bad_argument_is_a_clear_error_not_a_traceback(tiny_model):
+    p = subprocess.run([*TOKENBUS, "generate", "--model", tiny_model, "--max-tokens", "0", "x"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "max_tokens must be at least 1" in p.stderr and "Traceback" not in p.stderr
