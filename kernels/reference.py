@@ -93,7 +93,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                                scale=scale, enable_gqa=True)
             out[part.rows] = o[0].transpose(0, 1)
         else:                             # a group of single queries
-            o = F.scaled_dot_product_attention(q[part.rows].unsqueeze(2), k, v, attn_mask=part.mask, scale=scale,
-                                               enable_gqa=True)
-            out[part.rows] = o.squeeze(2)
+            o = F.scaled_dot_product_attention(q.index_select(0, part.rows).unsqueeze(2), k, v, attn_mask=part.mask,
+                                               scale=scale, enable_gqa=True)
+            out.index_copy_(0, part.rows, o.squeeze(2))
     return out

@@ -40,3 +40,25 @@ def test_greedy_batched_equals_hf_generate_each_prompt_alone(checkpoints, arch):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, got in zip(PROMPTS, ours):
         assert got == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_a_sharded_bf16_checkpoint_loads_shard_by_shard_and_matches_hf(checkpoints, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen2"], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    engine = LLMEngine(str(tmp_path), EngineConfig(num_kv_blocks=64, device="cpu", dtype="float32"))
+    ours = engine_greedy(engine, PROMPTS[:2], MAX_TOKENS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert ours == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS[:2]]
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_by_name(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoints["llama"]
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks weights for model.layers.1.mlp.down_proj.weight"):
+        LLMEngine(str(tmp_path), EngineConfig(num_kv_blocks=8, device="cpu"))

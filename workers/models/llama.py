@@ -10,7 +10,7 @@ from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
+from workers.layers.rotary import RotaryEmbedding, rotate
 from workers.models.config import ModelConfig
 
 
@@ -44,18 +44,17 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = RotaryEmbedding(d, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.attn.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.attn.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.attn.head_dim)
+    def forward(self, rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        d, heads = self.attn.head_dim, self.num_heads
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads + self.num_kv_heads, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.contiguous(), meta)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = rotate(qk, *rope)  # q and k side by side: one rotation
+        v = qkv[:, self.q_size + self.kv_size:].reshape(-1, self.num_kv_heads, d)
+        o = self.attn(qk[:, :heads], qk[:, heads:], v, meta)
         return self.o_proj(o.flatten(1))
 
 
@@ -78,12 +77,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta: AttentionMetadata):
+    def forward(self, rope, hidden, residual, meta: AttentionMetadata):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -94,11 +93,13 @@ class Backbone(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
 
 
