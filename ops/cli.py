@@ -4,13 +4,13 @@ import sys
 
 
 def cmd_model(args) -> None:
-    from ops.model_builder import build_tiny_model  # noqa: PLC0415 - each command imports what it needs
+    from ops.model_builder import build_tiny_model
 
     print(build_tiny_model(args.dir, args.size))
 
 
 def cmd_generate(args) -> None:
-    from workers import LLM, SamplingParams  # noqa: PLC0415
+    from workers import LLM, SamplingParams
 
     llm = LLM(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -24,7 +24,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench_engine(args) -> None:
-    from workers.bench import main  # noqa: PLC0415
+    from workers.bench import main
 
     main(args)
 

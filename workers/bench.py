@@ -1,9 +1,10 @@
 """`tokenbus bench-engine`: the engine and HF `generate` side by side on one workload.
 
-Each side runs --repeat times and reports its fastest run. The workload: N requests of random tokens, prompt and output lengths drawn uniformly, EOS
-ignored, greedy. The engine gets every request at once (continuous batching); HF gets static
-batches of --hf-batch-size in arrival order, left-padded, each run for its longest output, as a
-user of HF would. Throughput counts the output tokens asked for, the same for both.
+The workload: N requests of random tokens, prompt and output lengths drawn uniformly, EOS
+ignored, greedy; each side runs it --repeat times and reports its fastest run. The engine gets
+every request at once (continuous batching); HF gets static batches of --hf-batch-size in arrival
+order, left-padded, each run for its longest output, as a user of HF would. Throughput counts the
+output tokens asked for, the same for both.
 """
 import json
 import random
@@ -17,8 +18,8 @@ from workers.engine.sampling_params import SamplingParams
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
-    return [([rng.randrange(16, vocab_size) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
-            for _ in range(args.num_requests)]
+    prompt = lambda: [rng.randrange(16, vocab_size) for _ in range(rng.randint(*args.input_len))]  # noqa: E731
+    return [(prompt(), rng.randint(*args.output_len)) for _ in range(args.num_requests)]
 
 
 def run_engine(engine: LLMEngine, requests) -> float:
@@ -48,13 +49,14 @@ def bench_engine(model_dir: str, requests, max_num_seqs: int, repeat: int) -> di
         "steps": len(trace),
         "overhead_share_batch_ge_32": outside,
         "mean_batch_size": sum(s.num_requests for s in trace) / len(trace),
-        "kv_waste_slots_per_request": sum(s.kv_waste_slots for s in decode) / max(1, sum(s.num_requests for s in decode)),
+        "kv_waste_slots_per_request": sum(s.kv_waste_slots for s in decode)
+        / max(1, sum(s.num_requests for s in decode)),
         "block_size": engine.config.block_size,
     }
 
 
 def bench_hf(model_dir: str, requests, batch_size: int, repeat: int) -> dict:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - only for the baseline
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf_generate(model, requests[:4])  # warm-up
@@ -78,8 +80,8 @@ def hf_generate(model, batch) -> None:
 
 
 def main(args) -> None:
-    from ops.model_builder import default_model_dir  # noqa: PLC0415
-    from workers.models.config import ModelConfig  # noqa: PLC0415
+    from ops.model_builder import default_model_dir
+    from workers.models.config import ModelConfig
 
     model_dir = args.model or str(default_model_dir())
     torch.manual_seed(args.seed)

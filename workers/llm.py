@@ -25,10 +25,10 @@ class LLM:
         """`model`: an HF checkpoint directory (default: the tiny model, built on first use).
         Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
         if model is None:
-            from ops.model_builder import default_model_dir  # noqa: PLC0415 - builds only when needed
+            from ops.model_builder import default_model_dir
             model = str(default_model_dir())
         if tokenizer is None:
-            from transformers import AutoTokenizer  # noqa: PLC0415 - slow import, only when needed
+            from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(model)
         self.model_dir, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, EngineConfig(**options))
@@ -37,7 +37,8 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: list[str | list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         params = params or SamplingParams()

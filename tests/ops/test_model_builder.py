@@ -172,7 +172,7 @@ def test_default_model_dir_builds_once_then_reuses(home):
     root, builds = home
     first = default_model_dir()
     assert first == root / "models" / "tiny"
-    assert FILES < {p.name for p in first.iterdir()}
+    assert {p.name for p in first.iterdir()} > FILES
     assert default_model_dir() == first
     assert len(builds) == 1
     assert sorted(p.name for p in (root / "models").iterdir()) == ["tiny", "tiny.lock"]  # no temp dirs left
@@ -195,7 +195,7 @@ def test_default_model_dir_ignores_a_half_built_dir(home):
     (root / "models" / "tiny" / "config.json").write_text("{}")  # no marker: an interrupted copy
     path = default_model_dir()
     assert len(builds) == 1
-    assert FILES < {p.name for p in path.iterdir()}
+    assert {p.name for p in path.iterdir()} > FILES
 
 
 def test_concurrent_callers_build_once(home):

@@ -32,7 +32,7 @@ def test_streamed_pieces_join_to_the_full_decode_and_never_split_a_character(tin
 def test_a_multibyte_character_split_over_byte_tokens_waits_for_its_last_byte(tiny_tokenizer):
     ids = tiny_tokenizer.encode("🙂")
     assert len(ids) > 1   # byte-level BPE: the emoji is several byte tokens
-    detok, pieces = stream(tiny_tokenizer, ids)
+    _detok, pieces = stream(tiny_tokenizer, ids)
     assert pieces[:-2] == [""] * (len(ids) - 1) and "".join(pieces) == "🙂"
 
 

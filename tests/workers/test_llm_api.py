@@ -10,7 +10,7 @@ def llm(tiny_model):
     return LLM(tiny_model, num_kv_blocks=200)
 
 
-GREEDY = dict(temperature=0, ignore_eos=True)
+GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def test_generate_takes_strings_and_token_ids_and_returns_text_tokens_and_finish_reason(llm):

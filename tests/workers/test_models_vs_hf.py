@@ -60,5 +60,5 @@ def test_a_checkpoint_missing_a_weight_is_refused_by_name(checkpoints, tmp_path)
     del weights["model.layers.1.mlp.down_proj.weight"]
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="lacks weights for model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(ValueError, match=r"lacks weights for model\.layers\.1\.mlp\.down_proj\.weight"):
         LLMEngine(str(tmp_path), EngineConfig(num_kv_blocks=8, device="cpu"))

@@ -2,7 +2,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.workers.engine_helpers import BLOCK, check_invariants, make_request, make_scheduler, scheduled, step
+from tests.workers.engine_helpers import check_invariants, make_request, make_scheduler, scheduled, step
 from workers.engine.request import Status
 
 

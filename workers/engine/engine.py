@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.kv_cache import KVCacheManager
-from workers.engine.request import Request, Status
+from workers.engine.request import Request
 from workers.engine.runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig

@@ -8,10 +8,11 @@ import torch
 
 import kernels.reference
 from workers.distributed import SINGLE, TPGroup
-from workers.engine.request import Request, TokenLogprobs
+from workers.engine.request import TokenLogprobs
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Batch
 from workers.layers.attention import AttentionMetadata
+from workers.layers.linear import prepack_for_cpu
 from workers.models.config import ModelConfig
 from workers.models.llama import CausalLM
 from workers.models.loader import load_weights
@@ -21,7 +22,7 @@ def attention_kernels(device: torch.device) -> ModuleType:
     """Triton kernels on CUDA once they exist (their own issue); the PyTorch reference otherwise."""
     if device.type == "cuda":
         try:
-            import kernels.triton as triton_kernels  # noqa: PLC0415 - only where CUDA is
+            import kernels.triton as triton_kernels
             return triton_kernels
         except ImportError:
             pass
@@ -40,6 +41,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, model_dir)
+        if device.type == "cpu":
+            prepack_for_cpu(self.model)
         self.kernels = attention_kernels(device)
         self.sampler = Sampler()
         self.kv_pool = torch.empty(0)

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import TPGroup
+from workers.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,6 +32,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the vocabulary; shares the embedding's weight when the model ties them."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.packed = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.gather_last_dim(linear(hidden, self.weight, None, self.packed))
         return logits[..., :self.vocab_size]

@@ -24,7 +24,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     loaded = set()
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
                 target, shard = target_of(name, model.packed)
