@@ -60,6 +60,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-seqs", type=int, default=64)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--repeat", type=int, default=3, help="runs per side; the fastest counts")
+    b.add_argument("--profile", action="store_true", help="also print where a decode step's time goes")
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=cmd_bench_engine)

@@ -55,6 +55,22 @@ def bench_engine(model_dir: str, requests, max_num_seqs: int, repeat: int) -> di
     }
 
 
+def profile_decode(model_dir: str, requests, max_num_seqs: int, steps: int = 10) -> str:
+    """torch.profiler's table of `steps` engine steps at full decode batch (after every prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=max_num_seqs))
+    for i, (prompt, _) in enumerate(requests):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_output_tokens < 2 for r in engine.scheduler.running):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    title = f"per-op CPU time over {steps} decode steps of {len(engine.scheduler.running)} requests"
+    return title + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
 def bench_hf(model_dir: str, requests, batch_size: int, repeat: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -93,6 +109,8 @@ def main(args) -> None:
         result["hf_generate"] = bench_hf(model_dir, requests, args.hf_batch_size, args.repeat)
         result["ratio"] = result["engine"]["output_tokens_per_s"] / result["hf_generate"]["output_tokens_per_s"]
     print(json.dumps(result) if args.json else table(result, args))
+    if args.profile:
+        print(profile_decode(model_dir, requests, args.max_num_seqs))
 
 
 def table(r: dict, args) -> str:

@@ -34,8 +34,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
         super().__init__(vocab_size, hidden_size, tp)
-        self.packed = None
+        self.packed_weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_last_dim(linear(hidden, self.weight, None, self.packed))
+        logits = self.tp.gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))
         return logits[..., :self.vocab_size]

@@ -22,13 +22,13 @@ def prepack_for_cpu(model: nn.Module) -> bool:
     is 10-40% faster than MKL's sgemm at the batch sizes the engine runs, and batch-invariant
     (a row's result does not depend on the other rows), which sgemm is not. False, changing
     nothing, where oneDNN cannot take a weight."""
-    layers = [m for m in model.modules() if hasattr(m, "packed")]
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_BATCH_HINT) for m in layers]
     except (RuntimeError, AttributeError):
         return False
     for m, p in zip(layers, packed):
-        m.packed = p
+        m.packed_weight = p
     return True
 
 
@@ -60,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
             rows += n
         self.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
         self.weight.weight_loader = self.load_rows
-        self.packed = None
+        self.packed_weight = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(rows), requires_grad=False)
@@ -80,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + n].copy_(loaded[start:start + n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -92,7 +92,7 @@ class RowParallelLinear(nn.Module):
         self.tp, self.cols = tp, in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.cols), requires_grad=False)
         self.weight.weight_loader = self.load_cols
-        self.packed = None
+        self.packed_weight = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -103,5 +103,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, start:start + self.cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed)
+        y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed_weight)
         return self.tp.all_reduce(y)

@@ -105,7 +105,7 @@ class Backbone(nn.Module):
 
 class CausalLM(nn.Module):
     # checkpoint projection name -> (our packed parameter, shard id)
-    packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):

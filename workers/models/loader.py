@@ -27,7 +27,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = target_of(name, model.packed)
+                target, shard = target_of(name, model.packed_modules)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in {model.cfg.model_type}")
