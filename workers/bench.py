@@ -1,7 +1,8 @@
 """`tokenbus bench-engine`: the engine and HF `generate` side by side on one workload.
 
 The workload: N requests of random tokens, prompt and output lengths drawn uniformly, EOS
-ignored, greedy; each side runs it --repeat times and reports its fastest run. The engine gets
+ignored, greedy; the two sides take turns, --repeat runs each, and each reports its fastest
+(noise from the machine's neighbours only ever slows a run). The engine gets
 every request at once (continuous batching); HF gets static batches of --hf-batch-size in arrival
 order, left-padded, each run for its longest output, as a user of HF would. Throughput counts the
 output tokens asked for, the same for both.
@@ -31,14 +32,13 @@ def run_engine(engine: LLMEngine, requests) -> float:
     return time.perf_counter() - start
 
 
-def bench_engine(model_dir: str, requests, max_num_seqs: int, repeat: int) -> dict:
-    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=max_num_seqs))
-    run_engine(engine, requests[:4])  # warm-up
-    runs = []
-    for _ in range(repeat):  # the fastest run: this machine's neighbours add noise, never speed
-        engine.kv.reset_prefix_cache()  # each run starts cold, as the first did
-        engine.trace = []
-        runs.append((run_engine(engine, requests), engine.trace))
+def timed_engine_run(engine: LLMEngine, requests) -> tuple[float, list]:
+    engine.kv.reset_prefix_cache()  # every run starts cold, as the first did
+    engine.trace = []
+    return run_engine(engine, requests), engine.trace
+
+
+def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], requests) -> dict:
     seconds, trace = min(runs, key=lambda r: r[0])
     big = [s for s in trace if s.num_requests >= 32]
     decode = [s for s in trace if s.num_tokens == s.num_requests]
@@ -71,18 +71,11 @@ def profile_decode(model_dir: str, requests, max_num_seqs: int, steps: int = 10)
     return title + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
 
 
-def bench_hf(model_dir: str, requests, batch_size: int, repeat: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf_generate(model, requests[:4])  # warm-up
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for i in range(0, len(requests), batch_size):
-            hf_generate(model, requests[i:i + batch_size])
-        runs.append(time.perf_counter() - start)
-    return {"seconds": min(runs), "output_tokens_per_s": sum(n for _, n in requests) / min(runs)}
+def timed_hf_run(model, requests, batch_size: int) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        hf_generate(model, requests[i:i + batch_size])
+    return time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -102,12 +95,25 @@ def main(args) -> None:
     model_dir = args.model or str(default_model_dir())
     torch.manual_seed(args.seed)
     requests = workload(args, ModelConfig.load(model_dir).vocab_size)
-    result = {"model": model_dir, "num_requests": len(requests), "threads": torch.get_num_threads(),
-              "repeat": args.repeat,
-              "engine": bench_engine(model_dir, requests, args.max_num_seqs, args.repeat)}
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=args.max_num_seqs))
+    run_engine(engine, requests[:4])  # warm-up
+    hf = None
     if not args.skip_hf:
-        result["hf_generate"] = bench_hf(model_dir, requests, args.hf_batch_size, args.repeat)
-        result["ratio"] = result["engine"]["output_tokens_per_s"] / result["hf_generate"]["output_tokens_per_s"]
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf_generate(hf, requests[:4])
+    engine_runs, hf_runs = [], []
+    for _ in range(args.repeat):  # alternating, so the machine's changing load hits both sides alike
+        engine_runs.append(timed_engine_run(engine, requests))
+        if hf is not None:
+            hf_runs.append(timed_hf_run(hf, requests, args.hf_batch_size))
+    result = {"model": model_dir, "num_requests": len(requests), "threads": torch.get_num_threads(),
+              "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, requests)}
+    if hf is not None:
+        tokens_per_s = sum(n for _, n in requests) / min(hf_runs)
+        result["hf_generate"] = {"seconds": min(hf_runs), "output_tokens_per_s": tokens_per_s}
+        result["ratio"] = result["engine"]["output_tokens_per_s"] / tokens_per_s
     print(json.dumps(result) if args.json else table(result, args))
     if args.profile:
         print(profile_decode(model_dir, requests, args.max_num_seqs))
