@@ -90,7 +90,7 @@ def test_mix64_in_int64_tensors_equals_unsigned_splitmix64(values):
 
 
 def test_exponentials_have_unit_mean_and_variance_and_differ_by_seed_position_and_index():
-    e = exponentials(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), 100_000)
+    e = exponentials(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), torch.arange(100_000)[None])
     assert e.min() > 0
     for row in e:
         assert abs(row.mean().item() - 1) < 0.02 and abs(row.var().item() - 1) < 0.05
@@ -206,8 +206,8 @@ def test_request_draws_the_same_token_alone_and_at_any_row_of_any_batch(seed, po
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_draws_match_cpu_draws():
     seeds, positions = torch.tensor([0, 1, 2**63 - 1]), torch.tensor([0, 17, 4000])
-    cpu = exponentials(seeds, positions, 50_000)
-    cuda = exponentials(seeds.cuda(), positions.cuda(), 50_000).cpu()
+    cpu = exponentials(seeds, positions, torch.arange(50_000)[None])
+    cuda = exponentials(seeds.cuda(), positions.cuda(), torch.arange(50_000, device="cuda")[None]).cpu()
     assert torch.allclose(cpu, cuda, rtol=1e-6, atol=0)
     requests = [make_request(seed=s, outputs=[1] * 3, temperature=0.9, top_p=0.8) for s in range(64)]
     logits = random_logits(64, 1000, seed=5)
@@ -276,21 +276,33 @@ def test_frequencies_over_positions_of_one_seed_match_softmax():
     assert chi_square(frequencies(tokens, 8), expected, draws) < chi_square_limit(8)
 
 
-def test_top_k_frequencies_match_the_renormalized_top_k():
-    observed = frequencies(draw_many(STAT_LOGITS, DRAWS, temperature=1.0, top_k=5), 16)
+def padded(vocab_size: int) -> torch.Tensor:
+    """STAT_LOGITS followed by tokens too unlikely to matter: a large vocabulary takes the sampler's
+    top-candidates path, a vocabulary of 16 its full sort."""
+    return torch.cat((STAT_LOGITS, torch.full((vocab_size - 16,), -40.0)))
+
+
+@pytest.mark.parametrize("vocab_size", [16, 4096])
+def test_top_k_frequencies_match_the_renormalized_top_k(vocab_size):
+    tokens = draw_many(padded(vocab_size), DRAWS, temperature=1.0, top_k=5)
+    assert max(tokens) < 16
+    observed = frequencies(tokens, 16)
     expected = torch.zeros(16, dtype=torch.float64)
     expected[:5] = STAT_LOGITS[:5].double().softmax(dim=-1)
     assert chi_square(observed, expected, DRAWS) < chi_square_limit(5)
     assert chi_square(observed, STAT_LOGITS.double().softmax(dim=-1), DRAWS) > 10 * chi_square_limit(16)
 
 
-def test_top_p_frequencies_match_the_renormalized_nucleus():
+@pytest.mark.parametrize("vocab_size", [16, 4096])
+def test_top_p_frequencies_match_the_renormalized_nucleus(vocab_size):
     probs = STAT_LOGITS.double().softmax(dim=-1)
     kept = nucleus(probs.tolist(), 0.6)
     assert kept == set(range(len(kept))) and 2 < len(kept) < 15
     expected = torch.zeros(16, dtype=torch.float64)
     expected[:len(kept)] = probs[:len(kept)] / probs[:len(kept)].sum()
-    observed = frequencies(draw_many(STAT_LOGITS, DRAWS, temperature=1.0, top_p=0.6), 16)
+    tokens = draw_many(padded(vocab_size), DRAWS, temperature=1.0, top_p=0.6)
+    assert max(tokens) < 16
+    observed = frequencies(tokens, 16)
     assert chi_square(observed, expected, DRAWS) < chi_square_limit(len(kept))
 
 
@@ -334,3 +346,25 @@ def test_logprobs_of_bfloat16_logits_are_computed_in_float32():
     tokens, logprobs = sampler(logits, [make_request(temperature=0, logprobs=3)])
     expected = logits.float().log_softmax(dim=-1)[0]
     assert logprobs[0].logprob == pytest.approx(expected[tokens[0]].item(), abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([0.5, 8.0]))
+def test_the_top_candidates_path_equals_filtering_the_full_sort(seed, sharpness):
+    import workers.engine.sampler as sampler
+
+    gen = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(12, 4096, generator=gen) * sharpness).softmax(dim=-1)
+    top_k = torch.tensor([4096, 5, 300, 4096, 1, 4096, 256, 4096, 4096, 40, 4096, 4096])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0, 0.3, 0.99, 0.95, 0.7, 0.95, 0.2, 0.6])
+    full = sampler.filter_sorted(probs, top_k, top_p)
+    calls = []
+    real = sampler.filter_sorted
+    sampler.filter_sorted = lambda *a: calls.append(1) or real(*a)
+    try:
+        values, ids = sampler.filter_top_k_top_p(probs, top_k, top_p)
+    finally:
+        sampler.filter_sorted = real
+    fast = values if ids is None else torch.zeros_like(probs).scatter_(1, ids, values)
+    torch.testing.assert_close(fast, full, rtol=0, atol=0)
+    assert (ids is None) == bool(calls) == (sharpness < 1)   # peaked rows fit the candidates, flat ones do not
