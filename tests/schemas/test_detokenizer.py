@@ -1,6 +1,6 @@
 """Incremental detokenization: whole characters only, the same text as a full decode, stop strings
 cut and never leaked while streaming."""
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from schemas.detokenizer import Detokenizer
@@ -23,6 +23,7 @@ def stream(tokenizer, ids, stop=(), prompt=()):
 @settings(max_examples=150, deadline=None)
 @given(text=TEXTS)
 def test_streamed_pieces_join_to_the_full_decode_and_never_split_a_character(tiny_tokenizer, text):
+    assume("<|" not in text)  # special-token markup encodes to special tokens, which output text skips
     ids = tiny_tokenizer.encode(text)
     detok, pieces = stream(tiny_tokenizer, ids, prompt=tiny_tokenizer.encode("Hello"))
     assert "".join(pieces) == detok.text == text

@@ -1,5 +1,4 @@
 import enum
-import time
 from dataclasses import dataclass, field
 
 from schemas.hashing import hash_blocks
@@ -37,8 +36,6 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None        # "stop" | "length" | "abort"
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float = 0.0
 
     def __post_init__(self):
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt)

@@ -63,6 +63,7 @@ class ModelRunner:
             attn.kernels, attn.k_cache, attn.v_cache = self.kernels, self.kv_pool[0, i], self.kv_pool[1, i]
 
     def prepare(self, batch: Batch, block_tables: list[list[int]]):
+        """Input ids, positions and attention metadata of the flattened batch, on the CPU."""
         input_ids, q_lens, starts = [], batch.num_new_tokens, []
         for req, n in zip(batch.requests, q_lens):
             start = req.num_computed_tokens
@@ -76,28 +77,27 @@ class ModelRunner:
         row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
         positions = torch.arange(len(input_ids)) - cu[row] + torch.tensor(starts)[row]
         slots = tables[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=cu[1:] - cu[:-1] + torch.tensor(
-            starts, dtype=torch.int32), block_tables=tables)
+        seq_lens = q_lens_t + torch.tensor(starts, dtype=torch.int32)
+        plan = self.kernels.plan_attention(cu, seq_lens, tables, self.block_size)
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables, plan=plan)
         return torch.tensor(input_ids), positions, meta
 
     @torch.inference_mode()
     def run(self, batch: Batch, block_tables: list[list[int]]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Token (and logprobs) for each request that reaches the end of its known tokens this step."""
-        samplers = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                    if req.num_computed_tokens + n == req.num_tokens]
+        rows = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                if req.num_computed_tokens + n == req.num_tokens]
         input_ids, positions, meta = self.prepare(batch, block_tables)
         to = self.device
-        plan = self.kernels.plan_attention(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.block_size)
-        meta = AttentionMetadata(*(t.to(to, non_blocking=True) for t in
-                                   (meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables)), plan)
+        meta = meta.to(to)
         start = time.perf_counter()
         hidden = self.model(input_ids.to(to, non_blocking=True), positions.to(to, non_blocking=True), meta)
-        if not samplers:
+        if not rows:
             self.forward_seconds += time.perf_counter() - start
             return [], []
-        last = meta.cu_seqlens_q[1:][samplers].long() - 1
+        last = meta.cu_seqlens_q[1:][rows].long() - 1
         logits = self.model.compute_logits(hidden[last])
         if to.type == "cuda":
             torch.cuda.synchronize()
         self.forward_seconds += time.perf_counter() - start
-        return self.sampler(logits, [batch.requests[i] for i in samplers])
+        return self.sampler(logits, [batch.requests[i] for i in rows])

@@ -6,7 +6,6 @@ get a block, the most recently admitted running request is preempted by recomput
 are freed (they stay in the prefix cache, so the resume is cheap) and it goes back to the head of
 the waiting queue. Waiting requests never preempt.
 """
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,7 +107,6 @@ class Scheduler:
         batch that reached the end of its known tokens. Returns the requests that got a token."""
         sampled = iter(zip(tokens, logprobs, strict=True))
         updated = []
-        now = time.monotonic()
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
@@ -117,13 +115,11 @@ class Scheduler:
             req.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
-            if req.num_output_tokens == 1:
-                req.first_token_time = now
             reason = self.stop_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)
             updated.append(req)
-        if len(updated) != len([r for r in updated if not r.finished]):
+        if any(r.finished for r in updated):
             self.running = [r for r in self.running if not r.finished]
         return updated
 

@@ -19,6 +19,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # int32 [B, max_blocks]
     plan: object = None          # the kernels' per-step plan, made once for all layers
 
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionMetadata(move(self.slot_mapping), move(self.cu_seqlens_q), move(self.seq_lens),
+                                 move(self.block_tables), self.plan)
+
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
