@@ -66,19 +66,16 @@ class LLM:
     def run(self, requests: list[Request]) -> list[RequestOutput]:
         backend = self.tokenizer.backend_tokenizer
         detoks = {r.request_id: Detokenizer(backend, r.prompt_token_ids, r.params.stop) for r in requests}
-        sent = dict.fromkeys(detoks, 0)
-        while self.engine.has_unfinished():
-            for req in self.engine.step():
-                detok = detoks.get(req.request_id)
-                if detok is None:
-                    continue
-                new = req.token_ids[req.num_prompt_tokens + sent[req.request_id]:]
-                sent[req.request_id] += len(new)
-                stop = detok.push(new)
-                if stop is not None and not req.finished:
-                    self.engine.finish(req.request_id, stop)
-                elif stop is not None:
-                    req.finish_reason, req.stop_reason = "stop", stop
+        try:
+            while self.engine.has_unfinished():
+                for req in self.engine.step():
+                    stop = detoks[req.request_id].push(req.token_ids[-1:])  # one new token per step
+                    if stop is not None:
+                        self.engine.finish(req, stop)
+        except BaseException:  # e.g. Ctrl-C: leave nothing behind in the engine
+            for req in requests:
+                self.engine.abort(req.request_id)
+            raise
         return [self.output(r, detoks[r.request_id]) for r in requests]
 
     def output(self, req: Request, detok: Detokenizer) -> RequestOutput:

@@ -111,3 +111,19 @@ def test_the_default_model_is_built_offline_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBUS_HOME", str(tmp_path))
     out = LLM(num_kv_blocks=32).generate("hello", SamplingParams(max_tokens=3, **GREEDY))[0]
     assert len(out.token_ids) == 3 and (tmp_path / "models" / "tiny" / "config.json").is_file()
+
+
+def test_an_interrupted_generate_leaves_nothing_in_the_engine(llm, monkeypatch):
+    real_step, calls = llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=20, **GREEDY))
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    assert llm.stats()["kv_blocks_free"] == 200

@@ -105,11 +105,11 @@ class LLMEngine:
             self.scheduler.abort(req)
         return req
 
-    def finish(self, request_id: str, stop_reason: str) -> None:
-        """Ends a request the caller found stopped (a stop string in its text)."""
-        req = self.abort(request_id)
-        if req is not None:
-            req.finish_reason, req.stop_reason = "stop", stop_reason
+    def finish(self, req: Request, stop_reason: str) -> None:
+        """Ends req as stopped by a stop string the caller found in its text (the same step may
+        have ended it already, by length or a stop token: the stop string wins)."""
+        self.abort(req.request_id)
+        req.finish_reason, req.stop_reason = "stop", stop_reason
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
