@@ -62,3 +62,26 @@ def test_a_checkpoint_missing_a_weight_is_refused_by_name(checkpoints, tmp_path)
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks weights for model\.layers\.1\.mlp\.down_proj\.weight"):
         LLMEngine(str(tmp_path), EngineConfig(num_kv_blocks=8, device="cpu"))
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    from workers.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match="has no config.json"):
+        ModelConfig.load(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.load(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 4}')
+    with pytest.raises(ValueError, match="lacks the field 'vocab_size'"):
+        ModelConfig.load(tmp_path)
+
+
+def test_a_sliding_window_caps_the_context_where_it_applies():
+    from workers.models.config import ModelConfig
+
+    base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 32768, "sliding_window": 4096}
+    assert ModelConfig.from_hf({**base, "model_type": "mistral"}).max_model_len == 4096
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "use_sliding_window": False}).max_model_len == 32768
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "use_sliding_window": True}).max_model_len == 4096

@@ -20,7 +20,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 def prepack_for_cpu(model: nn.Module) -> bool:
     """Repacks every linear weight into oneDNN's blocked layout, once, after loading. On CPU this
     is 10-40% faster than MKL's sgemm at the batch sizes the engine runs, and batch-invariant
-    (a row's result does not depend on the other rows), which sgemm is not. False, changing
+    (a row's result does not depend on the other rows), which sgemm is not. The plain weights stay
+    (a tied embedding reads them), so CPU linear weights take twice their memory. False, changing
     nothing, where oneDNN cannot take a weight."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     try:
@@ -33,10 +34,6 @@ def prepack_for_cpu(model: nn.Module) -> bool:
 
 
 PACK_BATCH_HINT = 64
-
-
-def shape_of(loaded) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
 
 
 def copy_weight(param: torch.Tensor, loaded) -> None:

@@ -34,7 +34,11 @@ class ModelConfig:
         path = model_dir / "config.json"
         if not path.is_file():
             raise ValueError(f"model: {model_dir} has no config.json (an HF checkpoint directory is expected)")
-        return cls.from_hf(json.loads(path.read_text()), read_generation_eos(model_dir))
+        config = json.loads(path.read_text())
+        try:
+            return cls.from_hf(config, read_generation_eos(model_dir))
+        except KeyError as e:
+            raise ValueError(f"model: {path} lacks the field {e.args[0]!r}") from None
 
     @classmethod
     def from_hf(cls, c: dict, generation_eos: tuple[int, ...] = ()) -> "ModelConfig":
@@ -44,8 +48,8 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         theta, scaling = rope_settings(c)
         max_len = c.get("max_position_embeddings", 4096)
-        if kind == "mistral" and c.get("sliding_window"):  # no sliding-window kernel: stay inside one window
-            max_len = min(max_len, c["sliding_window"])
+        if c.get("sliding_window") and c.get("use_sliding_window", kind == "mistral"):
+            max_len = min(max_len, c["sliding_window"])  # no sliding-window attention: stay inside one window
         bias = bool(c.get("attention_bias", False))
         return cls(
             model_type=kind,
