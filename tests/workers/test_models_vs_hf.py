@@ -67,7 +67,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_by_name(checkpoints, tmp_path)
 def test_config_errors_name_the_problem(tmp_path):
     from workers.models.config import ModelConfig
 
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match=r"has no config\.json"):
         ModelConfig.load(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
