@@ -41,12 +41,20 @@ class Part:
     length: int                  # KV positions per sequence (the longest, for a group)
     mask: torch.Tensor | None    # True where a query may attend; None: plain causal
 
+    def to(self, device: torch.device) -> "Part":
+        mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
+        return Part(self.rows, self.blocks.to(device, non_blocking=True), self.num_seqs, self.length, mask)
+
 
 @dataclass(slots=True)
 class Plan:
     decode_rows: torch.Tensor    # rows of q that are single-token queries, sorted by KV length
     groups: list[Part]           # the decodes in padded groups of similar length
     prefills: list[Part]         # every longer query, one sequence at a time
+
+    def to(self, device: torch.device) -> "Plan":
+        return Plan(self.decode_rows.to(device, non_blocking=True), [p.to(device) for p in self.groups],
+                    [p.to(device) for p in self.prefills])
 
 
 def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,

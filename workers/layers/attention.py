@@ -20,9 +20,12 @@ class AttentionMetadata:
     plan: object = None          # the kernels' per-step plan, made once for all layers
 
     def to(self, device: torch.device) -> "AttentionMetadata":
+        if device.type == "cpu":
+            return self
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        plan = self.plan.to(device) if self.plan is not None else None
         return AttentionMetadata(move(self.slot_mapping), move(self.cu_seqlens_q), move(self.seq_lens),
-                                 move(self.block_tables), self.plan)
+                                 move(self.block_tables), plan)
 
 
 class Attention(nn.Module):
