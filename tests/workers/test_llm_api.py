@@ -127,3 +127,21 @@ def test_an_interrupted_generate_leaves_nothing_in_the_engine(llm, monkeypatch):
         llm.generate(["a", "b"], SamplingParams(max_tokens=20, **GREEDY))
     assert not llm.engine.has_unfinished() and not llm.engine.requests
     assert llm.stats()["kv_blocks_free"] == 200
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_num_batched_tokens", 0, "max_num_batched_tokens must be at least 1"),
+    ("num_kv_blocks", 0, "num_kv_blocks must be at least 1"),
+    ("block_size", -16, "block_size must be at least 1"),
+    ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be in \(0, 1\]"),
+])
+def test_engine_options_name_the_option_and_limit(tiny_model, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, **{option: value})
+
+
+def test_without_chunked_prefill_a_request_larger_than_the_budget_is_refused(tiny_model):
+    llm = LLM(tiny_model, num_kv_blocks=64, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="more than max_num_batched_tokens=64"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=30))
+    assert len(llm.generate([[5] * 40], SamplingParams(max_tokens=20))[0].token_ids) == 20

@@ -9,7 +9,7 @@ import torch
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
 from workers.engine.runner import ModelRunner
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams, check
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.models.config import ModelConfig
 
@@ -30,6 +30,15 @@ class EngineConfig:
     dtype: str | None = None               # default: float32 on CPU, the checkpoint's 16-bit type on CUDA
     device: str | None = None              # default: cuda when available, else cpu
     seed: int = 0                          # draws the seeds of requests that bring none
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            check(getattr(self, name) >= 1, name, "must be at least 1", getattr(self, name))
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, name, "must be at least 1 (or None for the default)", value)
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
+              self.gpu_memory_utilization)
 
 
 @dataclass(slots=True)
@@ -81,7 +90,12 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
                              "leaves no room for output")
-        need = self.kv.num_blocks_for(min(n + params.max_tokens, self.max_model_len))
+        longest = min(n + params.max_tokens, self.max_model_len)
+        if not self.config.enable_chunked_prefill and longest > self.config.max_num_batched_tokens:
+            raise ValueError(f"request may grow to {longest} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}, which without chunked prefill must hold "
+                             "a whole (resumed) prompt")
+        need = self.kv.num_blocks_for(longest)
         if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks for prompt + max_tokens, more than the whole pool "
                              f"(num_kv_blocks={self.kv.num_blocks}); lower max_tokens or grow the pool")
