@@ -38,14 +38,14 @@ def timed_engine_run(engine: LLMEngine, requests) -> tuple[float, list]:
     return run_engine(engine, requests), engine.trace
 
 
-def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], requests) -> dict:
+def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], output_tokens: int) -> dict:
     seconds, trace = min(runs, key=lambda r: r[0])
     big = [s for s in trace if s.num_requests >= 32]
     decode = [s for s in trace if s.num_tokens == s.num_requests]
     outside = 1 - sum(s.forward_seconds for s in big) / sum(s.seconds for s in big) if big else None
     return {
         "seconds": seconds,
-        "output_tokens_per_s": sum(n for _, n in requests) / seconds,
+        "output_tokens_per_s": output_tokens / seconds,
         "steps": len(trace),
         "overhead_share_batch_ge_32": outside,
         "mean_batch_size": sum(s.num_requests for s in trace) / len(trace),
@@ -93,7 +93,6 @@ def main(args) -> None:
     from workers.models.config import ModelConfig
 
     model_dir = args.model or str(default_model_dir())
-    torch.manual_seed(args.seed)
     requests = workload(args, ModelConfig.load(model_dir).vocab_size)
     engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=args.max_num_seqs))
     run_engine(engine, requests[:4])  # warm-up
@@ -108,10 +107,11 @@ def main(args) -> None:
         engine_runs.append(timed_engine_run(engine, requests))
         if hf is not None:
             hf_runs.append(timed_hf_run(hf, requests, args.hf_batch_size))
+    output_tokens = sum(n for _, n in requests)
     result = {"model": model_dir, "num_requests": len(requests), "threads": torch.get_num_threads(),
-              "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, requests)}
+              "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, output_tokens)}
     if hf is not None:
-        tokens_per_s = sum(n for _, n in requests) / min(hf_runs)
+        tokens_per_s = output_tokens / min(hf_runs)
         result["hf_generate"] = {"seconds": min(hf_runs), "output_tokens_per_s": tokens_per_s}
         result["ratio"] = result["engine"]["output_tokens_per_s"] / tokens_per_s
     print(json.dumps(result) if args.json else table(result, args))

@@ -22,7 +22,7 @@ def make_scheduler(num_blocks: int = 16, budget: int = 64, max_num_seqs: int = 1
 def step(sched: Scheduler, token: int = 7) -> Batch:
     """schedule() then update() as if the model sampled `token` for every request that samples."""
     batch = sched.schedule()
-    n_sampling = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(batch.requests, batch.num_new_tokens))
+    n_sampling = sum(batch.samples)
     sched.update(batch, [token] * n_sampling, [None] * n_sampling)
     return batch
 

@@ -84,9 +84,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, block_tables: list[list[int]]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Token (and logprobs) for each request that reaches the end of its known tokens this step."""
-        rows = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                if req.num_computed_tokens + n == req.num_tokens]
+        """Token (and logprobs) for each request of the batch that samples this step."""
+        rows = [i for i, samples in enumerate(batch.samples) if samples]
         input_ids, positions, meta = self.prepare(batch, block_tables)
         to = self.device
         meta = meta.to(to)

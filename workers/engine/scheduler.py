@@ -24,14 +24,17 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class Batch:
-    """What one step computes: requests[i] gets num_new_tokens[i] more tokens."""
+    """What one step computes: requests[i] gets num_new_tokens[i] more tokens, and samples a token
+    when they bring it to the end of its known tokens (a prefill chunk short of the end does not)."""
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
+        self.samples.append(req.num_computed_tokens + n == req.num_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -104,13 +107,13 @@ class Scheduler:
 
     def update(self, batch: Batch, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> list[Request]:
         """Applies a step's results: tokens[k] (and logprobs[k]) belong to the k-th request of the
-        batch that reached the end of its known tokens. Returns the requests that got a token."""
+        batch that samples. Returns the requests that got a token."""
         sampled = iter(zip(tokens, logprobs, strict=True))
         updated = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
             req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: nothing to sample yet
+            if not samples:
+                continue
             token, lp = next(sampled)
             req.append(token)
             if lp is not None:
