@@ -77,7 +77,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return ids.expand_as(probs).gather(1, choice).squeeze(1)
 
 
-CANDIDATES = 256  # top_k/top_p look here first: a top-256 is 5x (4k vocab) to 40x (128k) cheaper than a sort
+CANDIDATES = 256  # top_k/top_p look here first: ~4.5x cheaper than a sort at 64 x 4096 (workers.microbench)
 
 
 def filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
