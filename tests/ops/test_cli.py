@@ -26,7 +26,8 @@ def test_bench_engine_json_reports_both_throughputs_and_their_ratio(tiny_model):
               "--output-len", "4", "8", "--hf-batch-size", "3", "--repeat", "1", "--json")
     r = json.loads(out)
     assert r["engine"]["output_tokens_per_s"] > 0 and r["hf_generate"]["output_tokens_per_s"] > 0
-    assert r["ratio"] == r["engine"]["output_tokens_per_s"] / r["hf_generate"]["output_tokens_per_s"]
+    assert r["ratio"] > 0 and r["num_requests"] == 6
+    assert r["engine"]["steps"] >= 4 and 1 < r["engine"]["mean_batch_size"] <= 6   # the requests ran batched
     assert 0 <= r["engine"]["kv_waste_slots_per_request"] < r["engine"]["block_size"]
 
 
