@@ -29,6 +29,24 @@ def cmd_bench_engine(args) -> None:
     main(args)
 
 
+def cmd_up(args) -> None:
+    from ops.up import main
+
+    main(args)
+
+
+def cmd_chat(args) -> None:
+    from ops.chat import run
+
+    run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system)
+
+
+def cmd_status(args) -> None:
+    from ops.status import main
+
+    main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenbus", description="LLM serving over NATS JetStream.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -64,6 +82,27 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=cmd_bench_engine)
+
+    u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
+    u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
+    u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")
+    u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one")
+    u.add_argument("--workers", type=int, default=1)
+    u.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
+    u.set_defaults(func=cmd_up)
+
+    c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
+    c.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--system", help="a system message that starts every conversation")
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
+    s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_status)
     return p
 
 

@@ -19,3 +19,14 @@ def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture
+def nats_url(tmp_path):
+    """A real nats-server with JetStream on a free 127.0.0.1 port, stopped after the test."""
+    from ops.procs import free_port, start_nats, stop
+
+    port = free_port()
+    proc = start_nats(port, tmp_path / "nats")
+    yield f"nats://127.0.0.1:{port}"
+    stop([proc])

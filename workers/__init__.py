@@ -2,7 +2,7 @@
 
     from workers import LLM, SamplingParams
 """
-from workers.engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 from workers.llm import LLM, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

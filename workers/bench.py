@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
-from workers.engine.sampling_params import SamplingParams
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:

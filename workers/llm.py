@@ -3,9 +3,9 @@ import itertools
 from dataclasses import dataclass
 
 from schemas.detokenizer import Detokenizer
+from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request, TokenLogprobs
-from workers.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import kernels.reference as ref
 import workers.engine.sampler as sampler_module
+from schemas.sampling import SamplingParams
 from workers.distributed import SINGLE
 from workers.engine.request import Request
-from workers.engine.sampling_params import SamplingParams
 from workers.layers.linear import ColumnParallelLinear, prepack_for_cpu
 
 

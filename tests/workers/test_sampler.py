@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler, exponentials, mix64
-from workers.engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 sampler = Sampler()
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from schemas.sampling import SamplingParams, check
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
 from workers.engine.runner import ModelRunner
-from workers.engine.sampling_params import SamplingParams, check
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.models.config import ModelConfig
 

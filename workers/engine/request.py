@@ -2,7 +2,7 @@ import enum
 from dataclasses import dataclass, field
 
 from schemas.hashing import hash_blocks
-from workers.engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 
 class Status(enum.IntEnum):

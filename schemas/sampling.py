@@ -1,3 +1,5 @@
+"""How to sample each output token and when to stop: validated where a request enters (the gateway)
+and again where it runs (the engine), so it is part of the wire format."""
 from dataclasses import dataclass
 
 

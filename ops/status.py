@@ -1,0 +1,55 @@
+"""`tokenbus status`: the worker registry (KV bucket tb_workers) as a table or as JSON."""
+import asyncio
+import contextlib
+import time
+
+import orjson
+
+from schemas import subjects
+from schemas.messages import Heartbeat, WireError, decode
+
+FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
+          "prefix_cache_hits", "requests_finished")
+
+
+async def read_registry(nats_url: str) -> list[Heartbeat]:
+    nc = await subjects.connect(nats_url, "tokenbus-status")
+    try:
+        return await heartbeats(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+async def heartbeats(js) -> list[Heartbeat]:
+    """The live workers' latest heartbeats, by worker id."""
+    watcher = await (await subjects.registry(js)).watchall()
+    beats = []
+    async for entry in watcher:
+        if entry is None:
+            break
+        if entry.value and entry.operation is None:
+            with contextlib.suppress(WireError):
+                beats.append(decode(entry.value, Heartbeat))
+    await watcher.stop()
+    now = time.time()
+    return sorted((b for b in beats if now - b.ts < subjects.WORKER_TTL), key=lambda b: b.worker)
+
+
+def as_json(beats: list[Heartbeat]) -> dict:
+    return {"workers": [{"id": b.worker, **{f: getattr(b, f) for f in FIELDS[1:]}} for b in beats]}
+
+
+def table(beats: list[Heartbeat]) -> str:
+    head = ["worker", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished"]
+    rows = [[b.worker, str(b.running), str(b.waiting),
+             f"{1 - b.kv_blocks_free / max(b.kv_blocks_total, 1):.1%}", f"{b.kv_blocks_free}/{b.kv_blocks_total} free",
+             f"{b.prefix_cache_hits / b.prefix_cache_queries:.1%}" if b.prefix_cache_queries else "-",
+             str(b.requests_finished)] for b in beats]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
+    return "\n".join(lines) if rows else "no workers registered"
+
+
+def main(args) -> None:
+    beats = asyncio.run(read_registry(args.nats_url))
+    print(orjson.dumps(as_json(beats)).decode() if args.json else table(beats))

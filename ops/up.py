@@ -1,0 +1,153 @@
+"""`tokenbus up`: the whole local stack as processes. An embedded nats-server (unless --nats-url names
+a running one), then tokenizer, router, N workers and the gateway; it waits until every stage is
+pulling and a worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
+child (each child also gets SIGTERM from the kernel if this process dies)."""
+import asyncio
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ops import procs
+from ops.model_builder import default_model_dir, tokenbus_home
+from ops.status import heartbeats
+from schemas import subjects
+
+READY_TIMEOUT = 180.0
+
+
+@dataclass
+class Stack:
+    """The processes of a local stack, started in order and stopped in reverse."""
+    model: str
+    port: int
+    data_dir: Path
+    nats_url: str | None = None
+    nats_port: int = 4222
+    workers: int = 1
+    worker_args: list[str] = field(default_factory=list)
+    children: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    def start(self) -> None:
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        if self.nats_url is None:
+            self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, logs / "nats.log")
+            self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
+        asyncio.run(prepare(self.nats_url))
+        common = ["--nats-url", self.nats_url]
+        self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
+        self.spawn("router", "services.router", *common)
+        for i in range(self.workers):
+            self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args)
+        self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--port", str(self.port))
+
+    def spawn(self, name: str, module: str, *args: str) -> None:
+        self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log")
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Until the gateway answers /healthz, the tokenizer and router are pulling and every worker
+        is registered; RuntimeError if a child exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if healthy(self.port) and asyncio.run(pipeline_ready(self.nats_url, self.workers)):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
+
+    def check_alive(self) -> None:
+        for name, p in self.children.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}; see {self.data_dir / 'logs' / name}.log")
+
+    def stop(self) -> None:
+        """Services first (so none reconnects in a loop), nats-server last."""
+        services = [p for name, p in self.children.items() if name != "nats"]
+        procs.stop(list(reversed(services)))
+        if "nats" in self.children:
+            procs.stop([self.children["nats"]])
+
+    def kill(self, name: str) -> None:
+        self.children[name].kill()
+        self.children[name].wait()
+
+    def restart(self, name: str) -> None:
+        """Starts `name` again with the arguments it was started with."""
+        old = self.children[name]
+        if old.poll() is None:
+            procs.stop([old])
+        self.children[name] = procs.spawn(old.args, self.data_dir / "logs" / f"{name}.log")
+
+
+async def prepare(nats_url: str) -> None:
+    nc = await subjects.connect(nats_url, "tokenbus-up")
+    try:
+        await subjects.ensure_streams(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+async def pipeline_ready(nats_url: str, num_workers: int) -> bool:
+    nc = await subjects.connect(nats_url, "tokenbus-up")
+    try:
+        js = nc.jetstream()
+        for durable, stream, _ in (subjects.TOKENIZER, subjects.ROUTER):
+            info = await js.consumer_info(stream, durable)
+            if not info.num_waiting:
+                return False
+        return len(await heartbeats(js)) >= num_workers
+    except Exception:
+        return False
+    finally:
+        await nc.close()
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def watch(stack: Stack) -> None:
+    """Reports a child that exits; the stack serves on without it, except without nats-server."""
+    gone = set()
+    while "nats" not in gone:
+        for name, p in stack.children.items():
+            if p.poll() is not None and name not in gone:
+                gone.add(name)
+                print(f"tokenbus: {name} exited with code {p.returncode} (log: {stack.data_dir / 'logs' / name}.log)",
+                      flush=True)
+        time.sleep(0.5)
+
+
+def main(args) -> None:
+    data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
+    model = args.model or str(default_model_dir())
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        stack.start()
+        print(f"tokenbus: starting {args.workers} worker(s) on {model} (logs in {data_dir / 'logs'}) ...", flush=True)
+        stack.wait_ready()
+        print(f"tokenbus is up\n  websocket  {stack.url}\n  health     http://127.0.0.1:{args.port}/healthz\n"
+              f"  nats       {stack.nats_url}\n  chat       tokenbus chat --url {stack.url}\n"
+              f"  status     tokenbus status --nats-url {stack.nats_url}\nCtrl-C stops everything.", flush=True)
+        watch(stack)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("tokenbus: stopping ...", flush=True)
+        stack.stop()

@@ -1,0 +1,245 @@
+"""Every message that crosses NATS: one dataclass each, msgpack on the wire with a type tag `t`
+and a version `v`. `decode` checks every field against its annotation, so a bad message is a
+WireError that names the field, never an exception deep inside a service."""
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+from schemas.sampling import SamplingParams
+
+VERSION = 1
+
+
+class WireError(ValueError):
+    """A message that is not valid msgpack, of an unknown type or version, or with a bad field."""
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """gateway → TB_REQUESTS: what the client asked, exactly one of messages, prompt and prompt_token_ids."""
+    TYPE: typing.ClassVar[str] = "request"
+    id: str
+    tenant: str
+    sampling: SamplingParams
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    created: float = 0.0                          # unix time the gateway accepted it
+
+    def check(self) -> None:
+        given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
+
+
+@dataclass(slots=True)
+class TokenizedRequest:
+    """tokenizer → TB_ROUTE: the request as token ids."""
+    TYPE: typing.ClassVar[str] = "tokenized"
+    id: str
+    tenant: str
+    sampling: SamplingParams
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    created: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """router → TB_WORK (tb.work.<worker>): a tokenized request bound to one worker."""
+    TYPE: typing.ClassVar[str] = "work"
+    request: TokenizedRequest
+    worker: str
+    routed: float = 0.0
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """worker → tb.out.<id>: the tokens one engine step produced. `seq` counts chunks from 0;
+    `offset` is the number of output tokens before this chunk, so a reader drops duplicates.
+    The first chunk also carries the prompt's last tokens, the detokenizer's context."""
+    TYPE: typing.ClassVar[str] = "chunk"
+    id: str
+    seq: int
+    offset: int
+    token_ids: list[int]
+    prompt_tokens: int = 0
+    prompt_tail: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FinalChunk:
+    """worker → tb.out.<id>: the last chunk of a request, with its last tokens (maybe none)."""
+    TYPE: typing.ClassVar[str] = "final"
+    id: str
+    seq: int
+    offset: int
+    token_ids: list[int]
+    finish_reason: str                            # stop | length | abort
+    stop_reason: int | str | None = None
+    usage: dict[str, int] = field(default_factory=dict)       # prompt_tokens, completion_tokens, cached_tokens
+    timing: dict[str, float] = field(default_factory=dict)    # queue_ms, ttft_ms, e2e_ms as the worker saw them
+    worker: str = ""
+    prompt_tail: list[int] = field(default_factory=list)     # when it is also the first chunk
+
+
+@dataclass(slots=True)
+class ErrorChunk:
+    """any stage → tb.out.<id>: the request was refused; `code` is machine-readable, `message` names the limit."""
+    TYPE: typing.ClassVar[str] = "error"
+    id: str
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class Cancel:
+    """gateway → tb.cancel.<id>: stop generating (client cancel, disconnect or a stop string)."""
+    TYPE: typing.ClassVar[str] = "cancel"
+    id: str
+    reason: str = "abort"
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """worker → KV bucket tb_workers (key = worker id), every HEARTBEAT_SECONDS."""
+    TYPE: typing.ClassVar[str] = "heartbeat"
+    worker: str
+    ts: float
+    model: str
+    block_size: int
+    max_num_seqs: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queries: int                     # in tokens
+    prefix_cache_hits: int                        # in tokens
+    requests_finished: int
+
+
+@dataclass(slots=True)
+class KvEvent:
+    """worker → tb.kv.<worker>: block hashes it stored and removed since the last event."""
+    TYPE: typing.ClassVar[str] = "kv"
+    worker: str
+    seq: int
+    stored: list[int]
+    removed: list[int]
+
+
+@dataclass(slots=True)
+class Completion:
+    """worker → TB_RESULTS (tb.done.<tenant>): the completions log, for replay and metering."""
+    TYPE: typing.ClassVar[str] = "completion"
+    id: str
+    tenant: str
+    worker: str
+    sampling: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+    created: float = 0.0
+
+
+Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
+           | Heartbeat | KvEvent | Completion)
+TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb({"t": msg.TYPE, "v": VERSION, **to_dict(msg)})
+
+
+def decode(data: bytes, *expected: type):
+    """The message in data, checked field by field; WireError if it is not one of `expected`."""
+    try:
+        obj = msgpack.unpackb(data)
+    except Exception as e:
+        raise WireError(f"not msgpack: {type(e).__name__} {e}".rstrip()) from None
+    if not isinstance(obj, dict):
+        raise WireError(f"a message is a map, got {type(obj).__name__}")
+    if obj.get("v") != VERSION:
+        raise WireError(f"v: version {obj.get('v')!r} is not supported (this build speaks {VERSION})")
+    cls = TYPES.get(obj.get("t"))
+    if cls is None or (expected and cls not in expected):
+        want = ", ".join(c.TYPE for c in expected) if expected else ", ".join(TYPES)
+        raise WireError(f"t: message type {obj.get('t')!r} is not one of: {want}")
+    msg = build(cls, obj, "")
+    if hasattr(msg, "check"):
+        msg.check()
+    return msg
+
+
+def to_dict(obj) -> dict:
+    return {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def to_wire(value):
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def build(cls, obj: dict, path: str):
+    hints = type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            kwargs[f.name] = convert(obj[f.name], hints[f.name], path + f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise WireError(f"{path + f.name}: missing")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:                       # a dataclass's own checks (SamplingParams)
+        raise WireError(f"{path}{e}") from None
+
+
+def convert(value, hint, path: str):
+    """value checked against the type hint (and nested dataclasses built); WireError names the path."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            try:
+                return convert(value, arg, path)
+            except WireError:
+                pass
+        raise WireError(f"{path}: {value!r} is not {type_name(hint)}")
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise WireError(f"{path}: expected a map, got {type(value).__name__}")
+        return build(hint, value, path + ".")
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise WireError(f"{path}: expected a list, got {type(value).__name__}")
+        return origin(convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise WireError(f"{path}: expected a map, got {type(value).__name__}")
+        return {convert(k, args[0], path): convert(v, args[1], f"{path}.{k}") for k, v in value.items()}
+    if hint is type(None):
+        if value is not None:
+            raise WireError(f"{path}: expected nil")
+        return None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise WireError(f"{path}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+@functools.cache
+def type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def type_name(hint) -> str:
+    return " | ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(hint)) or str(hint)

@@ -1,0 +1,180 @@
+"""Subjects, streams, consumers, the worker registry bucket and the limits every service obeys.
+
+Subjects go broad → narrow. Streams capture tenants and worker ids, never request ids; the
+per-request subjects (tb.out, tb.cancel) are core NATS, stored nowhere."""
+import asyncio
+import contextlib
+import re
+import signal
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+# -- subjects ------------------------------------------------------------------------------------
+
+REQUESTS_STREAM, REQUESTS_SUBJECTS = "TB_REQUESTS", "tb.req.>"     # the replayable request log
+ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # tokenized requests, a work queue
+WORK_STREAM, WORK_SUBJECTS = "TB_WORK", "tb.work.>"                # one subject per worker, a work queue
+RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the completions log
+WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
+CANCEL_ALL = "tb.cancel.*"
+
+TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def token(kind: str, value: str) -> str:
+    """value as one subject token; ValueError naming `kind` if it could break the subject tree."""
+    if not isinstance(value, str) or not TOKEN.fullmatch(value):
+        raise ValueError(f"{kind} {value!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
+    return value
+
+
+def request_new(tenant: str) -> str:
+    return f"tb.req.new.{token('tenant', tenant)}"
+
+
+def route(tenant: str) -> str:
+    return f"tb.route.{token('tenant', tenant)}"
+
+
+def work(worker: str) -> str:
+    return f"tb.work.{token('worker', worker)}"
+
+
+def done(tenant: str) -> str:
+    return f"tb.done.{token('tenant', tenant)}"
+
+
+def out(request_id: str) -> str:
+    return f"tb.out.{token('request id', request_id)}"
+
+
+def cancel(request_id: str) -> str:
+    return f"tb.cancel.{token('request id', request_id)}"
+
+
+def kv_events(worker: str) -> str:
+    return f"tb.kv.{token('worker', worker)}"
+
+
+def msg_id(request_id: str) -> dict[str, str]:
+    """Headers of every JetStream publish of a request: its id deduplicates retried publishes."""
+    return {"Nats-Msg-Id": request_id}
+
+
+# -- streams, consumers, bucket --------------------------------------------------------------
+
+DUPLICATE_WINDOW = 120.0                 # seconds a retried publish is deduplicated
+LOG_MAX_AGE = 7 * 24 * 3600.0
+LOG_MAX_BYTES = 1 << 30
+QUEUE_MAX_AGE = 3600.0
+MAX_MSG_SIZE = 4 << 20
+
+STREAMS = [
+    api.StreamConfig(name=REQUESTS_STREAM, subjects=[REQUESTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=LOG_MAX_AGE, max_bytes=LOG_MAX_BYTES,
+                     duplicate_window=DUPLICATE_WINDOW, max_msg_size=MAX_MSG_SIZE),
+    api.StreamConfig(name=ROUTE_STREAM, subjects=[ROUTE_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
+                     storage=api.StorageType.FILE, max_age=QUEUE_MAX_AGE, duplicate_window=DUPLICATE_WINDOW,
+                     max_msg_size=MAX_MSG_SIZE),
+    api.StreamConfig(name=WORK_STREAM, subjects=[WORK_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
+                     storage=api.StorageType.FILE, max_age=QUEUE_MAX_AGE, duplicate_window=DUPLICATE_WINDOW,
+                     max_msg_size=MAX_MSG_SIZE),
+    api.StreamConfig(name=RESULTS_STREAM, subjects=[RESULTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=LOG_MAX_AGE, max_bytes=LOG_MAX_BYTES,
+                     duplicate_window=DUPLICATE_WINDOW, max_msg_size=MAX_MSG_SIZE),
+]
+
+HEARTBEAT_SECONDS = 0.5
+WORKER_TTL = 3.0                         # a worker whose heartbeat is older than this has left
+IN_PROGRESS_SECONDS = 2.0                # a worker touches the work items it runs this often
+ACK_WAIT = 10.0                          # after this an unacked message is redelivered
+WORK_ACK_WAIT = 4 * IN_PROGRESS_SECONDS
+MAX_DELIVER = 5
+
+
+def consumer(durable: str, filter_subject: str, ack_wait: float = ACK_WAIT) -> api.ConsumerConfig:
+    """A durable pull consumer with explicit acks: any number of replicas fetch from it."""
+    return api.ConsumerConfig(durable_name=durable, filter_subject=filter_subject, ack_policy=api.AckPolicy.EXPLICIT,
+                              deliver_policy=api.DeliverPolicy.ALL, ack_wait=ack_wait, max_deliver=MAX_DELIVER,
+                              max_ack_pending=10_000)
+
+
+TOKENIZER = ("tokenizer", REQUESTS_STREAM, "tb.req.new.>")
+ROUTER = ("router", ROUTE_STREAM, ROUTE_SUBJECTS)
+
+
+def worker_consumer(worker: str) -> api.ConsumerConfig:
+    return consumer(f"worker-{token('worker', worker)}", work(worker), WORK_ACK_WAIT)
+
+
+# -- limits ---------------------------------------------------------------------------------------
+
+MAX_FRAME_BYTES = 1 << 20                # one websocket frame
+MAX_PROMPT_CHARS = 400_000
+MAX_MESSAGES = 512                       # chat messages in one request
+MAX_STOP = 16                            # stop strings
+MAX_INFLIGHT_PER_CONNECTION = 256        # concurrent requests on one websocket
+
+
+# -- connecting -----------------------------------------------------------------------------------
+
+async def connect(url: str, name: str, log=None) -> nats.NATS:
+    """A connection that keeps reconnecting: a restarted nats-server must not end a service.
+    Connection errors are one log line each (nats-py's default prints a traceback)."""
+    async def error(e: Exception) -> None:
+        if log is not None:
+            log.warning("nats connection error", error=f"{type(e).__name__}: {e}")
+
+    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                              connect_timeout=2, allow_reconnect=True, error_cb=error)
+
+
+async def ensure_streams(js) -> None:
+    """Creates the streams and the registry bucket, or updates them to this build's config."""
+    for config in STREAMS:
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:      # exists with another config
+            await js.update_stream(config)
+    await registry(js)
+
+
+async def registry(js):
+    """The KV bucket of worker heartbeats; an entry not refreshed within WORKER_TTL expires."""
+    try:
+        return await js.key_value(WORKERS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(api.KeyValueConfig(bucket=WORKERS_BUCKET, ttl=WORKER_TTL, history=1,
+                                                            storage=api.StorageType.MEMORY))
+
+
+async def consume(js, config: tuple[str, str, str], handle, log, batch: int = 32) -> None:
+    """Fetches from a durable pull consumer (durable, stream, filter) forever; handle(msg) acks.
+    Any number of replicas may run this on the same durable: each message goes to one of them."""
+    durable, stream, filter_subject = config
+    await js.add_consumer(stream, consumer(durable, filter_subject))
+    pull = await js.pull_subscribe_bind(durable, stream=stream)
+    while True:
+        try:
+            msgs = await pull.fetch(batch=batch, timeout=1.0)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            continue
+        except nats.errors.Error as e:
+            log.warning("fetch failed", error=str(e))
+            await asyncio.sleep(0.1)
+            continue
+        for msg in msgs:
+            await handle(msg)
+
+
+async def run_until_signal(main) -> None:
+    """Runs the coroutine main() until it returns or SIGTERM / SIGINT arrives."""
+    task = asyncio.ensure_future(main())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,1 @@
+"""The router: TB_ROUTE → pick a worker from the heartbeat registry → TB_WORK (tb.work.<worker>)."""

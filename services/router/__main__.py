@@ -1,0 +1,3 @@
+from services.router.service import main
+
+main()

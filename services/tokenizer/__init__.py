@@ -1,0 +1,1 @@
+"""The tokenizer pool: TB_REQUESTS → chat template + encode → TB_ROUTE."""

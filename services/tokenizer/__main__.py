@@ -1,0 +1,3 @@
+from services.tokenizer.service import main
+
+main()

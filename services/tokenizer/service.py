@@ -1,0 +1,124 @@
+"""A tokenizer replica: pulls requests from the shared durable consumer on TB_REQUESTS, applies the
+chat template (for `messages`) and encodes, publishes the tokenized request to TB_ROUTE, then acks.
+A request it cannot encode goes straight back to its tb.out subject as an error."""
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import msgpack
+import nats.errors
+
+from schemas import subjects
+from schemas.log import configure
+from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, WireError, decode, encode
+
+LOG = configure("tokenizer")
+
+
+class Tokenizer:
+    """The model's tokenizer and the context limit it enforces."""
+
+    def __init__(self, model_dir: str, max_model_len: int | None = None):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        context = config.get("max_position_embeddings") or 1 << 30
+        self.max_model_len = min(max_model_len or context, context)
+        self.vocab_size = config.get("vocab_size") or len(self.hf)
+
+    def encode(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids; ValueError naming the field or the limit."""
+        if req.messages is not None:
+            ids = self.chat(req.messages)
+        elif req.prompt is not None:
+            ids = self.hf.encode(req.prompt)
+        else:
+            ids = req.prompt_token_ids
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} (the model's context) "
+                             "leaves no room for output")
+        return ids
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]: needs a string role and a string content")
+        try:
+            return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))
+        except Exception as e:                   # the template's own complaints (roles, order)
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
+
+
+class TokenizerService:
+    def __init__(self, nc, tokenizer: Tokenizer):
+        self.nc, self.js, self.tok = nc, nc.jetstream(), tokenizer
+        self.log = LOG
+
+    async def run(self) -> None:
+        await subjects.ensure_streams(self.js)
+        self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len)
+        await subjects.consume(self.js, subjects.TOKENIZER, self.handle, self.log)
+
+    async def handle(self, msg) -> None:
+        try:
+            req = decode(msg.data, GenerateRequest)
+        except WireError as e:
+            await self.refuse(msg, request_id(msg.data), "invalid_request", str(e))
+            return
+        try:
+            ids = self.tok.encode(req)
+        except ValueError as e:
+            await self.refuse(msg, req.id, "invalid_request", str(e))
+            return
+        out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created)
+        try:
+            await self.js.publish(subjects.route(req.tenant), encode(out), headers=subjects.msg_id(req.id))
+        except nats.errors.Error as e:          # not acked: JetStream redelivers it
+            self.log.error("route publish failed", request_id=req.id, error=str(e))
+            return
+        await msg.ack()
+        self.log.debug("tokenized", request_id=req.id, tenant=req.tenant, prompt_tokens=len(ids))
+
+    async def refuse(self, msg, rid: str | None, code: str, message: str) -> None:
+        self.log.error("request refused", request_id=rid, code=code, error=message, subject=msg.subject)
+        if rid is not None:
+            await self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, code, message)))
+        await msg.term()
+
+
+def request_id(data: bytes) -> str | None:
+    """The id of a message that failed to decode, if it has a usable one (to send the error back)."""
+    try:
+        rid = msgpack.unpackb(data).get("id")
+        return subjects.token("request id", rid)
+    except Exception:
+        return None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.tokenizer", description="A tokenbus tokenizer replica.")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--model", required=True, help="HF checkpoint directory (its tokenizer and config.json)")
+    p.add_argument("--max-model-len", type=int)
+    return p
+
+
+async def serve(args) -> None:
+    service = TokenizerService(await subjects.connect(args.nats_url, "tokenizer", LOG),
+                               Tokenizer(args.model, args.max_model_len))
+    try:
+        await subjects.run_until_signal(service.run)
+    finally:
+        await service.nc.drain()
+
+
+def main(argv=None) -> None:
+    asyncio.run(serve(parser().parse_args(argv)))
