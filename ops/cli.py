@@ -29,6 +29,12 @@ def cmd_bench_engine(args) -> None:
     main(args)
 
 
+def cmd_bench_pipeline(args) -> None:
+    from ops.bench_pipeline import main
+
+    main(args)
+
+
 def cmd_up(args) -> None:
     from ops.up import main
 
@@ -82,6 +88,19 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=cmd_bench_engine)
+
+    bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
+    bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    bp.add_argument("--num-requests", type=int, default=64)
+    bp.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    bp.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
+    bp.add_argument("--ttft-requests", type=int, default=20, help="requests sent one at a time for TTFT")
+    bp.add_argument("--ttft-output-len", type=int, default=4)
+    bp.add_argument("--max-num-seqs", type=int, default=64)
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--repeat", type=int, default=3, help="rounds per side; the best counts")
+    bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bp.set_defaults(func=cmd_bench_pipeline)
 
     u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")

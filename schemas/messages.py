@@ -167,12 +167,13 @@ def decode(data: bytes, *expected: type):
         raise WireError(f"not msgpack: {type(e).__name__} {e}".rstrip()) from None
     if not isinstance(obj, dict):
         raise WireError(f"a message is a map, got {type(obj).__name__}")
-    if obj.get("v") != VERSION:
+    if type(obj.get("v")) is not int or obj["v"] != VERSION:
         raise WireError(f"v: version {obj.get('v')!r} is not supported (this build speaks {VERSION})")
-    cls = TYPES.get(obj.get("t"))
+    kind = obj.get("t")
+    cls = TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None or (expected and cls not in expected):
         want = ", ".join(c.TYPE for c in expected) if expected else ", ".join(TYPES)
-        raise WireError(f"t: message type {obj.get('t')!r} is not one of: {want}")
+        raise WireError(f"t: message type {kind!r} is not one of: {want}")
     msg = build(cls, obj, "")
     if hasattr(msg, "check"):
         msg.check()

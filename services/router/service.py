@@ -5,7 +5,6 @@ expired its entry yet. Policy: least loaded, round-robin among equals (prefix-aw
 its own issue)."""
 import argparse
 import asyncio
-import itertools
 import time
 
 import nats.errors
@@ -27,7 +26,7 @@ class Registry:
     def __init__(self):
         self.workers: dict[str, Heartbeat] = {}
         self.routed: dict[str, int] = {}
-        self.turn = itertools.count()
+        self.last = ""
 
     def update(self, hb: Heartbeat) -> None:
         self.workers[hb.worker] = hb
@@ -49,8 +48,9 @@ class Registry:
             return None
         least = min(self.load(hb) for hb in live)
         ties = [hb.worker for hb in live if self.load(hb) == least]
-        worker = ties[next(self.turn) % len(ties)]
+        worker = next((w for w in ties if w > self.last), ties[0])   # round-robin: the next after the last pick
         self.routed[worker] += 1
+        self.last = worker
         return worker
 
 

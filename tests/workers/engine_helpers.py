@@ -1,7 +1,7 @@
 """Hand-built requests and steps for CPU-only scheduler and KV-manager tests (no model)."""
+from schemas.sampling import SamplingParams
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
-from schemas.sampling import SamplingParams
 from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
 
 BLOCK = 4

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from schemas.sampling import SamplingParams
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler, exponentials, mix64
-from schemas.sampling import SamplingParams
 
 sampler = Sampler()
 

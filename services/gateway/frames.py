@@ -1,0 +1,165 @@
+"""The client frames of the websocket protocol, checked field by field before anything is published:
+a FrameError names the field or the limit, and carries the client's id when it could be read."""
+import time
+
+import orjson
+
+from schemas.messages import GenerateRequest
+from schemas.sampling import SamplingParams
+from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
+
+MAX_ID_CHARS = 256                       # a client id is echoed in every frame of its request
+
+
+class FrameError(ValueError):
+    def __init__(self, message: str, id: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.id, self.code = id, code
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def is_ints(v) -> bool:
+    return isinstance(v, list) and all(map(is_int, v))
+
+
+def is_stop(v) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+SAMPLING = {  # field -> (check, what it must be)
+    "max_tokens": (is_int, "an integer"),
+    "temperature": (is_num, "a number"),
+    "top_p": (is_num, "a number"),
+    "top_k": (is_int, "an integer"),
+    "min_p": (is_num, "a number"),
+    "seed": (is_int, "an integer"),
+    "stop": (is_stop, "a string or an array of strings"),
+    "stop_token_ids": (is_ints, "an array of integers"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "repetition_penalty": (is_num, "a number"),
+    "presence_penalty": (is_num, "a number"),
+    "frequency_penalty": (is_num, "a number"),
+}
+PROMPTS = ("messages", "prompt", "prompt_token_ids")
+FIELDS = {"generate": {"type", "id", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"}}
+
+
+def parse(event: dict) -> dict:
+    """The JSON object in an ASGI websocket.receive event."""
+    text = event.get("text")
+    if text is None:
+        raise FrameError("frames are JSON text; got a binary frame")
+    try:
+        frame = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise FrameError(f"frame is not valid JSON: {e}") from None
+    if not isinstance(frame, dict):
+        raise FrameError(f"a frame is a JSON object, got {kind(frame)}")
+    return frame
+
+
+def header(frame: dict) -> tuple[str, str]:
+    """The frame's type and id, once its type, id and field names are valid."""
+    cid = frame.get("id")
+    echo = cid if isinstance(cid, str) and 0 < len(cid) <= MAX_ID_CHARS else None
+    t = frame.get("type")
+    if not isinstance(t, str) or t not in FIELDS:
+        got = show(t) if "type" in frame else "missing"
+        raise FrameError(f"type: must be one of {', '.join(FIELDS)} (got {got})", echo)
+    if "id" not in frame:
+        raise FrameError("id: missing")
+    if not isinstance(cid, str):
+        raise FrameError(f"id: expected a string, got {kind(cid)}")
+    if echo is None:
+        raise FrameError(f"id: must be 1 to MAX_ID_CHARS={MAX_ID_CHARS} characters (got {len(cid)})")
+    extra = sorted(frame.keys() - FIELDS[t])
+    if extra:
+        raise FrameError(f"{extra[0][:40]}: unknown field in a {t} frame", cid)
+    return t, cid
+
+
+def request(frame: dict, rid: str, tenant: str) -> GenerateRequest:
+    """The GenerateRequest a checked generate frame asks for."""
+    cid = frame["id"]
+    given = [k for k in PROMPTS if frame.get(k) is not None]
+    if len(given) != 1:
+        raise FrameError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})", cid)
+    name = given[0]
+    prompt = {"messages": messages, "prompt": text, "prompt_token_ids": token_ids}[name](frame[name], cid)
+    return GenerateRequest(rid, tenant, sampling(frame, cid), **{name: prompt}, created=time.time())
+
+
+def messages(v, cid: str) -> list[dict[str, str]]:
+    if not isinstance(v, list) or not v:
+        raise FrameError(f"messages: expected a non-empty array of {{role, content}} objects, got {kind(v)}", cid)
+    if len(v) > MAX_MESSAGES:
+        raise FrameError(f"messages: {len(v)} messages is more than MAX_MESSAGES={MAX_MESSAGES}", cid)
+    chars = 0
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise FrameError(f"messages[{i}]: expected an object, got {kind(m)}", cid)
+        for key in ("role", "content"):
+            if key not in m:
+                raise FrameError(f"messages[{i}].{key}: missing", cid)
+        for key, value in m.items():
+            if not isinstance(value, str):
+                raise FrameError(f"messages[{i}].{key[:40]}: expected a string, got {kind(value)}", cid)
+            chars += len(value)
+    too_long("messages", chars, "characters", cid)
+    return v
+
+
+def text(v, cid: str) -> str:
+    if not isinstance(v, str):
+        raise FrameError(f"prompt: expected a string, got {kind(v)}", cid)
+    too_long("prompt", len(v), "characters", cid)
+    return v
+
+
+def token_ids(v, cid: str) -> list[int]:
+    if not is_ints(v):
+        raise FrameError(f"prompt_token_ids: expected an array of integers, got {kind(v)}", cid)
+    too_long("prompt_token_ids", len(v), "tokens", cid)
+    return v
+
+
+def too_long(name: str, n: int, unit: str, cid: str) -> None:
+    if n > MAX_PROMPT_CHARS:
+        raise FrameError(f"{name}: {n} {unit} is more than MAX_PROMPT_CHARS={MAX_PROMPT_CHARS}", cid)
+
+
+def sampling(frame: dict, cid: str) -> SamplingParams:
+    kw = {}
+    for name, (ok, want) in SAMPLING.items():
+        v = frame.get(name)
+        if v is None:
+            continue
+        if not ok(v):
+            raise FrameError(f"{name}: expected {want}, got {kind(v)}", cid)
+        kw[name] = float(v) if want == "a number" else v
+    if isinstance(kw.get("stop"), list) and len(kw["stop"]) > MAX_STOP:
+        raise FrameError(f"stop: {len(kw['stop'])} stop strings is more than MAX_STOP={MAX_STOP}", cid)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:                      # names the field and its rule
+        raise FrameError(str(e), cid) from None
+
+
+def kind(v) -> str:
+    """v's JSON type, for messages."""
+    if v is None:
+        return "null"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(v), type(v).__name__)
+
+
+def show(v, limit: int = 40) -> str:
+    s = repr(v) if isinstance(v, str) else kind(v)
+    return s if len(s) <= limit else s[:limit] + "…"

@@ -1,0 +1,102 @@
+import contextlib
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas.messages import (
+    TYPES,
+    Cancel,
+    Completion,
+    ErrorChunk,
+    FinalChunk,
+    GenerateRequest,
+    Heartbeat,
+    KvEvent,
+    TokenChunk,
+    TokenizedRequest,
+    WireError,
+    WorkItem,
+    decode,
+    encode,
+)
+from schemas.sampling import SamplingParams
+
+INTS = st.integers(-2**63, 2**64 - 1)
+SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("\n\n",), stop_token_ids=(2,))
+EXAMPLES = [
+    GenerateRequest("r1", "t", SAMPLING, messages=[{"role": "user", "content": "hi ✓"}], created=1.5),
+    GenerateRequest("r2", "t", SAMPLING, prompt_token_ids=[1, 2, 3], cache_salt="s"),
+    TokenizedRequest("r1", "t", SAMPLING, [5, 6], None, 2.0),
+    WorkItem(TokenizedRequest("r1", "t", SAMPLING, [5, 6]), "w0", 3.0),
+    TokenChunk("r1", 0, 0, [9, 10], 2, [5, 6]),
+    FinalChunk("r1", 3, 7, [], "length", None, {"prompt_tokens": 2, "completion_tokens": 7}, {"e2e_ms": 1.5}, "w0"),
+    FinalChunk("r1", 3, 7, [4], "stop", 2),
+    ErrorChunk("r1", "invalid_request", "prompt has 9 tokens; max_model_len=8"),
+    Cancel("r1", "stop"),
+    Heartbeat("w0", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5),
+    KvEvent("w0", 4, [2**64 - 1, 1], [7]),
+    Completion("r1", "t", "w0", SAMPLING, [1], [2, 3], "length", None, {"prompt_tokens": 1}, {"e2e_ms": 2.0}, 1.0),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_type_round_trips_through_msgpack(msg):
+    assert decode(encode(msg)) == msg
+    assert decode(encode(msg), type(msg)) == msg
+
+
+def test_every_message_type_is_in_the_registry_with_a_version():
+    assert {type(m) for m in EXAMPLES} == set(TYPES.values())
+    assert all(msgpack.unpackb(encode(m))["v"] == 1 for m in EXAMPLES)
+
+
+def wire(msg, **changes) -> bytes:
+    obj = {"t": msg.TYPE, "v": 1, **msgpack.unpackb(encode(msg)), **changes}
+    return msgpack.packb({k: v for k, v in obj.items() if v is not ...})
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb([1, 2]), "a message is a map"),
+    (wire(EXAMPLES[4], v=2), "v: version 2 is not supported"),
+    (wire(EXAMPLES[4], t="bogus"), "t: message type 'bogus'"),
+    (wire(EXAMPLES[4], seq="1"), "seq: expected int, got str"),
+    (wire(EXAMPLES[4], seq=True), "seq: expected int, got bool"),
+    (wire(EXAMPLES[4], token_ids=[1, "x"]), "token_ids[1]: expected int"),
+    (wire(EXAMPLES[4], id=...), "id: missing"),
+    (wire(EXAMPLES[0], sampling={"max_tokens": 0}), "sampling.max_tokens must be at least 1"),
+    (wire(EXAMPLES[0], sampling={"temperature": "hot"}), "sampling.temperature: expected float"),
+    (wire(EXAMPLES[0], messages=None), "exactly one of messages, prompt, prompt_token_ids"),
+    (wire(EXAMPLES[0], prompt="also"), "exactly one of messages, prompt, prompt_token_ids"),
+    (wire(EXAMPLES[3], request={"id": "r"}), "request.tenant: missing"),
+    (wire(EXAMPLES[5], stop_reason=[1]), "stop_reason: [1] is not int | str | NoneType"),
+])
+def test_bad_messages_are_wire_errors_that_name_the_field(data, message):
+    with pytest.raises(WireError, match=message.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):
+        decode(data)
+
+
+def test_a_message_of_another_type_than_expected_is_refused():
+    with pytest.raises(WireError, match="not one of: chunk, final"):
+        decode(encode(Cancel("r1")), TokenChunk, FinalChunk)
+
+
+@given(st.binary(max_size=200))
+def test_random_bytes_decode_or_raise_wire_error_only(data):
+    with contextlib.suppress(WireError):
+        decode(data)
+
+
+@given(st.dictionaries(st.sampled_from(["t", "v", "id", "seq", "offset", "token_ids", "sampling", "prompt"]),
+                       st.one_of(st.none(), INTS, st.text(max_size=5), st.lists(INTS, max_size=3),
+                                 st.dictionaries(st.text(max_size=3), INTS, max_size=2)), max_size=8),
+       st.sampled_from(sorted(TYPES)))
+def test_random_maps_decode_or_raise_wire_error_only(obj, kind):
+    try:
+        msg = decode(msgpack.packb({"t": kind, "v": 1, **obj}))
+    except WireError:
+        return
+    assert dataclasses.is_dataclass(msg)

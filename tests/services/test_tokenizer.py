@@ -1,0 +1,41 @@
+import pytest
+
+from schemas.messages import GenerateRequest
+from schemas.sampling import SamplingParams
+from services.tokenizer.service import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return Tokenizer(tiny_model, max_model_len=64)
+
+
+def request(**prompt) -> GenerateRequest:
+    return GenerateRequest("r1", "t", SamplingParams(), **prompt)
+
+
+def test_messages_get_the_models_chat_template(tok, tiny_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a block?"}]
+    expected = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    assert tok.encode(request(messages=messages)) == list(expected)
+
+
+def test_prompt_text_and_token_ids_encode_like_the_offline_llm(tok, tiny_tokenizer):
+    assert tok.encode(request(prompt="The engine")) == tiny_tokenizer.encode("The engine")
+    assert tok.encode(request(prompt_token_ids=[5, 6, 7])) == [5, 6, 7]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "word " * 200}, "max_model_len=64"),
+    ({"prompt_token_ids": [1, 99999]}, "prompt_token_ids: token id 99999 is outside the vocabulary"),
+    ({"prompt_token_ids": []}, "prompt is empty"),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\]: needs a string role and a string content"),
+])
+def test_requests_it_cannot_encode_are_errors_naming_the_field_or_limit(tok, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        tok.encode(request(**prompt))
+
+
+def test_the_context_limit_defaults_to_the_models(tiny_model):
+    assert Tokenizer(tiny_model).max_model_len == 4096
