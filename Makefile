@@ -11,7 +11,7 @@ $(BIN)/tokenbus: pyproject.toml
 
 .PHONY: run test
 run: $(BIN)/tokenbus
-	$(BIN)/tokenbus generate --max-tokens 48 "The engine" "A paged KV cache"
+	$(BIN)/tokenbus up
 
 test: $(BIN)/tokenbus
 	$(BIN)/python -m pytest

@@ -44,7 +44,7 @@ def cmd_up(args) -> None:
 def cmd_chat(args) -> None:
     from ops.chat import run
 
-    run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system)
+    sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system))
 
 
 def cmd_status(args) -> None:

@@ -117,6 +117,7 @@ MAX_PROMPT_CHARS = 400_000
 MAX_MESSAGES = 512                       # chat messages in one request
 MAX_STOP = 16                            # stop strings
 MAX_INFLIGHT_PER_CONNECTION = 256        # concurrent requests on one websocket
+MAX_ID_CHARS = 256                       # a client id, echoed in every frame of its request
 
 
 # -- connecting -----------------------------------------------------------------------------------
@@ -178,3 +179,11 @@ async def run_until_signal(main) -> None:
         loop.add_signal_handler(sig, task.cancel)
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def close(nc) -> None:
+    """Flushes what was published and closes. Not drain(): a pull fetch in flight would hold it for
+    its whole timeout, and anything unacked is redelivered anyway."""
+    with contextlib.suppress(Exception):
+        await nc.flush(timeout=1)
+    await nc.close()

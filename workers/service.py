@@ -155,7 +155,7 @@ class WorkerService:
     async def leave(self) -> None:
         try:
             await self.registry.delete(self.id)
-            await self.nc.drain()
+            await subjects.close(self.nc)
         except Exception as e:                   # the server may be gone already
             self.log.warning("leaving uncleanly", error=str(e))
 

@@ -6,15 +6,21 @@ import orjson
 
 from schemas.messages import GenerateRequest
 from schemas.sampling import SamplingParams
-from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
-
-MAX_ID_CHARS = 256                       # a client id is echoed in every frame of its request
+from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
 
 
 class FrameError(ValueError):
     def __init__(self, message: str, id: str | None = None, code: str = "invalid_request"):
         super().__init__(message)
         self.id, self.code = id, code
+
+
+def is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def is_bool(v) -> bool:
+    return isinstance(v, bool)
 
 
 def is_int(v) -> bool:
@@ -30,7 +36,7 @@ def is_ints(v) -> bool:
 
 
 def is_stop(v) -> bool:
-    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+    return is_str(v) or (isinstance(v, list) and all(map(is_str, v)))
 
 
 SAMPLING = {  # field -> (check, what it must be)
@@ -42,11 +48,13 @@ SAMPLING = {  # field -> (check, what it must be)
     "seed": (is_int, "an integer"),
     "stop": (is_stop, "a string or an array of strings"),
     "stop_token_ids": (is_ints, "an array of integers"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "ignore_eos": (is_bool, "true or false"),
     "repetition_penalty": (is_num, "a number"),
     "presence_penalty": (is_num, "a number"),
     "frequency_penalty": (is_num, "a number"),
 }
+ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
+         "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
 FIELDS = {"generate": {"type", "id", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"}}
 
@@ -125,7 +133,7 @@ def text(v, cid: str) -> str:
 
 def token_ids(v, cid: str) -> list[int]:
     if not is_ints(v):
-        raise FrameError(f"prompt_token_ids: expected an array of integers, got {kind(v)}", cid)
+        raise wrong("prompt_token_ids", v, "an array of integers", cid)
     too_long("prompt_token_ids", len(v), "tokens", cid)
     return v
 
@@ -142,7 +150,7 @@ def sampling(frame: dict, cid: str) -> SamplingParams:
         if v is None:
             continue
         if not ok(v):
-            raise FrameError(f"{name}: expected {want}, got {kind(v)}", cid)
+            raise wrong(name, v, want, cid)
         kw[name] = float(v) if want == "a number" else v
     if isinstance(kw.get("stop"), list) and len(kw["stop"]) > MAX_STOP:
         raise FrameError(f"stop: {len(kw['stop'])} stop strings is more than MAX_STOP={MAX_STOP}", cid)
@@ -152,12 +160,22 @@ def sampling(frame: dict, cid: str) -> SamplingParams:
         raise FrameError(str(e), cid) from None
 
 
+KINDS = {type(None): "null", bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
+         dict: "an object"}
+
+
+def wrong(name: str, v, want: str, cid: str) -> FrameError:
+    """The error for a value of the wrong type; for an array, it names the first bad element."""
+    if isinstance(v, list) and name in ITEMS:
+        ok, item = ITEMS[name]
+        i = next(i for i, x in enumerate(v) if not ok(x))
+        return FrameError(f"{name}[{i}]: expected {item}, got {kind(v[i])}", cid)
+    return FrameError(f"{name}: expected {want}, got {kind(v)}", cid)
+
+
 def kind(v) -> str:
     """v's JSON type, for messages."""
-    if v is None:
-        return "null"
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
-    return names.get(type(v), type(v).__name__)
+    return KINDS.get(type(v), type(v).__name__)
 
 
 def show(v, limit: int = 40) -> str:

@@ -5,10 +5,14 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import nats.errors
 import orjson
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
 from schemas import subjects
@@ -25,10 +29,10 @@ PUBLISH_TIMEOUT = 5.0
 class Gateway:
     """What every connection shares: the NATS connection, the registry and the tokenizer."""
     nc: nats.NATS
-    js: object
-    kv: object
+    js: JetStreamContext
+    kv: KeyValue                                  # the worker registry
     tokenizer: Tokenizer
-    log: object
+    log: FilteringBoundLogger
 
 
 class Connection:
@@ -49,7 +53,10 @@ class Connection:
         try:
             frame = frames.parse(event)
             kind, cid = frames.header(frame)
-            await (self.generate(frame, cid, t0) if kind == "generate" else self.cancel(cid))
+            if kind == "generate":
+                await self.generate(frame, cid, t0)
+            else:
+                await self.cancel(cid)
         except FrameError as e:
             await self.send(error(e.id, e.code, str(e)))
         except Exception as e:                    # a bug must not end the connection
@@ -83,13 +90,6 @@ class Connection:
         for r in list(self.inflight.values()):
             await r.abort()
 
-    def forget(self, r: "Request") -> bool:
-        """Removes r; False if it had already ended (whoever removes it sends its last frame)."""
-        if self.inflight.get(r.cid) is not r:
-            return False
-        del self.inflight[r.cid]
-        return True
-
     async def send(self, frame: dict) -> None:
         try:
             await self.ws.send_text(orjson.dumps(frame).decode())
@@ -111,16 +111,17 @@ class Request:
     rid: str                                      # the request id on the wire
     stop: tuple[str, ...]
     t0: float                                     # perf_counter when the generate frame arrived
-    sub: object = None
+    sub: Subscription | None = None
     task: asyncio.Task | None = None
     detok: Detokenizer | None = None
     received: int = 0                             # output tokens so far: the offset the next chunk should have
     prompt_tokens: int = 0
     ttft: float | None = None
-    log: object = field(init=False)
+    ended: bool = False
 
-    def __post_init__(self):
-        self.log = self.conn.log
+    @property
+    def log(self) -> FilteringBoundLogger:
+        return self.conn.log
 
     async def submit(self, req) -> None:
         try:
@@ -134,6 +135,8 @@ class Request:
         self.log.debug("request published", request_id=self.rid, client_id=self.cid)
 
     async def on_msg(self, msg) -> None:
+        if self.ended:                            # messages already queued when the request ended
+            return
         try:
             await self.handle(msg.data)
         except Exception as e:                    # e.g. a token id the tokenizer does not know
@@ -191,9 +194,10 @@ class Request:
                 "timing": {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0)}}
 
     async def end(self, frame: dict) -> None:
-        """Sends the request's last frame and drops its subscription. In the callback this must be the
-        last await: the unsubscribe cancels the callback's task."""
-        if not self.conn.forget(self):
+        """Sends the request's last frame and drops its subscription. In the callback this is the last
+        await: the unsubscribe cancels the callback's task (at its next real suspension, so messages
+        already queued still reach on_msg)."""
+        if not self.finish():
             return
         self.log.debug("request ended", request_id=self.rid, frame=frame["type"], tokens=self.received)
         await self.conn.send(frame)
@@ -201,10 +205,19 @@ class Request:
 
     async def abort(self) -> None:
         """Ends the request from outside its callback (client cancel or disconnect) and tells the worker."""
-        self.conn.forget(self)
+        self.finish()
         self.task.cancel()
         await self.unsubscribe()
         await self.conn.publish_cancel(self.rid, "abort")
+
+    def finish(self) -> bool:
+        """Marks the request ended and frees its id; False if it already was (whoever ends it sends its
+        last frame)."""
+        if self.ended:
+            return False
+        self.ended = True
+        del self.conn.inflight[self.cid]
+        return True
 
     async def unsubscribe(self) -> None:
         with contextlib.suppress(nats.errors.Error):

@@ -117,7 +117,7 @@ async def serve(args) -> None:
     try:
         await subjects.run_until_signal(service.run)
     finally:
-        await service.nc.drain()
+        await subjects.close(service.nc)
 
 
 def main(argv=None) -> None:

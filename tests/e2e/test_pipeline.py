@@ -236,6 +236,7 @@ def test_tokenbus_up_serves_and_leaves_no_process_behind(tiny_model, tmp_path):
     import signal
     import subprocess
     import sys
+    from pathlib import Path
 
     from ops.procs import free_port
 
@@ -250,7 +251,7 @@ def test_tokenbus_up_serves_and_leaves_no_process_behind(tiny_model, tmp_path):
             assert line, f"tokenbus up ended early: {lines}"
             lines.append(line.strip())
         assert f"websocket  ws://127.0.0.1:{port}/ws" in lines
-        children = [int(p) for p in open(f"/proc/{up.pid}/task/{up.pid}/children").read().split()]
+        children = [int(p) for p in Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()]
         assert len(children) == 5           # nats-server, tokenizer, router, one worker, gateway
 
         async def run():
@@ -270,5 +271,5 @@ def test_tokenbus_up_serves_and_leaves_no_process_behind(tiny_model, tmp_path):
             up.kill()
     time.sleep(0.5)
     alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
-             open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+             Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
     assert alive == []

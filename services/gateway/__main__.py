@@ -1,0 +1,3 @@
+from services.gateway.app import main
+
+main()

@@ -1,0 +1,85 @@
+"""The gateway's ASGI app: websocket chat at /ws and /healthz (the HTTP API joins this app later),
+served by uvicorn."""
+import argparse
+import asyncio
+import contextlib
+import signal
+
+import nats.errors
+import nats.js.errors
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route, WebSocketRoute
+from tokenizers import Tokenizer
+
+from schemas import subjects
+from schemas.log import configure
+from services.gateway.session import Connection, Gateway
+
+
+def create_app(nats_url: str, model_dir: str) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        log = configure("gateway")
+        tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+        nc = await subjects.connect(nats_url, "gateway", log)
+        try:
+            js = nc.jetstream()
+            await subjects.ensure_streams(js)
+            app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log)
+            log.info("gateway ready", nats=nats_url, model=model_dir)
+            yield
+        finally:
+            await subjects.close(nc)
+            log.info("gateway stopped")
+
+    return Starlette(routes=[Route("/healthz", healthz), WebSocketRoute("/ws", chat)], lifespan=lifespan)
+
+
+async def chat(ws) -> None:
+    await Connection(ws.app.state.gateway, ws).run()
+
+
+async def healthz(request) -> Response:
+    n = await workers(request.app.state.gateway)
+    body = orjson.dumps({"status": "ok" if n else "unavailable", "workers": n})
+    return Response(body, status_code=200 if n else 503, media_type="application/json")
+
+
+async def workers(gw: Gateway) -> int:
+    """Workers with a live heartbeat in the registry (entries expire after WORKER_TTL)."""
+    try:
+        return len(await gw.kv.keys())
+    except nats.js.errors.NoKeysError:
+        return 0
+    except (nats.errors.Error, asyncio.TimeoutError) as e:
+        gw.log.warning("registry read failed", error=str(e) or type(e).__name__)
+        return 0
+
+
+def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, ws="websockets-sansio", ws_max_size=subjects.MAX_FRAME_BYTES,
+                          lifespan="on", log_config=None, access_log=False)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description="The tokenbus gateway.")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--model", help="HF checkpoint directory, for its tokenizer.json (default: the cached tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.model is None:
+        from ops.model_builder import default_model_dir  # imports torch: only when no model is given
+
+        args.model = str(default_model_dir())
+    server = uvicorn.Server(server_config(create_app(args.nats_url, args.model), args.host, args.port))
+    for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead
+        signal.signal(sig, lambda *_: None)
+    server.run()

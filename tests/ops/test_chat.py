@@ -1,0 +1,134 @@
+"""The terminal chat client against a real gateway (uvicorn in the test's event loop) and a fake
+pipeline on a real nats-server that answers " you said <last message>" one token per chunk."""
+import asyncio
+import contextlib
+import re
+
+import nats
+import pytest
+import uvicorn
+from tokenizers import Tokenizer
+
+from ops.chat import chat, run
+from ops.procs import free_port
+from schemas import subjects
+from schemas.messages import ErrorChunk, FinalChunk, GenerateRequest, TokenChunk, decode, encode
+from services.gateway.app import create_app, server_config
+
+STATS = re.compile(r"\[ttft [\d.]+ ms · [\d.]+ tok/s · (\d+) tokens · finish length\]")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model) -> Tokenizer:
+    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+
+
+class Output:
+    """A terminal that remembers each write, to see the reply arrive in pieces."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> None:
+        self.writes.append(s)
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        return "".join(self.writes)
+
+
+def scripted(*lines: str):
+    """An input() that types these lines, then Ctrl-D."""
+    it = iter(lines)
+
+    def input_fn(prompt: str) -> str:
+        assert prompt == "you> "
+        with contextlib.suppress(StopIteration):
+            return next(it)
+        raise EOFError
+
+    return input_fn
+
+
+@contextlib.asynccontextmanager
+async def pipeline(nats_url: str, model: str, tok: Tokenizer):
+    """A gateway on a free port and a fake downstream; yields (ws url, the GenerateRequests it received)."""
+    port = free_port()
+    server = uvicorn.Server(server_config(create_app(nats_url, model), "127.0.0.1", port))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "the gateway did not start"
+        await asyncio.sleep(0.01)
+    nc = await nats.connect(nats_url)
+    requests: list[GenerateRequest] = []
+
+    async def answer(msg):
+        req = decode(msg.data, GenerateRequest)
+        requests.append(req)
+        said = req.messages[-1]["content"]
+        if said == "fail":
+            await nc.publish(subjects.out(req.id), encode(ErrorChunk(req.id, "invalid_request", "prompt too long")))
+            return
+        ids = tok.encode(f" you said {said}").ids
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            msg = (FinalChunk(req.id, i, i, [t], "length", usage={"prompt_tokens": 5, "completion_tokens": i + 1})
+                   if last else TokenChunk(req.id, i, i, [t], 5, [202] if i == 0 else []))
+            await nc.publish(subjects.out(req.id), encode(msg))
+
+    await nc.subscribe("tb.req.new.>", cb=answer)
+    await nc.flush()
+    try:
+        yield f"ws://127.0.0.1:{port}/ws", requests
+    finally:
+        server.should_exit = True
+        await serving
+        await nc.close()
+
+
+def drive(nats_url, tiny_model, tok, *lines, **kw) -> tuple[Output, list[GenerateRequest]]:
+    out = Output()
+
+    async def body():
+        async with pipeline(nats_url, tiny_model, tok) as (url, requests):
+            await asyncio.wait_for(chat(url, input_fn=scripted(*lines), output=out, **kw), 20)
+            return requests
+
+    return out, asyncio.run(body())
+
+
+def test_replies_stream_in_pieces_with_a_stats_line_and_each_turn_sends_the_whole_history(nats_url, tiny_model,
+                                                                                           tok):
+    out, requests = drive(nats_url, tiny_model, tok, "hello", "and again", "/quit", "never read",
+                          system="Be brief.", max_tokens=32, temperature=0.5)
+    assert " you said hello\n" in out.text and " you said and again\n" in out.text
+    pieces = [tok.decode([t]) for t in tok.encode(" you said hello").ids]
+    assert out.writes[out.writes.index(pieces[0]):][:len(pieces)] == pieces   # one write per delta
+    assert [int(n) for n in STATS.findall(out.text)] == [len(tok.encode(" you said hello").ids),
+                                                         len(tok.encode(" you said and again").ids)]
+    assert len(requests) == 2
+    assert requests[1].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
+                                    {"role": "assistant", "content": " you said hello"},
+                                    {"role": "user", "content": "and again"}]
+    assert (requests[1].sampling.max_tokens, requests[1].sampling.temperature) == (32, 0.5)
+
+
+def test_reset_clears_the_history_and_eof_ends_the_chat(nats_url, tiny_model, tok):
+    out, requests = drive(nats_url, tiny_model, tok, "one", "/reset", "", "two")
+    assert "[history cleared]" in out.text
+    assert [r.messages for r in requests] == [[{"role": "user", "content": "one"}],
+                                              [{"role": "user", "content": "two"}]]
+
+
+def test_an_error_frame_is_printed_and_the_failed_turn_leaves_no_trace_in_the_history(nats_url, tiny_model, tok):
+    out, requests = drive(nats_url, tiny_model, tok, "fail", "ok")
+    assert "[error invalid_request: prompt too long]" in out.text and " you said ok" in out.text
+    assert requests[1].messages == [{"role": "user", "content": "ok"}]
+
+
+def test_run_reports_an_unreachable_gateway_with_exit_status_1(capsys):
+    assert run(f"ws://127.0.0.1:{free_port()}/ws", input_fn=scripted()) == 1
+    assert "chat: ws://127.0.0.1:" in capsys.readouterr().err
