@@ -155,6 +155,9 @@ Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChu
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 
+SCALARS = frozenset({str, int, float, bool, type(None), list, dict})
+
+
 def encode(msg) -> bytes:
     return msgpack.packb({"t": msg.TYPE, "v": VERSION, **to_dict(msg)})
 
@@ -181,23 +184,24 @@ def decode(data: bytes, *expected: type):
 
 
 def to_dict(obj) -> dict:
-    return {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return {name: to_wire(getattr(obj, name)) for name, _, _ in schema(type(obj))}
 
 
 def to_wire(value):
+    if type(value) in SCALARS:
+        return value
     if dataclasses.is_dataclass(value):
         return to_dict(value)
     return list(value) if isinstance(value, tuple) else value
 
 
 def build(cls, obj: dict, path: str):
-    hints = type_hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in obj:
-            kwargs[f.name] = convert(obj[f.name], hints[f.name], path + f.name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise WireError(f"{path + f.name}: missing")
+    for name, hint, required in schema(cls):
+        if name in obj:
+            kwargs[name] = convert(obj[name], hint, path + name)
+        elif required:
+            raise WireError(f"{path + name}: missing")
     try:
         return cls(**kwargs)
     except ValueError as e:                       # a dataclass's own checks (SamplingParams)
@@ -206,7 +210,11 @@ def build(cls, obj: dict, path: str):
 
 def convert(value, hint, path: str):
     """value checked against the type hint (and nested dataclasses built); WireError names the path."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if type(value) is hint:                       # the common case first: an exact scalar
+        return value
+    origin, args = shape(hint)
+    if origin is list and type(value) is list and all(type(v) is args[0] for v in value):
+        return value
     if origin in (typing.Union, types.UnionType):
         for arg in args:
             try:
@@ -238,8 +246,16 @@ def convert(value, hint, path: str):
 
 
 @functools.cache
-def type_hints(cls) -> dict:
-    return typing.get_type_hints(cls)
+def schema(cls) -> list[tuple[str, object, bool]]:
+    """(name, type hint, required) of each field of a message class."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)]
+
+
+@functools.cache
+def shape(hint) -> tuple:
+    return typing.get_origin(hint), typing.get_args(hint)
 
 
 def type_name(hint) -> str:

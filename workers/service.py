@@ -1,17 +1,16 @@
-"""The worker process: the engine's step loop in its own thread, NATS on the asyncio loop.
+"""The worker process: one asyncio loop that alternates engine steps with NATS work.
 
-asyncio side: fetches work items from tb.work.<worker>, takes cancels (tb.cancel.*), publishes
-chunks, final chunks and completion records, acks, sends in-progress acks and heartbeats.
-Engine thread: drains the inbox between steps, steps, hands the step's output to the loop. The
-step never waits on the network; the loop never waits on a step."""
+Each turn of the step loop runs one engine step, publishes every request's new tokens (core NATS
+writes are buffered: publishing never waits on the network), then yields once so that fetched
+work items, cancels, acks and heartbeats are handled between steps. One thread, on purpose: a
+second Python thread for I/O fights the step for the GIL at every torch call (measured: 30% of
+throughput on CPU; docs/decisions.md)."""
 import argparse
 import asyncio
-import collections
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import nats
 import nats.errors
@@ -41,7 +40,7 @@ FETCH_BATCH = 64
 
 @dataclass(slots=True)
 class Running:
-    """What the asyncio side knows of a request in the engine."""
+    """What the service knows of a request in the engine."""
     item: WorkItem
     msg: object                     # the JetStream message, acked when the request ends
     received: float                 # time.time() it arrived
@@ -50,72 +49,9 @@ class Running:
     seq: int = 0                    # chunks published
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.item.request.prompt_token_ids)
-
-
-@dataclass(slots=True)
-class Output:
-    """One request's news from one engine step, made on the engine thread."""
-    request_id: str
-    token_ids: list[int]            # the whole output so far (the loop slices what is new)
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class EngineThread:
-    """Runs the step loop; `submit` and `cancel` are safe from any thread."""
-    engine: LLMEngine
-    deliver: object                                  # takes list[Output] (None: the engine failed); thread-safe
-    inbox: collections.deque = field(default_factory=collections.deque)
-    wake: threading.Event = field(default_factory=threading.Event)
-    stopped: bool = False
-    error: BaseException | None = None
-
-    def submit(self, item: WorkItem) -> None:
-        self.inbox.append(("add", item))
-        self.wake.set()
-
-    def cancel(self, request_id: str) -> None:
-        self.inbox.append(("cancel", request_id))
-        self.wake.set()
-
-    def run(self) -> None:
-        try:
-            while not self.stopped:
-                outputs = self.drain()
-                if self.engine.has_unfinished():
-                    outputs += [self.output(r) for r in self.engine.step()]
-                elif not outputs:
-                    self.wake.wait(0.05)
-                    self.wake.clear()
-                if outputs:
-                    self.deliver(outputs)
-        except BaseException as e:          # a bug in the engine: the service reports it and stops
-            self.error = e
-            self.deliver(None)
-
-    def drain(self) -> list[Output]:
-        outputs = []
-        while self.inbox:
-            kind, arg = self.inbox.popleft()
-            if kind == "add":
-                r = arg.request
-                try:
-                    self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt)
-                except ValueError as e:
-                    outputs.append(Output(r.id, [], True, "error", str(e)))
-            elif (req := self.engine.abort(arg)) is not None:
-                outputs.append(Output(req.request_id, req.output_token_ids, True, "abort"))
-        return outputs
-
-    @staticmethod
-    def output(req: Request) -> Output:
-        return Output(req.request_id, req.output_token_ids, req.finished, req.finish_reason, req.stop_reason,
-                      max(req.num_cached_tokens, 0))
+    def tail(self) -> list[int]:
+        """The detokenizer's context, sent with the first chunk only."""
+        return self.item.request.prompt_token_ids[-PROMPT_CONTEXT:] if self.seq == 0 else []
 
 
 class WorkerService:
@@ -126,9 +62,8 @@ class WorkerService:
         self.cancelled: dict[str, float] = {}        # cancels that came before their request
         self.finished = 0
         self.tasks: set[asyncio.Task] = set()
+        self.wake = asyncio.Event()                  # set when work arrives for an idle engine
         self.stop = asyncio.Event()
-        self.thread: EngineThread | None = None
-        self.outbox: asyncio.Queue[list[Output] | None] = asyncio.Queue()
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -136,20 +71,13 @@ class WorkerService:
         await self.js.add_consumer(subjects.WORK_STREAM, subjects.worker_consumer(self.id))
         self.pull = await self.js.pull_subscribe_bind(f"worker-{self.id}", stream=subjects.WORK_STREAM)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
-        loop = asyncio.get_running_loop()
-        self.thread = EngineThread(self.engine, lambda out: loop.call_soon_threadsafe(self.outbox.put_nowait, out))
-        stepper = threading.Thread(target=self.thread.run, name="engine", daemon=True)
-        stepper.start()
         await self.heartbeat()
         self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks)
-        loops = [asyncio.create_task(f()) for f in (self.fetch_loop, self.publish_loop, self.heartbeat_loop,
+        loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
                                                      self.progress_loop)]
         await self.stop.wait()
         for t in loops:
             t.cancel()
-        self.thread.stopped = True
-        self.thread.wake.set()
-        stepper.join(timeout=5)
         await self.leave()
 
     async def leave(self) -> None:
@@ -159,11 +87,81 @@ class WorkerService:
         except Exception as e:                   # the server may be gone already
             self.log.warning("leaving uncleanly", error=str(e))
 
-    # -- intake ---------------------------------------------------------------------------------
+    # -- the step loop --------------------------------------------------------------------------
+
+    async def step_loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self.wake.clear()
+                await self.wake.wait()
+            try:
+                updated = self.engine.step()
+            except Exception as e:               # a bug in the engine: report it to every request and stop
+                self.fail(e)
+                return
+            now = time.time()
+            for req in updated:
+                await self.emit(req, now)
+            await asyncio.sleep(0)               # fetches, cancels, acks, heartbeats
+
+    async def emit(self, req: Request, now: float) -> None:
+        run = self.running.get(req.request_id)
+        if run is None:
+            return
+        out = req.output_token_ids
+        new = out[run.sent:]
+        if new and not run.first_token:
+            run.first_token = now
+        if req.finished:
+            await self.end(run, req, new, now)
+        elif new:
+            chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail)
+            run.seq, run.sent = run.seq + 1, len(out)
+            await self.nc.publish(subjects.out(req.request_id), encode(chunk))
+
+    async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
+        rid, r = req.request_id, run.item.request
+        del self.running[rid]
+        usage = {"prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
+                 "cached_tokens": max(req.num_cached_tokens, 0)}
+        timing = {"queue_ms": max(0.0, run.received - r.created) * 1e3 if r.created else None,
+                  "ttft_ms": (run.first_token - run.received) * 1e3 if run.first_token else None,
+                  "e2e_ms": (now - run.received) * 1e3}
+        timing = {k: round(v, 3) for k, v in timing.items() if v is not None}
+        final = FinalChunk(rid, run.seq, run.sent, new, req.finish_reason, req.stop_reason, usage, timing, self.id,
+                           run.tail)
+        await self.nc.publish(subjects.out(rid), encode(final))
+        record = Completion(rid, r.tenant, self.id, r.sampling, r.prompt_token_ids, req.output_token_ids,
+                            req.finish_reason, req.stop_reason, usage, timing, r.created)
+        self.spawn(self.record(rid, r.tenant, record, run.msg))
+        self.finished += 1
+        self.log.info("request finished", request_id=rid, tenant=r.tenant, finish_reason=req.finish_reason,
+                      **usage, **timing)
+
+    async def record(self, rid: str, tenant: str, record: Completion, msg) -> None:
+        """Stores the completion record, then acks the work item (not acked: JetStream redelivers)."""
+        try:
+            await self.js.publish(subjects.done(tenant), encode(record), headers=subjects.msg_id(rid))
+            await msg.ack()
+        except nats.errors.Error as e:
+            self.log.error("completion not stored", request_id=rid, error=str(e))
+
+    def fail(self, error: Exception) -> None:
+        self.log.error("engine failed; stopping", error=repr(error))
+        for rid in list(self.running):
+            self.spawn(self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, "worker_failed", repr(error)))))
+        self.stop.set()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- intake (runs between steps) ------------------------------------------------------------
 
     async def fetch_loop(self) -> None:
-        limit = 4 * self.engine.config.max_num_seqs   # beyond this, work waits in the stream (any worker could
-        while True:                                   # not take it sooner: it is routed here)
+        limit = 4 * self.engine.config.max_num_seqs   # beyond this, work waits in the stream
+        while True:
             room = limit - len(self.running)
             if room <= 0:
                 await asyncio.sleep(0.01)
@@ -186,14 +184,21 @@ class WorkerService:
             self.log.error("bad work item dropped", error=str(e), subject=msg.subject)
             await msg.term()
             return
-        rid = item.request.id
-        if rid in self.running:                  # redelivered while it runs: keep the newest handle
-            self.running[rid].msg = msg
+        r = item.request
+        if r.id in self.running:                 # redelivered while it runs: keep the newest handle
+            self.running[r.id].msg = msg
             return
-        self.running[rid] = Running(item, msg, time.time())
-        if self.cancelled.pop(rid, None) is not None:
-            self.thread.cancel(rid)
-        self.thread.submit(item)
+        try:
+            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt)
+        except ValueError as e:
+            self.log.info("request rejected", request_id=r.id, error=str(e))
+            await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
+            await msg.term()
+            return
+        self.running[r.id] = Running(item, msg, time.time())
+        if self.cancelled.pop(r.id, None) is not None:
+            await self.abort(r.id)
+        self.wake.set()
 
     async def on_cancel(self, msg) -> None:
         try:
@@ -202,84 +207,18 @@ class WorkerService:
             self.log.error("bad cancel dropped", error=str(e), subject=msg.subject)
             return
         if cancel.id in self.running:
-            self.thread.cancel(cancel.id)
-        else:
-            now = time.time()
-            self.cancelled[cancel.id] = now
-            if len(self.cancelled) > 10_000:
-                self.cancelled = {k: t for k, t in self.cancelled.items() if now - t < CANCEL_MEMORY}
-
-    # -- output ---------------------------------------------------------------------------------
-
-    async def publish_loop(self) -> None:
-        """Publishes each step's news in step order: every request's new tokens (core NATS writes are
-        buffered, so this rarely waits), final chunks, then completion records and acks in tasks."""
-        while True:
-            outputs = await self.outbox.get()
-            if outputs is None:
-                self.fail(self.thread.error)
-                return
-            now = time.time()
-            for out in outputs:
-                run = self.running.get(out.request_id)
-                if run is None:
-                    continue
-                new = out.token_ids[run.sent:]
-                if new and not run.first_token:
-                    run.first_token = now
-                if out.finished:
-                    await self.end(run, out, new, now)
-                elif new:
-                    chunk = TokenChunk(out.request_id, run.seq, run.sent, new, run.num_prompt_tokens, self.tail(run))
-                    run.seq, run.sent = run.seq + 1, len(out.token_ids)
-                    await self.nc.publish(subjects.out(out.request_id), encode(chunk))
-
-    async def end(self, run: Running, out: Output, new: list[int], now: float) -> None:
-        rid, r = out.request_id, run.item.request
-        del self.running[rid]
-        if out.finish_reason == "error":
-            await self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, "rejected", str(out.stop_reason))))
-            self.spawn(run.msg.term())
-            self.log.info("request rejected", request_id=rid, error=str(out.stop_reason))
+            await self.abort(cancel.id)
             return
-        usage = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                 "cached_tokens": out.num_cached_tokens}
-        timing = {"queue_ms": max(0.0, run.received - r.created) * 1e3 if r.created else None,
-                  "ttft_ms": (run.first_token - run.received) * 1e3 if run.first_token else None,
-                  "e2e_ms": (now - run.received) * 1e3}
-        timing = {k: round(v, 3) for k, v in timing.items() if v is not None}
-        final = FinalChunk(rid, run.seq, run.sent, new, out.finish_reason, out.stop_reason, usage, timing, self.id,
-                           self.tail(run))
-        await self.nc.publish(subjects.out(rid), encode(final))
-        record = Completion(rid, r.tenant, self.id, r.sampling, r.prompt_token_ids, out.token_ids,
-                            out.finish_reason, out.stop_reason, usage, timing, r.created)
-        self.spawn(self.record(rid, r.tenant, record, run.msg))
-        self.finished += 1
-        self.log.info("request finished", request_id=rid, tenant=r.tenant, finish_reason=out.finish_reason,
-                      **usage, **timing)
+        now = time.time()
+        self.cancelled[cancel.id] = now
+        if len(self.cancelled) > 10_000:
+            self.cancelled = {k: t for k, t in self.cancelled.items() if now - t < CANCEL_MEMORY}
 
-    @staticmethod
-    def tail(run: Running) -> list[int]:
-        return run.item.request.prompt_token_ids[-PROMPT_CONTEXT:] if run.seq == 0 else []
-
-    async def record(self, rid: str, tenant: str, record: Completion, msg) -> None:
-        """Stores the completion record, then acks the work item (not acked: JetStream redelivers)."""
-        try:
-            await self.js.publish(subjects.done(tenant), encode(record), headers=subjects.msg_id(rid))
-            await msg.ack()
-        except nats.errors.Error as e:
-            self.log.error("completion not stored", request_id=rid, error=str(e))
-
-    def fail(self, error: BaseException) -> None:
-        self.log.error("engine failed; stopping", error=repr(error))
-        for rid in list(self.running):
-            self.spawn(self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, "worker_failed", repr(error)))))
-        self.stop.set()
-
-    def spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    async def abort(self, rid: str) -> None:
+        """Ends the request now and frees its KV; it ends like any other (final chunk, record, ack)."""
+        req = self.engine.abort(rid)
+        if req is not None:
+            await self.emit(req, time.time())
 
     # -- liveness -------------------------------------------------------------------------------
 
