@@ -98,8 +98,9 @@ async def pipeline_ready(nats_url: str, num_workers: int) -> bool:
     nc = await subjects.connect(nats_url, "tokenbus-up")
     try:
         js = nc.jetstream()
-        for durable, stream, _ in (subjects.TOKENIZER, subjects.ROUTER):
-            info = await js.consumer_info(stream, durable)
+        stages = ((subjects.REQUESTS_STREAM, subjects.TOKENIZER), (subjects.ROUTE_STREAM, subjects.ROUTER))
+        for stream, config in stages:
+            info = await js.consumer_info(stream, config.durable_name)
             if not info.num_waiting:
                 return False
         return len(await heartbeats(js)) >= num_workers

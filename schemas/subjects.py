@@ -10,6 +10,7 @@ import signal
 import nats
 import nats.errors
 import nats.js.errors
+import orjson
 from nats.js import api
 
 # -- subjects ------------------------------------------------------------------------------------
@@ -102,8 +103,8 @@ def consumer(durable: str, filter_subject: str, ack_wait: float = ACK_WAIT) -> a
                               max_ack_pending=10_000)
 
 
-TOKENIZER = ("tokenizer", REQUESTS_STREAM, "tb.req.new.>")
-ROUTER = ("router", ROUTE_STREAM, ROUTE_SUBJECTS)
+TOKENIZER = consumer("tokenizer", "tb.req.new.>")     # on REQUESTS_STREAM
+ROUTER = consumer("router", ROUTE_SUBJECTS)            # on ROUTE_STREAM
 
 
 def worker_consumer(worker: str) -> api.ConsumerConfig:
@@ -152,23 +153,46 @@ async def registry(js):
                                                             storage=api.StorageType.MEMORY))
 
 
-async def consume(js, config: tuple[str, str, str], handle, log, batch: int = 32) -> None:
-    """Fetches from a durable pull consumer (durable, stream, filter) forever; handle(msg) acks.
-    Any number of replicas may run this on the same durable: each message goes to one of them."""
-    durable, stream, filter_subject = config
-    await js.add_consumer(stream, consumer(durable, filter_subject))
-    pull = await js.pull_subscribe_bind(durable, stream=stream)
-    while True:
-        try:
-            msgs = await pull.fetch(batch=batch, timeout=1.0)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            continue
-        except nats.errors.Error as e:
-            log.warning("fetch failed", error=str(e))
-            await asyncio.sleep(0.1)
-            continue
-        for msg in msgs:
-            await handle(msg)
+PULL_EXPIRES = 5.0                       # seconds a pull request waits on the server
+
+
+async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batch: int = 64, room=None) -> None:
+    """Streams a durable pull consumer of `stream` into handle(msg), forever; handle acks.
+    Any number of replicas may run this on the same durable: each message goes to one of them.
+
+    Pull requests for up to `batch` messages stay outstanding on a private inbox and are topped up
+    as messages arrive, so a message is handed over the moment it is stored: no round trip per
+    fetch and no waiting for a batch to fill (nats-py's fetch(n) waits for n or its timeout).
+    room(): how many more messages the caller can take now (default: unbounded)."""
+    await nc.jetstream().add_consumer(stream, config)
+    inbox, queue = nc.new_inbox(), asyncio.Queue()
+    sub = await nc.subscribe(inbox, cb=queue.put)
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
+    outstanding = 0
+    try:
+        while True:
+            want = min(batch, room() if room else batch) - outstanding
+            if want > 0 and outstanding <= batch // 2:
+                request = {"batch": want, "expires": int(PULL_EXPIRES * 1e9)}
+                await nc.publish(next_subject, orjson.dumps(request), reply=inbox)
+                outstanding += want
+            try:
+                msg = await asyncio.wait_for(queue.get(), PULL_EXPIRES if outstanding else 0.01)
+            except TimeoutError:                 # expired, or lost in a reconnect: ask again
+                outstanding = 0
+                continue
+            status = msg.headers and msg.headers.get("Status")
+            if status:                           # 408 expired / 409 conflict: these will not come
+                left = msg.headers.get("Nats-Pending-Messages")
+                outstanding = max(0, outstanding - int(left)) if left else 0
+                continue
+            outstanding -= 1
+            try:
+                await handle(msg)
+            except Exception:                    # a bug in one message's handling must not stop the stage
+                log.exception("message handling failed", subject=msg.subject)
+    finally:
+        await sub.unsubscribe()
 
 
 async def run_until_signal(main) -> None:

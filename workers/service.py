@@ -68,8 +68,6 @@ class WorkerService:
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
-        await self.js.add_consumer(subjects.WORK_STREAM, subjects.worker_consumer(self.id))
-        self.pull = await self.js.pull_subscribe_bind(f"worker-{self.id}", stream=subjects.WORK_STREAM)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         await self.heartbeat()
         self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks)
@@ -161,21 +159,8 @@ class WorkerService:
 
     async def fetch_loop(self) -> None:
         limit = 4 * self.engine.config.max_num_seqs   # beyond this, work waits in the stream
-        while True:
-            room = limit - len(self.running)
-            if room <= 0:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                msgs = await self.pull.fetch(batch=min(room, FETCH_BATCH), timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            except nats.errors.Error as e:
-                self.log.warning("fetch failed", error=str(e))
-                await asyncio.sleep(0.1)
-                continue
-            for msg in msgs:
-                await self.take(msg)
+        await subjects.consume(self.nc, subjects.WORK_STREAM, subjects.worker_consumer(self.id), self.take, self.log,
+                               FETCH_BATCH, room=lambda: limit - len(self.running))
 
     async def take(self, msg) -> None:
         try:

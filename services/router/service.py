@@ -67,7 +67,7 @@ class RouterService:
         watching = asyncio.create_task(self.watch(watcher))
         self.log.info("router ready")
         try:
-            await subjects.consume(self.js, subjects.ROUTER, self.handle, self.log)
+            await subjects.consume(self.nc, subjects.ROUTE_STREAM, subjects.ROUTER, self.handle, self.log)
         finally:
             watching.cancel()
 

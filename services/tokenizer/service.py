@@ -65,7 +65,7 @@ class TokenizerService:
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len)
-        await subjects.consume(self.js, subjects.TOKENIZER, self.handle, self.log)
+        await subjects.consume(self.nc, subjects.REQUESTS_STREAM, subjects.TOKENIZER, self.handle, self.log)
 
     async def handle(self, msg) -> None:
         try:
