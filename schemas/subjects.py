@@ -177,20 +177,23 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                 await nc.publish(next_subject, orjson.dumps(request), reply=inbox)
                 outstanding += want
             try:
-                msg = await asyncio.wait_for(queue.get(), PULL_EXPIRES if outstanding else 0.01)
+                msgs = [await asyncio.wait_for(queue.get(), PULL_EXPIRES if outstanding else 0.01)]
             except TimeoutError:                 # expired, or lost in a reconnect: ask again
                 outstanding = 0
                 continue
-            status = msg.headers and msg.headers.get("Status")
-            if status:                           # 408 expired / 409 conflict: these will not come
-                left = msg.headers.get("Nats-Pending-Messages")
-                outstanding = max(0, outstanding - int(left)) if left else 0
-                continue
-            outstanding -= 1
-            try:
-                await handle(msg)
-            except Exception:                    # a bug in one message's handling must not stop the stage
-                log.exception("message handling failed", subject=msg.subject)
+            while not queue.empty():             # the whole burst in one turn of the event loop
+                msgs.append(queue.get_nowait())
+            for msg in msgs:
+                status = msg.headers and msg.headers.get("Status")
+                if status:                       # 408 expired / 409 conflict: these will not come
+                    left = msg.headers.get("Nats-Pending-Messages")
+                    outstanding = max(0, outstanding - int(left)) if left else 0
+                    continue
+                outstanding -= 1
+                try:
+                    await handle(msg)
+                except Exception:                # a bug in one message's handling must not stop the stage
+                    log.exception("message handling failed", subject=msg.subject)
     finally:
         await sub.unsubscribe()
 

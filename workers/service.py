@@ -36,6 +36,7 @@ from workers.engine.request import Request
 
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
+INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
 
 
 @dataclass(slots=True)
@@ -100,7 +101,8 @@ class WorkerService:
             now = time.time()
             for req in updated:
                 await self.emit(req, now)
-            await asyncio.sleep(0)               # fetches, cancels, acks, heartbeats
+            for _ in range(INTAKE_TURNS):        # fetches, cancels, acks, heartbeats
+                await asyncio.sleep(0)
 
     async def emit(self, req: Request, now: float) -> None:
         run = self.running.get(req.request_id)
