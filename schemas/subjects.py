@@ -11,6 +11,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import orjson
+import uvloop
 from nats.js import api
 
 # -- subjects ------------------------------------------------------------------------------------
@@ -177,7 +178,8 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                 await nc.publish(next_subject, orjson.dumps(request), reply=inbox)
                 outstanding += want
             try:
-                msgs = [await asyncio.wait_for(queue.get(), PULL_EXPIRES if outstanding else 0.01)]
+                async with asyncio.timeout(PULL_EXPIRES if outstanding else 0.01):
+                    msgs = [await queue.get()]
             except TimeoutError:                 # expired, or lost in a reconnect: ask again
                 outstanding = 0
                 continue
@@ -196,6 +198,12 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                     log.exception("message handling failed", subject=msg.subject)
     finally:
         await sub.unsubscribe()
+
+
+def run(main) -> None:
+    """Runs a service's main coroutine on uvloop (libuv): a message's trip through a stage costs a
+    few event-loop turns, and uvloop's are several times cheaper than asyncio's."""
+    uvloop.run(main)
 
 
 async def run_until_signal(main) -> None:

@@ -281,7 +281,7 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def main(argv=None) -> None:
-    asyncio.run(serve(parser().parse_args(argv)))
+    subjects.run(serve(parser().parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ async def workers(gw: Gateway) -> int:
 
 
 def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
+    # No permessage-deflate: token deltas are a few dozen bytes, and compressing each costs both ends CPU
     return uvicorn.Config(app, host=host, port=port, ws="websockets-sansio", ws_max_size=subjects.MAX_FRAME_BYTES,
-                          lifespan="on", log_config=None, access_log=False)
+                          ws_per_message_deflate=False, lifespan="on", log_config=None, access_log=False)
 
 
 def parser() -> argparse.ArgumentParser:

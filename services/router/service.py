@@ -142,4 +142,4 @@ async def serve(args) -> None:
 
 
 def main(argv=None) -> None:
-    asyncio.run(serve(parser().parse_args(argv)))
+    subjects.run(serve(parser().parse_args(argv)))

@@ -2,7 +2,6 @@
 chat template (for `messages`) and encodes, publishes the tokenized request to TB_ROUTE, then acks.
 A request it cannot encode goes straight back to its tb.out subject as an error."""
 import argparse
-import asyncio
 import json
 from pathlib import Path
 
@@ -121,4 +120,4 @@ async def serve(args) -> None:
 
 
 def main(argv=None) -> None:
-    asyncio.run(serve(parser().parse_args(argv)))
+    subjects.run(serve(parser().parse_args(argv)))
