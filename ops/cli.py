@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--ttft-output-len", type=int, default=4)
     bp.add_argument("--max-num-seqs", type=int, default=64)
     bp.add_argument("--seed", type=int, default=0)
-    bp.add_argument("--repeat", type=int, default=3, help="rounds per side; the best counts")
+    bp.add_argument("--repeat", type=int, default=5, help="rounds per side; the best counts")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=cmd_bench_pipeline)
 

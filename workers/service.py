@@ -48,6 +48,7 @@ class Running:
     first_token: float = 0.0
     sent: int = 0                   # output tokens published
     seq: int = 0                    # chunks published
+    subject: str = ""               # tb.out.<request id>
 
     @property
     def tail(self) -> list[int]:
@@ -117,7 +118,7 @@ class WorkerService:
         elif new:
             chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail)
             run.seq, run.sent = run.seq + 1, len(out)
-            await self.nc.publish(subjects.out(req.request_id), encode(chunk))
+            await self.nc.publish(run.subject, encode(chunk))
 
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         rid, r = req.request_id, run.item.request
@@ -130,7 +131,7 @@ class WorkerService:
         timing = {k: round(v, 3) for k, v in timing.items() if v is not None}
         final = FinalChunk(rid, run.seq, run.sent, new, req.finish_reason, req.stop_reason, usage, timing, self.id,
                            run.tail)
-        await self.nc.publish(subjects.out(rid), encode(final))
+        await self.nc.publish(run.subject, encode(final))
         record = Completion(rid, r.tenant, self.id, r.sampling, r.prompt_token_ids, req.output_token_ids,
                             req.finish_reason, req.stop_reason, usage, timing, r.created)
         self.spawn(self.record(rid, r.tenant, record, run.msg))
@@ -182,7 +183,7 @@ class WorkerService:
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
             await msg.term()
             return
-        self.running[r.id] = Running(item, msg, time.time())
+        self.running[r.id] = Running(item, msg, time.time(), subject=subjects.out(r.id))
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
