@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 TOKENBUS = [sys.executable, "-m", "ops.cli"]
 
 
@@ -35,3 +37,14 @@ def test_a_bad_argument_is_a_clear_error_not_a_traceback(tiny_model):
     p = subprocess.run([*TOKENBUS, "generate", "--model", tiny_model, "--max-tokens", "0", "x"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "max_tokens must be at least 1" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_bench_pipeline_runs_both_sides_and_reports_ratio_and_added_ttft(tiny_model):
+    out = run("bench-pipeline", "--model", tiny_model, "--num-requests", "6", "--input-len", "8", "16",
+              "--output-len", "4", "8", "--ttft-requests", "3", "--repeat", "1", "--json")
+    r = json.loads(out)
+    assert r["engine_output_tokens_per_s"] > 0 and r["pipeline_output_tokens_per_s"] > 0
+    assert r["throughput_ratio"] == pytest.approx(r["pipeline_output_tokens_per_s"] / r["engine_output_tokens_per_s"],
+                                                  abs=0.01)
+    assert len(r["rounds"]["ttft_added"]) == 1 and r["pipeline_ttft_ms_median"] > 0
