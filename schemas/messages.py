@@ -56,6 +56,11 @@ class WorkItem:
     request: TokenizedRequest
     worker: str
     routed: float = 0.0
+    attempt: int = 0                              # re-routes after a worker left; part of the Nats-Msg-Id
+
+    @property
+    def msg_id(self) -> str:
+        return self.request.id if self.attempt == 0 else f"{self.request.id}.{self.attempt}"
 
 
 @dataclass(slots=True)

@@ -206,14 +206,17 @@ def run(main) -> None:
     uvloop.run(main)
 
 
-async def run_until_signal(main) -> None:
-    """Runs the coroutine main() until it returns or SIGTERM / SIGINT arrives."""
+async def run_until_signal(main, nc) -> None:
+    """Runs the coroutine main() until it returns or SIGTERM / SIGINT arrives, then closes nc."""
     task = asyncio.ensure_future(main())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await close(nc)
 
 
 async def close(nc) -> None:

@@ -5,9 +5,11 @@ expired its entry yet. Policy: least loaded, round-robin among equals (prefix-aw
 its own issue)."""
 import argparse
 import asyncio
+import contextlib
 import time
 
 import nats.errors
+import nats.js.errors
 from nats.js.kv import KV_DEL, KV_PURGE
 
 from schemas import subjects
@@ -59,17 +61,19 @@ class RouterService:
         self.nc, self.js = nc, nc.jetstream()
         self.registry = Registry()
         self.log = LOG
+        self.tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         bucket = await subjects.registry(self.js)
         watcher = await bucket.watchall()
-        watching = asyncio.create_task(self.watch(watcher))
+        loops = [asyncio.create_task(self.watch(watcher)), asyncio.create_task(self.lapse_loop())]
         self.log.info("router ready")
         try:
             await subjects.consume(self.nc, subjects.ROUTE_STREAM, subjects.ROUTER, self.handle, self.log)
         finally:
-            watching.cancel()
+            for t in loops:
+                t.cancel()
 
     async def watch(self, watcher) -> None:
         async for entry in watcher:
@@ -87,10 +91,60 @@ class RouterService:
                 self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
             self.registry.update(hb)
 
+    async def lapse_loop(self) -> None:
+        while True:
+            await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
+            self.drop_lapsed(time.time())
+
+    def drop_lapsed(self, now: float) -> None:
+        for hb in list(self.registry.workers.values()):
+            if now - hb.ts >= subjects.WORKER_TTL:
+                self.leave(hb.worker, "heartbeat lapsed")
+
     def leave(self, worker: str, why: str) -> None:
         if worker in self.registry.workers:
             self.registry.remove(worker)
             self.log.warning("worker left", worker=worker, why=why)
+            task = asyncio.create_task(self.reroute(worker))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def reroute(self, worker: str) -> None:
+        """Moves what a departed worker still held (queued for it, or taken and never acked) to live
+        workers. Its consumer is deleted first, so it gets nothing more; a request starts over on
+        its new worker, which yields the same tokens (sampling is a function of seed and position)
+        and the gateway drops the ones its client already has."""
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_consumer(subjects.WORK_STREAM, f"worker-{worker}")
+        sub = await self.js.pull_subscribe(subjects.work(worker), stream=subjects.WORK_STREAM)
+        moved = 0
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(batch=64, timeout=0.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    break
+                for msg in msgs:
+                    moved += await self.move(msg)
+        finally:
+            await sub.unsubscribe()
+        if moved:
+            self.log.warning("work re-routed", worker=worker, requests=moved)
+
+    async def move(self, msg) -> int:
+        try:
+            item = decode(msg.data, WorkItem)
+        except WireError as e:
+            self.log.error("bad work item dropped", error=str(e), subject=msg.subject)
+            await msg.term()
+            return 0
+        worker = await self.pick(msg)
+        await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1))
+        await msg.ack()
+        return 1
+
+    async def send(self, item: WorkItem) -> None:
+        await self.js.publish(subjects.work(item.worker), encode(item), headers={"Nats-Msg-Id": item.msg_id})
 
     async def handle(self, msg) -> None:
         try:
@@ -100,9 +154,8 @@ class RouterService:
             await msg.term()
             return
         worker = await self.pick(msg)
-        item = WorkItem(req, worker, time.time())
         try:
-            await self.js.publish(subjects.work(worker), encode(item), headers=subjects.msg_id(req.id))
+            await self.send(WorkItem(req, worker, time.time()))
         except nats.errors.Error as e:              # not acked: JetStream redelivers it
             self.log.error("work publish failed", request_id=req.id, worker=worker, error=str(e))
             return
@@ -114,9 +167,7 @@ class RouterService:
         waited = 0.0
         while True:
             now = time.time()
-            for hb in list(self.registry.workers.values()):
-                if now - hb.ts >= subjects.WORKER_TTL:
-                    self.leave(hb.worker, "heartbeat lapsed")
+            self.drop_lapsed(now)
             worker = self.registry.pick(now)
             if worker is not None:
                 return worker
@@ -135,10 +186,7 @@ def parser() -> argparse.ArgumentParser:
 
 async def serve(args) -> None:
     service = RouterService(await subjects.connect(args.nats_url, "router", LOG))
-    try:
-        await subjects.run_until_signal(service.run)
-    finally:
-        await subjects.close(service.nc)
+    await subjects.run_until_signal(service.run, service.nc)
 
 
 def main(argv=None) -> None:

@@ -3,6 +3,7 @@ chat template (for `messages`) and encodes, publishes the tokenized request to T
 A request it cannot encode goes straight back to its tb.out subject as an error."""
 import argparse
 import json
+import random
 from pathlib import Path
 
 import msgpack
@@ -77,6 +78,8 @@ class TokenizerService:
         except ValueError as e:
             await self.refuse(msg, req.id, "invalid_request", str(e))
             return
+        if req.sampling.seed is None:            # every request gets a seed here: a re-routed or replayed
+            req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
         out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created)
         try:
             await self.js.publish(subjects.route(req.tenant), encode(out), headers=subjects.msg_id(req.id))
@@ -113,10 +116,7 @@ def parser() -> argparse.ArgumentParser:
 async def serve(args) -> None:
     service = TokenizerService(await subjects.connect(args.nats_url, "tokenizer", LOG),
                                Tokenizer(args.model, args.max_model_len))
-    try:
-        await subjects.run_until_signal(service.run)
-    finally:
-        await subjects.close(service.nc)
+    await subjects.run_until_signal(service.run, service.nc)
 
 
 def main(argv=None) -> None:

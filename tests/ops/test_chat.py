@@ -4,16 +4,13 @@ import asyncio
 import contextlib
 import re
 
-import nats
 import pytest
-import uvicorn
 from tokenizers import Tokenizer
 
 from ops.chat import chat, run
 from ops.procs import free_port
-from schemas import subjects
-from schemas.messages import ErrorChunk, FinalChunk, GenerateRequest, TokenChunk, decode, encode
-from services.gateway.app import create_app, server_config
+from schemas.messages import ErrorChunk, GenerateRequest
+from tests.services.fake_pipeline import gateway
 
 STATS = re.compile(r"\[ttft [\d.]+ ms · [\d.]+ tok/s · (\d+) tokens · finish length\]")
 
@@ -53,49 +50,22 @@ def scripted(*lines: str):
     return input_fn
 
 
-@contextlib.asynccontextmanager
-async def pipeline(nats_url: str, model: str, tok: Tokenizer):
-    """A gateway on a free port and a fake downstream; yields (ws url, the GenerateRequests it received)."""
-    port = free_port()
-    server = uvicorn.Server(server_config(create_app(nats_url, model), "127.0.0.1", port))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "the gateway did not start"
-        await asyncio.sleep(0.01)
-    nc = await nats.connect(nats_url)
-    requests: list[GenerateRequest] = []
-
-    async def answer(msg):
-        req = decode(msg.data, GenerateRequest)
-        requests.append(req)
-        said = req.messages[-1]["content"]
-        if said == "fail":
-            await nc.publish(subjects.out(req.id), encode(ErrorChunk(req.id, "invalid_request", "prompt too long")))
-            return
-        ids = tok.encode(f" you said {said}").ids
-        for i, t in enumerate(ids):
-            last = i == len(ids) - 1
-            msg = (FinalChunk(req.id, i, i, [t], "length", usage={"prompt_tokens": 5, "completion_tokens": i + 1})
-                   if last else TokenChunk(req.id, i, i, [t], 5, [202] if i == 0 else []))
-            await nc.publish(subjects.out(req.id), encode(msg))
-
-    await nc.subscribe("tb.req.new.>", cb=answer)
-    await nc.flush()
-    try:
-        yield f"ws://127.0.0.1:{port}/ws", requests
-    finally:
-        server.should_exit = True
-        await serving
-        await nc.close()
+async def answer(down, req: GenerateRequest) -> None:
+    """" you said <the last message>", or an error for "fail"."""
+    said = req.messages[-1]["content"]
+    if said == "fail":
+        await down.publish(req.id, ErrorChunk(req.id, "invalid_request", "prompt too long"))
+    else:
+        await down.reply(req, f" you said {said}")
 
 
 def drive(nats_url, tiny_model, tok, *lines, **kw) -> tuple[Output, list[GenerateRequest]]:
     out = Output()
 
     async def body():
-        async with pipeline(nats_url, tiny_model, tok) as (url, requests):
-            await asyncio.wait_for(chat(url, input_fn=scripted(*lines), output=out, **kw), 20)
-            return requests
+        async with gateway(nats_url, tiny_model, tok, answer) as down:
+            await asyncio.wait_for(chat(down.ws, input_fn=scripted(*lines), output=out, **kw), 20)
+            return down.requests
 
     return out, asyncio.run(body())
 
