@@ -68,7 +68,7 @@ def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description="The tokenbus gateway.")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--model", help="HF checkpoint directory, for its tokenizer.json (default: the cached tiny model)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory, for its tokenizer.json")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     return p
@@ -76,10 +76,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    if args.model is None:
-        from ops.model_builder import default_model_dir  # imports torch: only when no model is given
-
-        args.model = str(default_model_dir())
     server = uvicorn.Server(server_config(create_app(args.nats_url, args.model), args.host, args.port))
     for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead
         signal.signal(sig, lambda *_: None)
