@@ -35,8 +35,9 @@ class Downstream:
         self.ws = self.http = ""                           # the gateway's urls
 
     async def start(self, requests: bool = True) -> None:
-        if requests:
-            await self.nc.subscribe("tb.req.new.>", cb=self.on_request)
+        if requests:   # from the stream, as the tokenizer takes them: a core subscription made right after
+            await self.nc.jetstream().subscribe(      # the streams were created can miss them (at-most-once)
+                "tb.req.new.>", cb=self.on_request, ordered_consumer=True)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         await self.nc.flush()
 
