@@ -4,6 +4,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU, in the interpreter
 
 
 @pytest.fixture(scope="session")

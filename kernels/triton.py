@@ -1,0 +1,193 @@
+"""Triton kernels with the signatures of kernels.reference: the engine's CUDA backend.
+
+unified_attention: one launch for a whole varlen batch (prefill, chunked prefill, decode). The
+batch's queries are cut into tiles of BLOCK_M rows of one sequence (plan_attention does it once per
+step, on the host); program (tile, query head) runs flash attention's online softmax over that
+sequence's KV, BLOCK_N positions at a time, each position's address looked up in the block table,
+and stops at the tile's last causal position. Split-KV (flash decoding): when every query is a
+decode and there are few (sequence, head) pairs for a long context, each program takes one slice
+of the KV range and a second kernel merges the slices' (max, sum, accumulator).
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16                 # query rows per tile
+BLOCK_N = 32                 # KV positions per inner step
+SPLIT_MIN_CONTEXT = 2048     # split-KV only for decodes at least this long...
+SPLIT_TARGET = 128           # ...when (sequences x heads) is below this many programs
+SPLIT_SIZE = 1024            # KV positions per split
+
+
+@triton.jit
+def _store_kv(key, value, k_cache, v_cache, slots, stride_kt, stride_vt, stride_ks, stride_vs,
+              ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(key + t.to(tl.int64) * stride_kt + offs, mask=mask)
+        v = tl.load(value + t.to(tl.int64) * stride_vt + offs, mask=mask)
+        tl.store(k_cache + slot * stride_ks + offs, k, mask=mask)
+        tl.store(v_cache + slot * stride_vs + offs, v, mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes token t's K/V [T, Hkv, D] to slot slot_mapping[t]; slot -1 (padding) is skipped."""
+    if key.shape[0] == 0:
+        return
+    key, value = key.reshape(key.shape[0], -1), value.reshape(value.shape[0], -1)
+    row = key.shape[1]
+    kc, vc = k_cache.view(-1, row), v_cache.view(-1, row)
+    _store_kv[(key.shape[0],)](key, value, kc, vc, slot_mapping, key.stride(0), value.stride(0), kc.stride(0),
+                              vc.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@dataclass(slots=True)
+class Plan:
+    tile_seq: torch.Tensor       # int32 [tiles]: the sequence of each query tile
+    tile_start: torch.Tensor     # int32 [tiles]: its first query row within the sequence
+    num_splits: int              # 1, or the KV splits of an all-decode batch
+    max_seq_len: int
+
+    def to(self, device: torch.device) -> "Plan":
+        return Plan(self.tile_seq.to(device, non_blocking=True), self.tile_start.to(device, non_blocking=True),
+                    self.num_splits, self.max_seq_len)
+
+
+def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int, num_heads: int = 8) -> Plan:
+    """The query tiles of the batch and whether to split the KV: once per step, for all layers."""
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    seqs, starts = [], []
+    for b in range(len(lens)):
+        for start in range(0, cu[b + 1] - cu[b], BLOCK_M):
+            seqs.append(b)
+            starts.append(start)
+    longest = max(lens, default=0)
+    all_decode = all(cu[b + 1] - cu[b] == 1 for b in range(len(lens)))
+    splits = 1
+    if all_decode and longest >= SPLIT_MIN_CONTEXT and len(lens) * num_heads < SPLIT_TARGET:
+        splits = triton.cdiv(longest, SPLIT_SIZE)
+    return Plan(torch.tensor(seqs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), splits, longest)
+
+
+@triton.jit
+def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, tile_seq, tile_start,
+               part_max, part_sum, scale,
+               stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               stride_ot, stride_oh, stride_bt, split_size,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = head // GROUP
+    b = tl.load(tile_seq + tile)
+    q_first = tl.load(cu_seqlens_q + b)
+    q_len = tl.load(cu_seqlens_q + b + 1) - q_first
+    seq_len = tl.load(seq_lens + b)
+    rows = tl.load(tile_start + tile) + tl.arange(0, BLOCK_M)       # query index within the sequence
+    row_ok = rows < q_len
+    pos = seq_len - q_len + rows                                     # each query's position
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_first + rows).to(tl.int64)
+    qv = tl.load(q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(seq_len, tl.max(tl.where(row_ok, pos, 0)) + 1)  # the tile's last causal position + 1
+    begin = 0
+    if SPLIT:
+        begin = split * split_size
+        end = tl.minimum(end, begin + split_size)
+    table = block_tables + b.to(tl.int64) * stride_bt
+    for n0 in range(begin, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        offset = (n % BLOCK_SIZE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        logits = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+        visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        logits = tl.where(visible, logits, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # rows that have seen nothing yet
+        p = tl.exp(logits - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        s = s * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        m = m_new
+
+    out_ptrs = out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
+    if SPLIT:   # a decode: one row; its slice's partial result waits for the merge
+        part = (b * tl.num_programs(1) + head) * tl.num_programs(2) + split
+        tl.store(part_max + part + tl.arange(0, BLOCK_M), m, mask=rows == 0)
+        tl.store(part_sum + part + tl.arange(0, BLOCK_M), s, mask=rows == 0)
+        tl.store(out_ptrs + split * BLOCK_D, acc, mask=(rows == 0)[:, None] & d_ok[None, :])
+    else:
+        o = acc / tl.where(s == 0, 1.0, s)[:, None]
+        tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge(part_acc, part_max, part_sum, out, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
+           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b, head = tl.program_id(0), tl.program_id(1)
+    first = (b * tl.num_programs(1) + head) * NUM_SPLITS
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < NUM_SPLITS
+    m = tl.load(part_max + first + sp, mask=sp_ok, other=float("-inf"))
+    s = tl.load(part_sum + first + sp, mask=sp_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc + (first + sp)[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(s * w, 0)
+    tl.store(out + b.to(tl.int64) * stride_ot + head * stride_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, plan: Plan | None = None) -> torch.Tensor:
+    """Causal attention of every query over its sequence's paged KV: [T, Hq, D] (see kernels.reference)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if plan is None:
+        plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], num_heads)
+    out = torch.empty_like(q)
+    tiles = plan.tile_seq.numel()
+    if tiles == 0:
+        return out
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    split = plan.num_splits > 1
+    num_seqs = seq_lens.numel()
+    if split:   # partial results: max and sum per (sequence, head, split), the accumulator in fp32
+        parts = num_seqs * num_heads * plan.num_splits
+        part_max = torch.empty(parts + BLOCK_M, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(parts, block_d, dtype=torch.float32, device=q.device)
+        target, stride_t, stride_h = part_acc, num_heads * plan.num_splits * block_d, plan.num_splits * block_d
+    else:
+        part_max = part_sum = out
+        target, stride_t, stride_h = out, out.stride(0), out.stride(1)
+    _attention[(tiles, num_heads, plan.num_splits)](
+        q, k_cache, v_cache, target, cu_seqlens_q, seq_lens, block_tables, plan.tile_seq, plan.tile_start,
+        part_max, part_sum, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_t, stride_h, block_tables.stride(0),
+        SPLIT_SIZE, GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split)
+    if split:
+        _merge[(num_seqs, num_heads)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+                                      NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                                      BLOCK_S=triton.next_power_of_2(plan.num_splits))
+    return out

@@ -1,0 +1,28 @@
+"""The engine's greedy outputs do not change when its attention runs on the Triton kernels (under
+the interpreter on CPU: a small model and a few tokens keep it fast)."""
+import pytest
+
+pytest.importorskip("triton")
+
+import kernels.reference
+import kernels.triton
+from schemas.sampling import SamplingParams
+from workers.engine.engine import EngineConfig, LLMEngine
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32], list(range(100, 140))]
+
+
+def greedy(model: str, backend) -> list[list[int]]:
+    engine = LLMEngine(model, EngineConfig(device="cpu", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32))
+    engine.runner.kernels = backend
+    for attn in engine.runner.model.attention_layers():
+        attn.kernels = backend
+    reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished():      # a 32-token budget: chunked prefill, then mixed prefill and decode steps
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_greedy_outputs_are_the_same_on_triton_and_reference_attention(tiny_model):
+    assert greedy(tiny_model, kernels.triton) == greedy(tiny_model, kernels.reference)
