@@ -116,3 +116,28 @@ def gather_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, part: Part) -> 
     k = gather_blocks(k_cache, part.blocks, part.num_seqs, part.length)
     v = gather_blocks(v_cache, part.blocks, part.num_seqs, part.length)
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+# -- fused elementwise ops: the same math as workers/layers (norm, rotary, activation) -------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm in float32 (HF Llama's formula); with `residual`, first x + residual, which is also
+    returned as the next residual: (normed, x + residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by (cos, sin) [T, 1, D/2] in the half-split ("neox") layout; the
+    scaling (linear, Llama 3) lives in the tables."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -191,3 +191,84 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                       NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                       BLOCK_S=triton.next_power_of_2(plan.num_splits))
     return out
+
+
+# -- fused elementwise ops: one program per token row ----------------------------------------------
+
+@triton.jit
+def _rms_norm(x, residual, weight, out, new_residual, eps, stride_x, stride_r, stride_o, stride_n,
+              N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    v = tl.load(x + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        v = v + tl.load(residual + row * stride_r + cols, mask=ok, other=0.0)
+        tl.store(new_residual + row * stride_n + cols, v, mask=ok)
+    vf = v.to(tl.float32)
+    normed = (vf / tl.sqrt(tl.sum(vf * vf, 0) / N + eps)).to(v.dtype)     # rounded before the weight, as HF
+    w = tl.load(weight + cols, mask=ok, other=0.0)
+    tl.store(out + row * stride_o + cols, (w * normed).to(out.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """kernels.reference.rms_norm in one pass: (normed, x + residual) with a residual, else normed."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    new = torch.empty_like(x2) if residual is not None else x2
+    r2 = residual.reshape(x2.shape) if residual is not None else x2
+    if x2.shape[0]:
+        _rms_norm[(x2.shape[0],)](x2, r2, weight, out, new, eps, x2.stride(0), r2.stride(0), out.stride(0),
+                                  new.stride(0), N=x2.shape[1], BLOCK=triton.next_power_of_2(x2.shape[1]),
+                                  HAS_RESIDUAL=residual is not None)
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if residual is None else (out, new.view(x.shape))
+
+
+@triton.jit
+def _rotary(x, cos, sin, out, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+            HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    src = x + t * stride_xt + h * stride_xh
+    x1 = tl.load(src + i, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF + i, mask=ok, other=0.0)
+    c = tl.load(cos + t * stride_ct + i, mask=ok, other=0.0)
+    s = tl.load(sin + t * stride_ct + i, mask=ok, other=0.0)
+    dst = out + t * stride_ot + h * stride_oh
+    tl.store(dst + i, (x1 * c - x2 * s).to(out.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF + i, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=ok)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.rotary: x [T, H, D] by (cos, sin) [T, 1, D/2], half-split layout."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.reshape(x.shape[0], half).contiguous(), sin.reshape(x.shape[0], half).contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    if x.shape[0]:
+        _rotary[(x.shape[0], x.shape[1])](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
+                                          out.stride(1), HALF=half, BLOCK=triton.next_power_of_2(half))
+    return out
+
+
+@triton.jit
+def _silu_and_mul(x, out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    gate = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + N + cols, mask=ok, other=0.0)
+    silu = (gate / (1 + tl.exp(-gate))).to(up.dtype)       # rounded as torch's F.silu is, then the product
+    tl.store(out + row * stride_o + cols, (silu * up).to(out.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.silu_and_mul: silu(gate) * up for x = [gate | up] [T, 2I] -> [T, I]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n = x2.shape[1] // 2
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), 1024)
+    if x2.shape[0]:
+        _silu_and_mul[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), N=n, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
