@@ -59,3 +59,11 @@ def test_silu_and_mul_matches_the_reference_and_the_layer(inter):
     want = ref.silu_and_mul(x)
     torch.testing.assert_close(tri.silu_and_mul(x), want)
     torch.testing.assert_close(want, layer_silu_and_mul(x))
+
+
+def test_the_kernel_benchmark_says_it_needs_cuda_and_exits_cleanly_without(capsys):
+    from kernels.bench import main, peak
+
+    main([])
+    assert "no CUDA device" in capsys.readouterr().out
+    assert peak("NVIDIA H100 80GB HBM3") == 3350 and peak("NVIDIA H200") == 4800 and peak("unknown") is None

@@ -1,0 +1,180 @@
+"""`python -m kernels.bench [--json]`: the Triton kernels against their references on a CUDA device.
+
+Per kernel and shape: time (triton.testing.do_bench, median) and achieved memory bandwidth (bytes
+the kernel must move / time) against the card's peak; decode attention at context 1k-32k and batch
+1-256 for a Llama-70B shard at TP 8 (Hq 8, Hkv 1, D 128) and an 8B model (Hq 32, Hkv 8, D 128);
+and the engine's decode tokens/s with the Triton kernels vs the reference. Goal on H100: decode
+attention at long context above 70% of peak HBM bandwidth. Without CUDA it says so and exits 0.
+"""
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+PEAK_GB_S = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350,
+             "A100-SXM4-80GB": 2039, "A100": 1555, "L40S": 864}
+SHAPES = {"70B/TP8": (8, 1, 128), "8B": (32, 8, 128)}
+BLOCK_SIZE = 16
+
+
+def peak(name: str) -> float | None:
+    return next((gb for key, gb in PEAK_GB_S.items() if key in name), None)
+
+
+def decode_case(batch: int, context: int, hq: int, hkv: int, d: int, dtype=torch.bfloat16):
+    """Decode queries over `context` cached tokens each, in shuffled blocks of a pool just large enough."""
+    blocks = -(-context // BLOCK_SIZE)
+    pool = torch.randperm(batch * blocks, device="cuda", dtype=torch.int64).to(torch.int32)
+    k = torch.randn(batch * blocks, BLOCK_SIZE, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return q, k, v, cu, lens, pool.view(batch, blocks)
+
+
+def bench_attention(name: str, hq: int, hkv: int, d: int, batch: int, context: int, gpu_peak: float | None) -> dict:
+    import triton.testing
+
+    import kernels.reference as ref
+    import kernels.triton as tri
+
+    q, k, v, cu, lens, tables = decode_case(batch, context, hq, hkv, d)
+    scale = d ** -0.5
+    plan = tri.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE, hq).to(q.device)
+    t_ms = triton.testing.do_bench(lambda: tri.unified_attention(q, k, v, cu, lens, tables, scale, plan))
+    ref_plan = ref.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE).to(q.device)
+    r_ms = triton.testing.do_bench(lambda: ref.unified_attention(q, k, v, cu, lens, tables, scale, ref_plan))
+    moved = 2 * batch * context * hkv * d * k.element_size() + 2 * q.numel() * q.element_size()
+    gb_s = moved / t_ms / 1e6
+    return {"kernel": "decode attention", "shape": f"{name} batch {batch} ctx {context}",
+            "splits": plan.num_splits, "triton_ms": t_ms, "reference_ms": r_ms, "speedup": r_ms / t_ms,
+            "gb_per_s": gb_s, "peak_share": gb_s / gpu_peak if gpu_peak else None}
+
+
+def bench_store_kv(tokens: int, hkv: int, d: int, gpu_peak: float | None) -> dict:
+    import triton.testing
+
+    import kernels.reference as ref
+    import kernels.triton as tri
+
+    k_cache = torch.zeros(tokens // BLOCK_SIZE * 2, BLOCK_SIZE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = (torch.randn(tokens, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, device="cuda")[:tokens]
+    t_ms = triton.testing.do_bench(lambda: tri.store_kv(key, value, k_cache, v_cache, slots))
+    r_ms = triton.testing.do_bench(lambda: ref.store_kv(key, value, k_cache, v_cache, slots))
+    gb_s = 4 * key.numel() * key.element_size() / t_ms / 1e6
+    return {"kernel": "store_kv", "shape": f"{tokens} tokens Hkv {hkv} D {d}", "splits": None, "triton_ms": t_ms,
+            "reference_ms": r_ms, "speedup": r_ms / t_ms, "gb_per_s": gb_s,
+            "peak_share": gb_s / gpu_peak if gpu_peak else None}
+
+
+def bench_ops(gpu_peak: float | None) -> list[dict]:
+    return [row for t in (1, 64, 2048) for row in bench_ops_at(t, gpu_peak)]
+
+
+def bench_ops_at(t: int, gpu_peak: float | None) -> list[dict]:
+    """The fused ops at t tokens of a Llama-70B shard (hidden 8192, intermediate 28672 / 8, 8 heads of 128)."""
+    import triton.testing
+
+    import kernels.reference as ref
+    import kernels.triton as tri
+
+    x, res = (torch.randn(t, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(t, 2 * 3584, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cos, sin = (torch.randn(t, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cases = [("rms_norm+residual", f"T {t} H 8192", lambda: tri.rms_norm(x, w, 1e-5, res),
+              lambda: ref.rms_norm(x, w, 1e-5, res), 4 * x.numel() * 2),
+             ("silu_and_mul", f"T {t} I 3584", lambda: tri.silu_and_mul(gate), lambda: ref.silu_and_mul(gate),
+              gate.numel() * 2 * 3 // 2),
+             ("rotary", f"T {t} H 8 D 128", lambda: tri.rotary(q, cos, sin), lambda: ref.rotary(q, cos, sin),
+              2 * q.numel() * 2)]
+    rows = []
+    for kernel, shape, fast, slow, moved in cases:
+        t_ms, r_ms = triton.testing.do_bench(fast), triton.testing.do_bench(slow)
+        gb_s = moved / t_ms / 1e6
+        rows.append({"kernel": kernel, "shape": shape, "splits": None, "triton_ms": t_ms, "reference_ms": r_ms,
+                     "speedup": r_ms / t_ms, "gb_per_s": gb_s, "peak_share": gb_s / gpu_peak if gpu_peak else None})
+    return rows
+
+
+def engine_decode(size: str = "small", num_requests: int = 64, output: int = 128) -> dict:
+    """Decode tokens/s of the engine on CUDA with the Triton kernels and with the reference."""
+    import kernels.reference
+    import kernels.triton
+    from ops.model_builder import build_tiny_model
+    from schemas.sampling import SamplingParams
+    from workers.engine.engine import EngineConfig, LLMEngine
+
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(tmp, size))
+        for name, backend in (("triton", kernels.triton), ("reference", kernels.reference)):
+            engine = LLMEngine(model, EngineConfig(device="cuda", max_num_seqs=num_requests))
+            engine.runner.kernels = backend
+            for attn in engine.runner.model.attention_layers():
+                attn.kernels = backend
+            for i in range(num_requests):
+                params = SamplingParams(max_tokens=output, ignore_eos=True)
+                engine.add_request(f"{name}{i}", list(range(16, 48)), params)
+            engine.step()                                   # the prefill
+            torch.cuda.synchronize()
+            start, steps = time.perf_counter(), 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+            result[f"{name}_decode_tokens_per_s"] = num_requests * steps / (time.perf_counter() - start)
+    result["speedup"] = result["triton_decode_tokens_per_s"] / result["reference_decode_tokens_per_s"]
+    return result
+
+
+def run() -> dict:
+    name = torch.cuda.get_device_name()
+    gpu_peak = peak(name)
+    rows = []
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for context in (1024, 4096, 16384, 32768):
+            for batch in (1, 16, 64, 256):
+                need = 2 * batch * context * hkv * d * 2
+                if need > 0.5 * torch.cuda.mem_get_info()[0]:
+                    continue
+                rows.append(bench_attention(shape, hq, hkv, d, batch, context, gpu_peak))
+    rows.append(bench_store_kv(2048, 8, 128, gpu_peak))
+    rows += bench_ops(gpu_peak)
+    return {"device": name, "peak_gb_per_s": gpu_peak, "kernels": rows, "engine": engine_decode(),
+            "goal": "decode attention at long context > 70% of peak HBM bandwidth"}
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['device']} (peak {report['peak_gb_per_s'] or '?'} GB/s); goal: {report['goal']}",
+             f"{'kernel':20}{'shape':32}{'splits':>7}{'triton ms':>11}{'ref ms':>10}{'speedup':>9}{'GB/s':>9}"
+             f"{'of peak':>9}"]
+    for r in report["kernels"]:
+        share = f"{r['peak_share']:.0%}" if r["peak_share"] is not None else "-"
+        lines.append(f"{r['kernel']:20}{r['shape']:32}{r['splits'] or '':>7}{r['triton_ms']:>11.4f}"
+                     f"{r['reference_ms']:>10.4f}{r['speedup']:>8.1f}x{r['gb_per_s']:>9.0f}{share:>9}")
+    e = report["engine"]
+    lines.append(f"engine decode tokens/s: triton {e['triton_decode_tokens_per_s']:.0f}, reference "
+                 f"{e['reference_decode_tokens_per_s']:.0f} ({e['speedup']:.2f}x)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.bench: no CUDA device here; the Triton kernels are checked on CPU by the tests "
+              "(TRITON_INTERPRET=1) and measured on a GPU machine with this command.")
+        return
+    report = run()
+    print(json.dumps(report, indent=2) if args.json else table(report))
+
+
+if __name__ == "__main__":
+    main()
