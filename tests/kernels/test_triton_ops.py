@@ -5,11 +5,11 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels.reference as ref  # noqa: E402
-import kernels.triton as tri  # noqa: E402
-from workers.layers.activation import silu_and_mul as layer_silu_and_mul  # noqa: E402
-from workers.layers.norm import RMSNorm  # noqa: E402
-from workers.layers.rotary import RotaryEmbedding, rotate  # noqa: E402
+import kernels.reference as ref
+import kernels.triton as tri
+from workers.layers.activation import silu_and_mul as layer_silu_and_mul
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding, rotate
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
