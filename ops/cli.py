@@ -29,6 +29,12 @@ def cmd_bench_engine(args) -> None:
     main(args)
 
 
+def cmd_bench_tp(args) -> None:
+    from workers.bench_tp import main
+
+    main(args)
+
+
 def cmd_bench_pipeline(args) -> None:
     from ops.bench_pipeline import main
 
@@ -89,6 +95,18 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=cmd_bench_engine)
 
+    t = sub.add_parser("bench-tp", help="a tensor-parallel step split into compute and communication, per size")
+    t.add_argument("--model", help="HF checkpoint directory (default: the built-in model of --size)")
+    t.add_argument("--size", choices=["tiny", "small"], default="small", help="the built-in model (no --model)")
+    t.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
+    t.add_argument("--num-requests", type=int, default=32)
+    t.add_argument("--input-len", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"))
+    t.add_argument("--output-len", type=int, nargs=2, default=[64, 64], metavar=("MIN", "MAX"))
+    t.add_argument("--num-kv-blocks", type=int, default=1024)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    t.set_defaults(func=cmd_bench_tp)
+
     bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
     bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     bp.add_argument("--num-requests", type=int, default=64)
@@ -107,6 +125,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")
     u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one")
     u.add_argument("--workers", type=int, default=1)
+    u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
     u.set_defaults(func=cmd_up)

@@ -137,11 +137,13 @@ def watch(stack: Stack) -> None:
 def main(args) -> None:
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
-    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers)
+    worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args)
     signal.signal(signal.SIGTERM, interrupt)
     try:
         stack.start()
-        print(f"tokenbus: starting {args.workers} worker(s) on {model} (logs in {data_dir / 'logs'}) ...", flush=True)
+        print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
+              f"(logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
         print(f"tokenbus is up\n  websocket  {stack.url}\n  health     http://127.0.0.1:{args.port}/healthz\n"
               f"  nats       {stack.nats_url}\n  chat       tokenbus chat --url {stack.url}\n"

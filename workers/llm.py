@@ -23,7 +23,8 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, tokenizer=None, **options):
         """`model`: an HF checkpoint directory (default: the tiny model, built on first use).
-        Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
+        Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens,
+        tensor_parallel_size, ...)."""
         if model is None:
             from ops.model_builder import default_model_dir
             model = str(default_model_dir())
@@ -85,3 +86,13 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stops tensor-parallel followers now rather than when the LLM is collected."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

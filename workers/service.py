@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from schemas.messages import (
     encode,
 )
 from schemas.sampling import SamplingParams
+from workers.distributed import WorkerFailure
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
 
@@ -66,6 +68,7 @@ class WorkerService:
         self.tasks: set[asyncio.Task] = set()
         self.wake = asyncio.Event()                  # set when work arrives for an idle engine
         self.stop = asyncio.Event()
+        self.failed = False
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -148,7 +151,8 @@ class WorkerService:
             self.log.error("completion not stored", request_id=rid, error=str(e))
 
     def fail(self, error: Exception) -> None:
-        self.log.error("engine failed; stopping", error=repr(error))
+        self.failed = True
+        self.log.error("engine failed; stopping", error=str(error) if isinstance(error, WorkerFailure) else repr(error))
         for rid in list(self.running):
             self.spawn(self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, "worker_failed", repr(error)))))
         self.stop.set()
@@ -214,6 +218,11 @@ class WorkerService:
         while True:
             await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
             try:
+                self.engine.check_alive()        # a dead tensor-parallel rank: no heartbeat, leave
+            except WorkerFailure as e:
+                self.fail(e)
+                return
+            try:
                 await self.heartbeat()
             except nats.errors.Error as e:
                 self.log.warning("heartbeat failed", error=str(e))
@@ -249,26 +258,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="ranks of this replica: this process and tp-1 followers it starts")
     return p
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
+                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        tensor_parallel_size=args.tp)
 
 
 async def serve(args) -> None:
     model = args.model
-    engine = LLMEngine(model, engine_config(args))
-    warm_up(engine)
     log = configure("worker").bind(worker=args.id)
-    nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
-    service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.stop.set)
-    await service.run()
+    engine = LLMEngine(model, engine_config(args))
+    try:
+        warm_up(engine)
+        nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
+        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop.set)
+        await service.run()
+    finally:
+        engine.close()
+    if service.failed:
+        sys.exit(1)
 
 
 def warm_up(engine: LLMEngine) -> None:

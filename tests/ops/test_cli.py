@@ -48,3 +48,15 @@ def test_bench_pipeline_runs_both_sides_and_reports_ratio_and_added_ttft(tiny_mo
     assert r["throughput_ratio"] == pytest.approx(r["pipeline_output_tokens_per_s"] / r["engine_output_tokens_per_s"],
                                                   abs=0.01)
     assert len(r["rounds"]["ttft_added"]) == 1 and r["pipeline_ttft_ms_median"] > 0
+
+
+def test_bench_tp_splits_each_step_into_compute_and_communication(tiny_model):
+    out = run("bench-tp", "--model", tiny_model, "--tp", "1", "2", "--num-requests", "4", "--input-len", "16", "24",
+              "--output-len", "4", "6", "--num-kv-blocks", "64", "--json")
+    r = json.loads(out)["results"]
+    assert set(r) == {"1", "2"} and all(set(phases) == {"prefill", "decode"} for phases in r.values())
+    for phase in ("prefill", "decode"):
+        one, two = r["1"][phase], r["2"][phase]
+        assert one["comm_ms"] == 0 and two["comm_ms"] > 0        # only a group of two talks
+        assert two["compute_ms"] + two["comm_ms"] == pytest.approx(two["step_ms"])
+        assert one["steps"] == two["steps"]                      # the same schedule on both

@@ -1,17 +1,21 @@
 """The engine: add requests, step (schedule, run, update), abort. Tokens in, tokens out; text
 and stop strings are the caller's (the offline LLM or the gateway)."""
+import json
 import random
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import asdict, dataclass
 
 import torch
 
 from schemas.sampling import SamplingParams, check
+from workers.distributed import SINGLE, Followers, TPGroup, leave
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.models.config import ModelConfig
+from workers.models.llama import CausalLM
 
 CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -30,9 +34,10 @@ class EngineConfig:
     dtype: str | None = None               # default: float32 on CPU, the checkpoint's 16-bit type on CUDA
     device: str | None = None              # default: cuda when available, else cpu
     seed: int = 0                          # draws the seeds of requests that bring none
+    tensor_parallel_size: int = 1          # ranks one replica spans (one GPU each on CUDA)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             check(getattr(self, name) >= 1, name, "must be at least 1", getattr(self, name))
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             value = getattr(self, name)
@@ -54,12 +59,23 @@ class LLMEngine:
     def __init__(self, model_dir: str, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model_cfg = ModelConfig.load(model_dir)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = pick_dtype(config.dtype, self.model_cfg.dtype, self.device)
+        self.followers, tp = None, SINGLE
+        if config.tensor_parallel_size > 1:
+            device_type = pick_device(config.device, SINGLE).type
+            check_tensor_parallel(self.model_cfg, config.tensor_parallel_size, device_type)
+            self.followers, tp = Followers.start(config.tensor_parallel_size, device_type, model_dir,
+                                                 json.dumps(asdict(config)))
+        self.closer = weakref.finalize(self, shut_down, self.followers, tp)
+        try:
+            self.runner = build_runner(model_dir, self.model_cfg, config, tp)
+        except BaseException as e:
+            if self.followers is not None and isinstance(e, RuntimeError):
+                self.followers.explain(e)
+            self.closer()
+            raise
+        self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = min(config.max_model_len or self.model_cfg.max_model_len, self.model_cfg.max_model_len)
-        self.runner = ModelRunner(model_dir, self.model_cfg, self.dtype, self.device, config.block_size)
-        num_blocks = config.num_kv_blocks or self.blocks_in_budget()
-        self.runner.allocate_kv(num_blocks)
+        num_blocks = self.runner.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
@@ -69,13 +85,14 @@ class LLMEngine:
         self.num_steps = 0
         self.trace: list[StepTrace] | None = None  # set to a list to record every step
 
-    def blocks_in_budget(self) -> int:
-        budget = self.config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - self.config.gpu_memory_utilization) * total)
-        budget = budget or CPU_KV_CACHE_MEMORY
-        return max(1, budget // self.runner.block_bytes())
+    def close(self) -> None:
+        """Stops the tensor-parallel followers, if any (also done when the engine is collected)."""
+        self.closer()
+
+    def check_alive(self) -> None:
+        """Raises WorkerFailure when a tensor-parallel rank is gone."""
+        if self.followers is not None:
+            self.followers.check()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -138,7 +155,13 @@ class LLMEngine:
         if not batch.requests:
             return []
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
-        tokens, logprobs = self.runner.run(batch, tables)
+        self.check_alive()
+        try:
+            tokens, logprobs = self.runner.run(batch, tables)
+        except RuntimeError as e:                # a collective failed: name the rank that died
+            if self.followers is not None:
+                self.followers.explain(e)
+            raise
         updated = self.scheduler.update(batch, tokens, logprobs)
         for req in updated:
             if req.finished:
@@ -162,6 +185,58 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "steps": self.num_steps,
         }
+
+
+def build_runner(model_dir: str, model_cfg: ModelConfig, config: EngineConfig, tp: TPGroup) -> ModelRunner:
+    """This rank's model shard and KV pool; every rank of a group calls it with the same config.
+    The pool has the same block count on every rank: the fewest any rank's memory allows."""
+    device = pick_device(config.device, tp)
+    runner = ModelRunner(model_dir, model_cfg, pick_dtype(config.dtype, model_cfg.dtype, device), device,
+                         config.block_size, tp)
+    runner.allocate_kv(tp.min_over_ranks(config.num_kv_blocks or blocks_in_budget(runner, config)))
+    runner.rank_bytes = tp.all_gather_ints([runner.parameter_bytes(), runner.kv_pool.nbytes])
+    return runner
+
+
+def blocks_in_budget(runner: ModelRunner, config: EngineConfig) -> int:
+    budget = config.kv_cache_memory
+    if budget is None and runner.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(runner.device)
+        budget = int(free - (1 - config.gpu_memory_utilization) * total)
+    budget = budget or CPU_KV_CACHE_MEMORY
+    return max(1, budget // runner.block_bytes())
+
+
+def pick_device(asked: str | None, tp: TPGroup) -> torch.device:
+    """The asked device, else CUDA when there is one; rank r of a CUDA group takes GPU r."""
+    device = torch.device(asked or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and tp.size > 1:
+        device = torch.device("cuda", tp.rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int, device_type: str) -> None:
+    """Raises ValueError naming the constraint before any follower starts."""
+    CausalLM.check_tensor_parallel(cfg, size)
+    if device_type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
+
+
+def shut_down(followers: Followers | None, tp: TPGroup) -> None:
+    """Tells the followers to stop and waits for them (kills them if they do not), then leaves the
+    group. A follower that died already means the others are stuck: they are killed at once."""
+    if followers is None:
+        return
+    clean = followers.error is None
+    if clean:
+        try:
+            tp.stop_followers()
+        except RuntimeError:
+            clean = False
+    followers.close(timeout=5.0 if clean else 0.0)
+    leave()
 
 
 def pick_dtype(asked: str | None, checkpoint: str, device: torch.device) -> torch.dtype:

@@ -2,6 +2,7 @@
 (positions, slot mapping, block tables, cu_seqlens), runs the model once, computes logits only
 for the requests that sample this step, and samples them."""
 import time
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -32,6 +33,7 @@ def attention_kernels(device: torch.device) -> ModuleType:
 class ModelRunner:
     def __init__(self, model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  block_size: int, tp: TPGroup = SINGLE):
+        self.tp = tp
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, device, block_size
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -46,6 +48,8 @@ class ModelRunner:
         self.kernels = attention_kernels(device)
         self.sampler = Sampler()
         self.kv_pool = torch.empty(0)
+        self.num_blocks = 0
+        self.rank_bytes: list[list[int]] = []  # [parameter bytes, KV pool bytes] of every rank, in rank order
         self.forward_seconds = 0.0  # time inside the model forward and logits, for the benchmark
 
     def block_bytes(self) -> int:
@@ -54,16 +58,20 @@ class ModelRunner:
         per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
         return per_token * self.block_size * self.cfg.num_layers
 
+    def parameter_bytes(self) -> int:
+        return sum(p.nbytes for p in self.model.parameters())
+
     def allocate_kv(self, num_blocks: int) -> None:
         """One preallocated tensor [2, layers, blocks, block_size, Hkv, D]; each layer gets views."""
         layers = self.model.attention_layers()
         shape = (2, len(layers), num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
         self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
         for i, attn in enumerate(layers):
             attn.kernels, attn.k_cache, attn.v_cache = self.kernels, self.kv_pool[0, i], self.kv_pool[1, i]
 
-    def prepare(self, batch: Batch, block_tables: list[list[int]]):
-        """Input ids, positions and attention metadata of the flattened batch, on the CPU."""
+    def prepare(self, batch: Batch, block_tables: list[list[int]]) -> "StepInputs":
+        """The flattened batch, on the CPU."""
         input_ids, q_lens, starts = [], batch.num_new_tokens, []
         for req, n in zip(batch.requests, q_lens):
             start = req.num_computed_tokens
@@ -78,25 +86,69 @@ class ModelRunner:
         positions = torch.arange(len(input_ids)) - cu[row] + torch.tensor(starts)[row]
         slots = tables[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
         seq_lens = q_lens_t + torch.tensor(starts, dtype=torch.int32)
-        plan = self.kernels.plan_attention(cu, seq_lens, tables, self.block_size)
-        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables, plan=plan)
-        return torch.tensor(input_ids), positions, meta
+        samples = torch.tensor(batch.samples, dtype=torch.bool)
+        logit_rows = cu[1:][samples].long() - 1        # each sampling request's last token
+        return StepInputs(torch.tensor(input_ids), positions, slots, cu, seq_lens, tables, logit_rows)
 
     @torch.inference_mode()
     def run(self, batch: Batch, block_tables: list[list[int]]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Token (and logprobs) for each request of the batch that samples this step."""
-        rows = [i for i, samples in enumerate(batch.samples) if samples]
-        input_ids, positions, meta = self.prepare(batch, block_tables)
-        to = self.device
-        meta = meta.to(to)
-        start = time.perf_counter()
-        hidden = self.model(input_ids.to(to, non_blocking=True), positions.to(to, non_blocking=True), meta)
-        if not rows:
-            self.forward_seconds += time.perf_counter() - start
+        """Rank 0: token (and logprobs) for each request of the batch that samples this step."""
+        inputs = self.prepare(batch, block_tables)
+        if self.tp.size > 1:
+            self.tp.send_step(inputs.header(), inputs.pack())
+        logits = self.execute(inputs)
+        if logits is None:
             return [], []
-        last = meta.cu_seqlens_q[1:][rows].long() - 1
-        logits = self.model.compute_logits(hidden[last])
+        return self.sampler(logits, [r for r, samples in zip(batch.requests, batch.samples) if samples])
+
+    @torch.inference_mode()
+    def execute(self, inputs: "StepInputs") -> torch.Tensor | None:
+        """Every rank: the model over one step's inputs. Returns the sampling rows' logits on rank 0
+        (None when no request samples, and on the other ranks)."""
+        to = self.device
+        plan = self.kernels.plan_attention(inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables, self.block_size)
+        meta = AttentionMetadata(inputs.slot_mapping, inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables,
+                                 plan).to(to)
+        start = time.perf_counter()
+        hidden = self.model(inputs.input_ids.to(to, non_blocking=True), inputs.positions.to(to, non_blocking=True),
+                            meta)
+        logits = None
+        if inputs.logit_rows.numel():
+            logits = self.model.compute_logits(hidden[inputs.logit_rows.to(to, non_blocking=True)])
         if to.type == "cuda":
             torch.cuda.synchronize()
         self.forward_seconds += time.perf_counter() - start
-        return self.sampler(logits, [batch.requests[i] for i in rows])
+        return logits
+
+    def follow(self) -> None:
+        """A follower's life: run every step rank 0 sends, until it says stop."""
+        while (step := self.tp.recv_step()) is not None:
+            self.execute(StepInputs.unpack(*step))
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs: what rank 0 computes from its schedule and sends its followers,
+    as one int64 tensor behind a header of sizes (no pickled objects)."""
+    input_ids: torch.Tensor      # int64 [T]
+    positions: torch.Tensor      # int64 [T]
+    slot_mapping: torch.Tensor   # int64 [T]
+    cu_seqlens_q: torch.Tensor   # int32 [B+1]
+    seq_lens: torch.Tensor       # int32 [B]
+    block_tables: torch.Tensor   # int32 [B, W]
+    logit_rows: torch.Tensor     # int64 [R]
+
+    def header(self) -> list[int]:
+        return [0, len(self.input_ids), *self.block_tables.shape, len(self.logit_rows)]
+
+    def pack(self) -> torch.Tensor:
+        parts = (self.input_ids, self.positions, self.slot_mapping, self.cu_seqlens_q, self.seq_lens,
+                 self.block_tables.flatten(), self.logit_rows)
+        return torch.cat([p.long() for p in parts])
+
+    @classmethod
+    def unpack(cls, header: list[int], flat: torch.Tensor) -> "StepInputs":
+        t, b, w, r = header[1:]
+        ids, pos, slots, cu, lens, tables, rows = flat.split([t, t, t, b + 1, b, b * w, r])
+        i32 = torch.int32
+        return cls(ids, pos, slots, cu.to(i32), lens.to(i32), tables.to(i32).view(b, w), rows)

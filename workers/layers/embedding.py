@@ -36,6 +36,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp)
         self.packed_weight = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))
-        return logits[..., :self.vocab_size]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits on rank 0 (the sampler's rank); None on the other ranks."""
+        logits = self.tp.gather_to_first(linear(hidden, self.weight, None, self.packed_weight))
+        return None if logits is None else logits[..., :self.vocab_size]

@@ -30,8 +30,6 @@ def kv_heads_on_rank(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int]:
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        if cfg.num_heads % tp.size:
-            raise ValueError(f"num_attention_heads={cfg.num_heads} must divide by tensor_parallel_size={tp.size}")
         d = cfg.head_dim
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads, kv_start = kv_heads_on_rank(cfg, tp)
@@ -110,11 +108,20 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
+        self.check_tensor_parallel(cfg, tp.size)
         self.cfg = cfg
         self.model = Backbone(cfg, tp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+        """Raises ValueError naming the constraint when the model cannot split over `size` ranks."""
+        for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+            if n % size:
+                raise ValueError(f"{name}={n} must divide by tensor_parallel_size={size}")
+        kv_heads_on_rank(cfg, TPGroup(0, size))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

@@ -1,0 +1,70 @@
+"""`tokenbus bench-tp`: where a tensor-parallel step's time goes, for each --tp size in one run.
+
+The workload: N requests of random tokens (the same for every size), greedy, EOS ignored, all
+added at once. Each engine step is timed whole on rank 0, and rank 0's collectives are timed
+inside it (on CUDA with a synchronize before and after each, so the time is the collective's own):
+the two all-reduces per layer, the LM head's gather and the step-input broadcast to the
+followers. Compute is the rest of the step. A collective's time includes waiting for the slowest
+rank to arrive, so an unbalanced group shows up as communication.
+
+On CPU the ranks share the machine's cores (each takes cores / tp threads), so TP=2 cannot be
+faster than TP=1 here; what the CPU run shows is the cost of the collectives and the step
+broadcast. On a multi-GPU node run e.g. `tokenbus bench-tp --tp 1 8 --model DIR`: the goal there
+is all-reduce under 15% of the decode step.
+"""
+import json
+import time
+
+from schemas.sampling import SamplingParams
+from workers.bench import workload
+from workers.engine.engine import EngineConfig, LLMEngine
+
+
+def measure(model_dir: str, tp: int, requests, args) -> dict:
+    engine = LLMEngine(model_dir, EngineConfig(tensor_parallel_size=tp, max_num_seqs=args.num_requests,
+                                               num_kv_blocks=args.num_kv_blocks))
+    try:
+        group = engine.runner.tp
+        group.timed = True
+        for i, (prompt, n) in enumerate(requests):
+            engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        steps = {"prefill": [], "decode": []}
+        while engine.has_unfinished():
+            comm, start = group.comm_seconds, time.perf_counter()
+            sched = engine.scheduler
+            decode = not sched.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in sched.running)
+            engine.step()
+            steps["decode" if decode else "prefill"].append((time.perf_counter() - start, group.comm_seconds - comm))
+        return {phase: summary(times) for phase, times in steps.items() if times}
+    finally:
+        engine.close()
+
+
+def summary(times: list[tuple[float, float]]) -> dict:
+    step = sum(t for t, _ in times) / len(times)
+    comm = sum(c for _, c in times) / len(times)
+    return {"steps": len(times), "step_ms": step * 1e3, "compute_ms": (step - comm) * 1e3,
+            "comm_ms": comm * 1e3, "comm_share": comm / step}
+
+
+def table(results: dict) -> str:
+    lines = [f"{'tp':>3} {'phase':<8} {'steps':>6} {'step ms':>9} {'compute ms':>11} {'comm ms':>9} {'comm %':>7}"]
+    for tp, phases in results.items():
+        for phase, s in phases.items():
+            lines.append(f"{tp:>3} {phase:<8} {s['steps']:>6} {s['step_ms']:>9.2f} {s['compute_ms']:>11.2f} "
+                         f"{s['comm_ms']:>9.2f} {100 * s['comm_share']:>6.1f}%")
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    from ops.model_builder import default_model_dir
+    from workers.models.config import ModelConfig
+
+    model_dir = args.model or str(default_model_dir(args.size))
+    requests = workload(args, ModelConfig.load(model_dir).vocab_size)
+    results = {tp: measure(model_dir, tp, requests, args) for tp in args.tp}
+    if args.json:
+        print(json.dumps({"model": model_dir, "results": results}, indent=2))
+    else:
+        print(f"model {model_dir}, {args.num_requests} requests, input {args.input_len}, output {args.output_len}")
+        print(table(results))
