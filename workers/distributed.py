@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT = timedelta(minutes=10)   # a follower's imports and connect; model loading comes after
-STOP = -1                                 # the step header's command that ends a follower
-HEADER = 5                                # step header: command/token count and four more sizes
+HEADER = 5                                # a step header: a command and four sizes
+STEP, STOP, TIMING, REPORT = 0, -1, -2, -3  # its commands: run a step, exit, time collectives, send their times
 
 
 class WorkerFailure(RuntimeError):
@@ -39,8 +39,8 @@ class TPGroup:
     group: object = None        # the device ProcessGroup when size > 1
     cpu_group: object = None    # gloo, for step inputs and start-up figures
     device_type: str = "cpu"
-    timed: bool = False         # when set, time in collectives adds up in comm_seconds
-    comm_seconds: float = 0.0
+    timed: bool = False         # when set, every collective's seconds go to comm_log
+    comm_log: list[float] = field(default_factory=list)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -64,7 +64,7 @@ class TPGroup:
         start = time.perf_counter()
         op(*args, **kwargs)
         sync()
-        self.comm_seconds += time.perf_counter() - start
+        self.comm_log.append(time.perf_counter() - start)
 
     # -- the CPU group: step inputs and start-up figures -------------------------------------------
 
@@ -75,20 +75,52 @@ class TPGroup:
             self.collective(dist.broadcast, payload, src=0, group=self.cpu_group)
 
     def recv_step(self) -> tuple[list[int], torch.Tensor] | None:
-        """Followers: the next step's header and payload; None when rank 0 says stop."""
-        header = torch.empty(HEADER, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=self.cpu_group)
-        sizes = header.tolist()
-        if sizes[0] == STOP:
-            return None
+        """Followers: the next step's header and payload; None when rank 0 says stop. Timing
+        commands are handled on the way."""
+        while True:
+            header = torch.empty(HEADER, dtype=torch.int64)
+            self.collective(dist.broadcast, header, src=0, group=self.cpu_group)
+            sizes = header.tolist()
+            if sizes[0] == STEP:
+                break
+            if sizes[0] == STOP:
+                return None
+            if sizes[0] == TIMING:
+                self.timed, self.comm_log = bool(sizes[1]), []
+            elif sizes[0] == REPORT:
+                self.send_comm_log(sizes[1])
         payload = torch.empty(payload_size(sizes), dtype=torch.int64)
         if payload.numel():
-            dist.broadcast(payload, src=0, group=self.cpu_group)
+            self.collective(dist.broadcast, payload, src=0, group=self.cpu_group)
         return sizes, payload
 
-    def stop_followers(self) -> None:
-        header = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
+    def command(self, *values: int) -> None:
+        header = torch.tensor([*values] + [0] * (HEADER - len(values)), dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.cpu_group)
+
+    def stop_followers(self) -> None:
+        self.command(STOP)
+
+    def time_collectives(self, on: bool) -> None:
+        """Rank 0: every rank starts (or stops) logging its collectives' times, from empty logs."""
+        if self.size > 1:
+            self.command(TIMING, int(on))
+        self.timed, self.comm_log = on, []
+
+    def comm_logs(self) -> list[list[float]]:
+        """Rank 0: every rank's log, in rank order. The ranks run the same collectives in the same
+        order, so entry i is the same collective everywhere; the rank that arrived last waited
+        least, so the minimum over ranks is the transfer itself, without the wait for a slower rank."""
+        if self.size == 1:
+            return [list(self.comm_log)]
+        self.command(REPORT, len(self.comm_log))
+        return self.send_comm_log(len(self.comm_log))
+
+    def send_comm_log(self, n: int) -> list[list[float]] | None:
+        mine = torch.tensor((self.comm_log + [0.0] * n)[:n], dtype=torch.float64)
+        parts = [torch.empty(n, dtype=torch.float64) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(mine, parts, dst=0, group=self.cpu_group)
+        return [p.tolist() for p in parts] if self.rank == 0 else None
 
     def min_over_ranks(self, n: int) -> int:
         if self.size == 1:

@@ -58,5 +58,6 @@ def test_bench_tp_splits_each_step_into_compute_and_communication(tiny_model):
     for phase in ("prefill", "decode"):
         one, two = r["1"][phase], r["2"][phase]
         assert one["comm_ms"] == 0 and two["comm_ms"] > 0        # only a group of two talks
+        assert 0 < two["transfer_ms"] <= two["comm_ms"]          # the wait for a slower rank taken out
         assert two["compute_ms"] + two["comm_ms"] == pytest.approx(two["step_ms"])
         assert one["steps"] == two["steps"]                      # the same schedule on both

@@ -49,3 +49,45 @@ def test_heads_that_do_not_divide_by_the_ranks_are_a_clear_error(tmp_path):
     path = make_checkpoint(tmp_path, "llama")   # 4 heads, 2 kv heads
     with pytest.raises(ValueError, match="num_attention_heads=4 must divide by tensor_parallel_size=3"):
         CausalLM(ModelConfig.load(path), TPGroup(0, 3))
+
+
+def test_a_rank_reads_only_its_shard_of_each_split_weight_from_disk(tmp_path, monkeypatch):
+    """The loader hands the layers safetensors slices; a rank of two asks each for half of a split
+    weight (rows or columns), never for the whole tensor."""
+    import workers.models.loader as loader
+
+    path = make_checkpoint(tmp_path, "llama")
+    read: dict[str, int] = {}
+
+    class Recording:
+        def __init__(self, name, real):
+            self.name, self.real = name, real
+
+        def __getitem__(self, key):
+            read[self.name] = read.get(self.name, 0) + torch.empty(self.real.get_shape(), device="meta")[key].numel()
+            return self.real[key]
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.f = loader_safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return Recording(name, self.inner.get_slice(name))
+
+    loader_safe_open = loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", File)
+    load_rank(path, 1, 2)
+    full = load_file(path / "model.safetensors")
+    for name, tensor in full.items():
+        split = any(s in name for s in ("_proj", "embed_tokens", "lm_head"))
+        assert read[name] == (tensor.numel() // 2 if split else tensor.numel()), name

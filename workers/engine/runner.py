@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 import kernels.reference
-from workers.distributed import SINGLE, TPGroup
+from workers.distributed import SINGLE, STEP, TPGroup
 from workers.engine.request import TokenLogprobs
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Batch
@@ -139,7 +139,7 @@ class StepInputs:
     logit_rows: torch.Tensor     # int64 [R]
 
     def header(self) -> list[int]:
-        return [0, len(self.input_ids), *self.block_tables.shape, len(self.logit_rows)]
+        return [STEP, len(self.input_ids), *self.block_tables.shape, len(self.logit_rows)]
 
     def pack(self) -> torch.Tensor:
         parts = (self.input_ids, self.positions, self.slot_mapping, self.cu_seqlens_q, self.seq_lens,
