@@ -154,13 +154,19 @@ def join(rank: int, size: int, store: dist.Store, device_type: str) -> TPGroup:
     dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     if device_type == "cpu":
+        THREADS_BEFORE[:] = [torch.get_num_threads()]
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the cores
     return TPGroup(rank, size, dist.group.WORLD, cpu_group, device_type)
+
+
+THREADS_BEFORE: list[int] = []    # torch's thread count before join, restored by leave
 
 
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    if THREADS_BEFORE:
+        torch.set_num_threads(THREADS_BEFORE.pop())
 
 
 # -- rank 0's side: starting and watching the followers --------------------------------------------

@@ -13,23 +13,10 @@ from ops.procs import python_module, spawn
 from ops.status import read_registry
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import WORKER_ARGS, collect, connect, send, start_stack
-from tests.workers.test_tensor_parallel import alive, gone
+from tests.workers.test_tensor_parallel import alive, children, gone
 from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return kids
 
 
 def start_worker(nats_url: str, model: str, log) -> tuple[subprocess.Popen, int]:

@@ -36,6 +36,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def children(pid: int) -> list[int]:
+    """Live child processes of pid."""
+    kids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid and alive(int(entry)):
+                    kids.append(int(entry))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return kids
+
+
 def gone(pids: list[int], within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
     while any(alive(p) for p in pids):
@@ -122,3 +135,25 @@ def test_closing_stops_every_follower(checkpoints, tiny_tokenizer):
     llm.close()
     llm.close()                                       # twice is harmless
     assert gone(pids, within=1.0)
+
+
+def test_closing_gives_the_process_its_threads_back(checkpoints, tiny_tokenizer):
+    before = torch.get_num_threads()
+    with LLM(str(checkpoints["llama"]), tiny_tokenizer, tensor_parallel_size=2, **OPTIONS):
+        assert torch.get_num_threads() == max(1, os.cpu_count() // 2)   # the two ranks share the cores
+    assert torch.get_num_threads() == before
+
+
+def test_a_checkpoint_that_fails_to_load_leaves_no_follower(tmp_path, tiny_tokenizer):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(make_checkpoint(tmp_path, "llama"), tmp_path / "broken")
+    weights = load_file(path / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks weights for model\.norm\.weight"):
+        LLM(str(path), tiny_tokenizer, tensor_parallel_size=2, **OPTIONS)
+    assert gone(children(os.getpid()), within=5.0)
+    assert not torch.distributed.is_initialized()

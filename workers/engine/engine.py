@@ -69,8 +69,10 @@ class LLMEngine:
         try:
             self.runner = build_runner(model_dir, self.model_cfg, config, tp)
         except BaseException as e:
-            if self.followers is not None and isinstance(e, RuntimeError):
-                self.followers.explain(e)
+            if self.followers is not None:
+                if isinstance(e, RuntimeError):
+                    self.followers.explain(e)
+                self.followers.error = self.followers.error or f"rank 0 failed to start: {e!r}"  # no clean stop
             self.closer()
             raise
         self.device, self.dtype = self.runner.device, self.runner.dtype
