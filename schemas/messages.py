@@ -64,10 +64,20 @@ class WorkItem:
 
 
 @dataclass(slots=True)
+class Logprobs:
+    """The model's log-probabilities of a chunk's tokens, for requests that asked for them:
+    logprob[i] of token i, and its best alternatives (top_ids[i], top_logprobs[i], best first)."""
+    logprob: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
 class TokenChunk:
     """worker → tb.out.<id>: the tokens one engine step produced. `seq` counts chunks from 0;
     `offset` is the number of output tokens before this chunk, so a reader drops duplicates.
-    The first chunk also carries the prompt's last tokens, the detokenizer's context."""
+    The first chunk also carries the prompt's last tokens, the detokenizer's context, and the
+    prompt tokens the prefix cache served."""
     TYPE: typing.ClassVar[str] = "chunk"
     id: str
     seq: int
@@ -75,6 +85,8 @@ class TokenChunk:
     token_ids: list[int]
     prompt_tokens: int = 0
     prompt_tail: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +103,7 @@ class FinalChunk:
     timing: dict[str, float] = field(default_factory=dict)    # queue_ms, ttft_ms, e2e_ms as the worker saw them
     worker: str = ""
     prompt_tail: list[int] = field(default_factory=list)     # when it is also the first chunk
+    logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)
@@ -155,8 +168,26 @@ class Completion:
     created: float = 0.0
 
 
+@dataclass(slots=True)
+class Usage:
+    """gateway → TB_USAGE (tb.usage.<tenant>): one record per finished request, for metering."""
+    TYPE: typing.ClassVar[str] = "usage"
+    id: str
+    tenant: str
+    key_id: str                                   # the API key's id (never the key); "" without keys
+    model: str
+    api: str                                      # ws | chat | completions
+    finish_reason: str                            # stop | length | abort
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    timing: dict[str, float] = field(default_factory=dict)    # the gateway's ttft_ms, e2e_ms; the worker's queue_ms
+    created: float = 0.0                          # unix time the gateway accepted the request
+    finished: float = 0.0
+
+
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
-           | Heartbeat | KvEvent | Completion)
+           | Heartbeat | KvEvent | Completion | Usage)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 
