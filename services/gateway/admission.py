@@ -39,8 +39,9 @@ class TokenBucket:
         return max(0.0, (n - self.level) / self.rate)
 
     def take(self, n: float, now: float) -> None:
+        """Takes n tokens (a refund when n < 0; never above capacity)."""
         self.refill(now)
-        self.level -= n
+        self.level = min(self.capacity, self.level - n)
 
 
 @dataclass(slots=True)

@@ -68,6 +68,8 @@ def message() -> dict:
                 "name": {"type": "string"}}, ["role", "content"])
 
 
+EVENT = {"type": "object", "required": ["data"], "properties": {   # one server-sent event
+    "data": {"type": "string", "description": "a chunk as JSON, an error as JSON, or [DONE]"}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
@@ -106,7 +108,7 @@ def operation(summary: str, body: dict, answer: dict) -> dict:
     return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
             "responses": {"200": {"description": "the completion, or server-sent events when stream is true",
                                   "content": {"application/json": {"schema": answer},
-                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                                              "text/event-stream": {"schema": EVENT}}},
                           **errors(400, 401, 404, 413, 429, 431, 503)}}
 
 
