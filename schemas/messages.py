@@ -253,6 +253,11 @@ def convert(value, hint, path: str):
     if origin is list and type(value) is list and all(type(v) is args[0] for v in value):
         return value
     if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+        elif len(args) == 2 and type(None) in args:          # X | None: X's own error names the inner field
+            return convert(value, args[0] if args[1] is type(None) else args[1], path)
         for arg in args:
             try:
                 return convert(value, arg, path)
