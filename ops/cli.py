@@ -1,5 +1,6 @@
 """The `tokenbus` command line."""
 import argparse
+import os
 import sys
 
 
@@ -44,7 +45,8 @@ def cmd_up(args) -> None:
 def cmd_chat(args) -> None:
     from ops.chat import run
 
-    sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system))
+    sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system,
+                 api_key=args.api_key))
 
 
 def cmd_status(args) -> None:
@@ -131,6 +133,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--system", help="a system message that starts every conversation")
+    c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
+                   help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
