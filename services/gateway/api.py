@@ -353,6 +353,8 @@ class EventStream:
         pump, gone = asyncio.ensure_future(self.pump(send)), asyncio.ensure_future(self.gone(receive))
         try:
             await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                self.ex.log.error("stream failed", error=repr(pump.exception()))
         finally:
             pump.cancel()
             gone.cancel()

@@ -53,7 +53,10 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             await subjects.ensure_streams(js)
             gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log, model,
                                              config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table)
-            watcher = asyncio.create_task(watch(gw))
+            known = asyncio.Event()
+            watcher = asyncio.create_task(watch(gw, known))
+            with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
+                await asyncio.wait_for(known.wait(), 5)
             app.state.started, app.state.openapi = int(time.time()), orjson.dumps(openapi.document(model, max_tokens))
             app.state.page = PAGE.read_text()
             log.info("gateway ready", nats=nats_url, model=model_dir, api_keys=api_keys)
@@ -73,11 +76,13 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
                      exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
-async def watch(gw: Gateway) -> None:
-    """Keeps admission's view of the workers current, from the registry."""
+async def watch(gw: Gateway, known: asyncio.Event) -> None:
+    """Keeps admission's view of the workers current, from the registry; `known` is set once the
+    entries there at the start have been read."""
     cluster = gw.admission.cluster
     async for entry in await gw.kv.watchall():
         if entry is None:                         # the end of the initial values
+            known.set()
             continue
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             cluster.remove(entry.key)

@@ -27,6 +27,8 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         headers = {} if self.retry_after is None else {"retry-after": str(seconds(self.retry_after))}
+        if self.status == 413:                    # the rest of the body is not worth reading
+            headers["connection"] = "close"
         return Response(orjson.dumps(self.body()), self.status, headers, media_type="application/json")
 
     def frame(self, cid: str | None) -> dict:
