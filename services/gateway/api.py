@@ -237,6 +237,8 @@ def messages(v) -> dict:
         extra = sorted(m.keys() - {"role", "content", "name"})
         if extra:
             raise bad(f"messages[{i}].{extra[0][:40]}: not supported", "messages")
+        if not isinstance(m.get("name", ""), str):
+            raise bad(f"messages[{i}].name: expected a string, got {frames.kind(m['name'])}", "messages")
         if m.get("role") not in ROLES:
             raise bad(f"messages[{i}].role: must be one of {', '.join(ROLES)} (got {frames.show(m.get('role'))})",
                       "messages")

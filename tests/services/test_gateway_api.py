@@ -188,6 +188,8 @@ BAD = [  # (path, body, status, words in the message, param)
      ["messages[0].role: must be one of"], "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, ["only {\"type\": \"text\""], "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x", "name": 5}]}, 400,
+     ["messages[0].name: expected a string"], "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, ["model: required"], "model"),
     ("/v1/chat/completions", chat(model="gpt-9"), 404, ["'gpt-9' does not exist"], "model"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, ["one prompt per request (got 2)"], "prompt"),
