@@ -132,6 +132,15 @@ def healthy(http: str) -> bool:
         return False
 
 
+def check_keys(host: str, api_keys: str | None) -> None:
+    """ValueError (the CLI prints it) for a public address without keys or a bad keys file."""
+    keys.check_exposure(host, api_keys)
+    if api_keys:
+        keys.load(api_keys)
+    else:
+        print(f"tokenbus: no --api-keys: serving {host} only, without authentication", flush=True)
+
+
 def interrupt(*_) -> None:
     raise KeyboardInterrupt
 
@@ -149,19 +158,15 @@ def watch(stack: Stack) -> None:
 
 
 def main(args) -> None:
-    keys.check_exposure(args.host, args.api_keys)         # ValueError: the CLI prints it and exits
-    if args.api_keys:
-        keys.load(args.api_keys)
+    check_keys(args.host, args.api_keys)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
-    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, api_keys=args.api_keys,
-                  host=args.host)
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers)
     signal.signal(signal.SIGTERM, interrupt)
+    stack.api_keys, stack.host = args.api_keys, args.host
     try:
         stack.start()
         print(f"tokenbus: starting {args.workers} worker(s) on {model} (logs in {data_dir / 'logs'}) ...", flush=True)
-        if not args.api_keys:
-            print(f"tokenbus: no --api-keys: serving {args.host} only, without authentication", flush=True)
         stack.wait_ready()
         print(f"tokenbus is up\n  chat page  {stack.http}/\n  OpenAI API {stack.http}/v1  (OPENAI_BASE_URL)\n"
               f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"

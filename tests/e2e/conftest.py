@@ -15,9 +15,8 @@ from schemas.messages import Completion, decode
 WORKER_ARGS = ["--max-num-seqs", "16", "--num-kv-blocks", "512"]
 
 
-def start_stack(model: str, data_dir, workers: int = 2, **options) -> Stack:
-    stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers, worker_args=WORKER_ARGS,
-                  **options)
+def start_stack(model: str, data_dir, workers: int = 2) -> Stack:
+    stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers, worker_args=WORKER_ARGS)
     try:
         stack.start()
         stack.wait_ready()

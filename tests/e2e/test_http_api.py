@@ -8,7 +8,9 @@ import openai
 import pytest
 
 from ops.cli import main
-from tests.e2e.conftest import start_stack
+from ops.procs import free_port
+from ops.up import Stack
+from tests.e2e.conftest import WORKER_ARGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -21,9 +23,14 @@ QUESTION = [{"role": "user", "content": "Explain how a paged KV cache shares the
 def stack(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    s = start_stack(tiny_model, tmp, workers=1, api_keys=str(tmp / "keys.json"))    # one worker: one prefix cache
-    yield s
-    s.stop()
+    s = Stack(tiny_model, free_port(), tmp, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS,  # one worker:
+              api_keys=str(tmp / "keys.json"))                                                        # one prefix cache
+    try:
+        s.start()
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
 
 
 def client(stack, key: str) -> openai.OpenAI:
