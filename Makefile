@@ -14,4 +14,5 @@ run: $(BIN)/tokenbus
 	$(BIN)/tokenbus up
 
 test: $(BIN)/tokenbus
+	sh tests/install-chromium.sh
 	$(BIN)/python -m pytest

@@ -14,10 +14,11 @@ HELP = "/reset clears the history, /quit or Ctrl-D exits"
 
 
 async def chat(url: str, max_tokens: int = 256, temperature: float = 0.7, system: str | None = None,
-               input_fn=input, output=sys.stdout) -> None:
+               input_fn=input, output=sys.stdout, api_key: str | None = None) -> None:
     history: list[dict[str, str]] = []
     head = [{"role": "system", "content": system}] if system else []
-    async with connect(url, max_size=MAX_FRAME_BYTES) as ws:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with connect(url, max_size=MAX_FRAME_BYTES, additional_headers=auth) as ws:
         print(f"[connected to {url} · {HELP}]", file=output)
         turn = 0
         while True:

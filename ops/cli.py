@@ -1,5 +1,6 @@
 """The `tokenbus` command line."""
 import argparse
+import os
 import sys
 
 
@@ -50,11 +51,24 @@ def cmd_up(args) -> None:
 def cmd_chat(args) -> None:
     from ops.chat import run
 
-    sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system))
+    sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system,
+                 api_key=args.api_key))
 
 
 def cmd_status(args) -> None:
     from ops.status import main
+
+    main(args)
+
+
+def cmd_usage(args) -> None:
+    from ops.usage import main
+
+    main(args)
+
+
+def cmd_bench_gateway(args) -> None:
+    from ops.bench_gateway import main
 
     main(args)
 
@@ -128,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
+    u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
+                                                     "max_concurrent_requests}; without it, loopback only")
+    u.add_argument("--host", default="127.0.0.1", help="the gateway's address (not loopback: --api-keys needed)")
     u.set_defaults(func=cmd_up)
 
     c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
@@ -135,12 +152,30 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--system", help="a system message that starts every conversation")
+    c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
+                   help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
     s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_status)
+
+    us = sub.add_parser("usage", help="the metering log summed per tenant, key and model")
+    us.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    us.add_argument("--tenant", help="only this tenant")
+    us.add_argument("--since", help="only requests since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")
+    us.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    us.set_defaults(func=cmd_usage)
+
+    bg = sub.add_parser("bench-gateway", help="the gateway's overhead: refused, accepted, streamed")
+    bg.add_argument("--model", help="HF checkpoint directory, for its tokenizer (default: the tiny model)")
+    bg.add_argument("--requests", type=int, default=2000, help="requests per latency and throughput measurement")
+    bg.add_argument("--concurrency", type=int, default=32, help="connections for the requests/s measurements")
+    bg.add_argument("--streams", type=int, default=64, help="concurrent streams for the tokens/s measurement")
+    bg.add_argument("--tokens", type=int, default=1000, help="tokens per stream")
+    bg.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    bg.set_defaults(func=cmd_bench_gateway)
     return p
 
 

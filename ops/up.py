@@ -14,6 +14,7 @@ from ops import procs
 from ops.model_builder import default_model_dir, tokenbus_home
 from ops.status import heartbeats
 from schemas import subjects
+from services.gateway import keys
 
 READY_TIMEOUT = 180.0
 
@@ -28,11 +29,22 @@ class Stack:
     nats_port: int = 4222
     workers: int = 1
     worker_args: list[str] = field(default_factory=list)
+    api_keys: str | None = None                   # the gateway's keys file; without one it serves loopback only
+    host: str = "127.0.0.1"                       # the gateway's address
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
+    def address(self) -> str:
+        """Where this machine reaches the gateway."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
+        return f"ws://{self.address}:{self.port}/ws"
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.address}:{self.port}"
 
     def start(self) -> None:
         logs = self.data_dir / "logs"
@@ -46,7 +58,9 @@ class Stack:
         self.spawn("router", "services.router", *common)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args)
-        self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--port", str(self.port))
+        keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
+        self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--host", self.host,
+                   "--port", str(self.port), *keys_arg)
 
     def spawn(self, name: str, module: str, *args: str) -> None:
         self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log")
@@ -57,7 +71,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if healthy(self.port) and asyncio.run(pipeline_ready(self.nats_url, self.workers)):
+            if healthy(self.http) and asyncio.run(pipeline_ready(self.nats_url, self.workers)):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
@@ -110,12 +124,21 @@ async def pipeline_ready(nats_url: str, num_workers: int) -> bool:
         await nc.close()
 
 
-def healthy(port: int) -> bool:
+def healthy(http: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+        with urllib.request.urlopen(f"{http}/healthz", timeout=1) as r:
             return r.status == 200
     except Exception:
         return False
+
+
+def check_keys(host: str, api_keys: str | None) -> None:
+    """ValueError (the CLI prints it) for a public address without keys or a bad keys file."""
+    keys.check_exposure(host, api_keys)
+    if api_keys:
+        keys.load(api_keys)
+    else:
+        print(f"tokenbus: no --api-keys: serving {host} only, without authentication", flush=True)
 
 
 def interrupt(*_) -> None:
@@ -135,19 +158,23 @@ def watch(stack: Stack) -> None:
 
 
 def main(args) -> None:
+    check_keys(args.host, args.api_keys)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
     worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args)
     signal.signal(signal.SIGTERM, interrupt)
+    stack.api_keys, stack.host = args.api_keys, args.host
     try:
         stack.start()
         print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
               f"(logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
-        print(f"tokenbus is up\n  websocket  {stack.url}\n  health     http://127.0.0.1:{args.port}/healthz\n"
+        print(f"tokenbus is up\n  chat page  {stack.http}/\n  OpenAI API {stack.http}/v1  (OPENAI_BASE_URL)\n"
+              f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"
               f"  nats       {stack.nats_url}\n  chat       tokenbus chat --url {stack.url}\n"
-              f"  status     tokenbus status --nats-url {stack.nats_url}\nCtrl-C stops everything.", flush=True)
+              f"  status     tokenbus status --nats-url {stack.nats_url}\n"
+              f"  usage      tokenbus usage --nats-url {stack.nats_url}\nCtrl-C stops everything.", flush=True)
         watch(stack)
     except KeyboardInterrupt:
         pass

@@ -64,10 +64,20 @@ class WorkItem:
 
 
 @dataclass(slots=True)
+class Logprobs:
+    """The model's log-probabilities of a chunk's tokens, for requests that asked for them:
+    logprob[i] of token i, and its best alternatives (top_ids[i], top_logprobs[i], best first)."""
+    logprob: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
 class TokenChunk:
     """worker → tb.out.<id>: the tokens one engine step produced. `seq` counts chunks from 0;
     `offset` is the number of output tokens before this chunk, so a reader drops duplicates.
-    The first chunk also carries the prompt's last tokens, the detokenizer's context."""
+    The first chunk also carries the prompt's last tokens, the detokenizer's context, and the
+    prompt tokens the prefix cache served."""
     TYPE: typing.ClassVar[str] = "chunk"
     id: str
     seq: int
@@ -75,6 +85,8 @@ class TokenChunk:
     token_ids: list[int]
     prompt_tokens: int = 0
     prompt_tail: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +103,7 @@ class FinalChunk:
     timing: dict[str, float] = field(default_factory=dict)    # queue_ms, ttft_ms, e2e_ms as the worker saw them
     worker: str = ""
     prompt_tail: list[int] = field(default_factory=list)     # when it is also the first chunk
+    logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)
@@ -155,8 +168,26 @@ class Completion:
     created: float = 0.0
 
 
+@dataclass(slots=True)
+class Usage:
+    """gateway → TB_USAGE (tb.usage.<tenant>): one record per finished request, for metering."""
+    TYPE: typing.ClassVar[str] = "usage"
+    id: str
+    tenant: str
+    key_id: str                                   # the API key's id (never the key); "" without keys
+    model: str
+    api: str                                      # ws | chat | completions
+    finish_reason: str                            # stop | length | abort
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    timing: dict[str, float] = field(default_factory=dict)    # the gateway's ttft_ms, e2e_ms; the worker's queue_ms
+    created: float = 0.0                          # unix time the gateway accepted the request
+    finished: float = 0.0
+
+
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
-           | Heartbeat | KvEvent | Completion)
+           | Heartbeat | KvEvent | Completion | Usage)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 
@@ -189,7 +220,7 @@ def decode(data: bytes, *expected: type):
 
 
 def to_dict(obj) -> dict:
-    return {name: to_wire(getattr(obj, name)) for name, _, _ in schema(type(obj))}
+    return {name: to_wire(getattr(obj, name)) for name, *_ in schema(type(obj))}
 
 
 def to_wire(value):
@@ -202,9 +233,10 @@ def to_wire(value):
 
 def build(cls, obj: dict, path: str):
     kwargs = {}
-    for name, hint, required in schema(cls):
+    for name, hint, required, exact in schema(cls):
         if name in obj:
-            kwargs[name] = convert(obj[name], hint, path + name)
+            value = obj[name]
+            kwargs[name] = value if type(value) in exact else convert(value, hint, path + name)
         elif required:
             raise WireError(f"{path + name}: missing")
     try:
@@ -221,6 +253,11 @@ def convert(value, hint, path: str):
     if origin is list and type(value) is list and all(type(v) is args[0] for v in value):
         return value
     if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+        elif len(args) == 2 and type(None) in args:          # X | None: X's own error names the inner field
+            return convert(value, args[0] if args[1] is type(None) else args[1], path)
         for arg in args:
             try:
                 return convert(value, arg, path)
@@ -251,11 +288,18 @@ def convert(value, hint, path: str):
 
 
 @functools.cache
-def schema(cls) -> list[tuple[str, object, bool]]:
-    """(name, type hint, required) of each field of a message class."""
+def schema(cls) -> list[tuple[str, object, bool, frozenset]]:
+    """(name, type hint, required, the types it takes as they are) of each field of a message class:
+    decoding checks a scalar field's type with one set lookup (the hot path of every token chunk)."""
     hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-            for f in dataclasses.fields(cls)]
+    return [(f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+             exact(hints[f.name])) for f in dataclasses.fields(cls)]
+
+
+def exact(hint) -> frozenset:
+    """The scalar types a value of this hint may have unconverted (int is not a float, bool not an int)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return frozenset(t for t in options if t in (str, int, float, bool, type(None)))
 
 
 @functools.cache

@@ -20,6 +20,7 @@ REQUESTS_STREAM, REQUESTS_SUBJECTS = "TB_REQUESTS", "tb.req.>"     # the replaya
 ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # tokenized requests, a work queue
 WORK_STREAM, WORK_SUBJECTS = "TB_WORK", "tb.work.>"                # one subject per worker, a work queue
 RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the completions log
+USAGE_STREAM, USAGE_SUBJECTS = "TB_USAGE", "tb.usage.>"            # the metering log: one record per request
 WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
 CANCEL_ALL = "tb.cancel.*"
 
@@ -49,6 +50,10 @@ def done(tenant: str) -> str:
     return f"tb.done.{token('tenant', tenant)}"
 
 
+def usage(tenant: str) -> str:
+    return f"tb.usage.{token('tenant', tenant)}"
+
+
 def out(request_id: str) -> str:
     return f"tb.out.{token('request id', request_id)}"
 
@@ -71,6 +76,7 @@ def msg_id(request_id: str) -> dict[str, str]:
 DUPLICATE_WINDOW = 120.0                 # seconds a retried publish is deduplicated
 LOG_MAX_AGE = 7 * 24 * 3600.0
 LOG_MAX_BYTES = 1 << 30
+USAGE_MAX_AGE = 400 * 24 * 3600.0        # bills look back a year
 QUEUE_MAX_AGE = 3600.0
 MAX_MSG_SIZE = 4 << 20
 
@@ -86,6 +92,9 @@ STREAMS = [
                      max_msg_size=MAX_MSG_SIZE),
     api.StreamConfig(name=RESULTS_STREAM, subjects=[RESULTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
                      storage=api.StorageType.FILE, max_age=LOG_MAX_AGE, max_bytes=LOG_MAX_BYTES,
+                     duplicate_window=DUPLICATE_WINDOW, max_msg_size=MAX_MSG_SIZE),
+    api.StreamConfig(name=USAGE_STREAM, subjects=[USAGE_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=USAGE_MAX_AGE, max_bytes=LOG_MAX_BYTES,
                      duplicate_window=DUPLICATE_WINDOW, max_msg_size=MAX_MSG_SIZE),
 ]
 
@@ -120,6 +129,11 @@ MAX_MESSAGES = 512                       # chat messages in one request
 MAX_STOP = 16                            # stop strings
 MAX_INFLIGHT_PER_CONNECTION = 256        # concurrent requests on one websocket
 MAX_ID_CHARS = 256                       # a client id, echoed in every frame of its request
+MAX_TOKENS = 4096                        # max_tokens of one request (the gateway's --max-tokens changes it)
+MAX_BODY_BYTES = 4 << 20                 # one HTTP request body
+MAX_HEADERS = 100                        # header fields of one HTTP request or websocket handshake
+MAX_HEADER_BYTES = 32 << 10              # the request line and headers together
+QUEUE_WATERMARK = 1.0                    # a worker with this × max_num_seqs queued beyond a full batch takes no more
 
 
 # -- connecting -----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from schemas.messages import (
     ErrorChunk,
     FinalChunk,
     Heartbeat,
+    Logprobs,
     TokenChunk,
     WireError,
     WorkItem,
@@ -119,7 +120,8 @@ class WorkerService:
         if req.finished:
             await self.end(run, req, new, now)
         elif new:
-            chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail)
+            chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail,
+                               max(req.num_cached_tokens, 0) if run.seq == 0 else 0, logprobs(req, run.sent))
             run.seq, run.sent = run.seq + 1, len(out)
             await self.nc.publish(run.subject, encode(chunk))
 
@@ -133,7 +135,7 @@ class WorkerService:
                   "e2e_ms": (now - run.received) * 1e3}
         timing = {k: round(v, 3) for k, v in timing.items() if v is not None}
         final = FinalChunk(rid, run.seq, run.sent, new, req.finish_reason, req.stop_reason, usage, timing, self.id,
-                           run.tail)
+                           run.tail, logprobs(req, run.sent))
         await self.nc.publish(run.subject, encode(final))
         record = Completion(rid, r.tenant, self.id, r.sampling, r.prompt_token_ids, req.output_token_ids,
                             req.finish_reason, req.stop_reason, usage, timing, r.created)
@@ -243,6 +245,15 @@ class WorkerService:
                     await run.msg.in_progress()
                 except nats.errors.Error as e:
                     self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
+
+
+def logprobs(req: Request, start: int) -> Logprobs | None:
+    """The logprobs of output tokens from `start` on, for a request that asked for them."""
+    if req.params.logprobs is None:
+        return None
+    lps = req.logprobs[start:]
+    return Logprobs([t.logprob for t in lps], [[i for i, _ in t.top] for t in lps],
+                    [[v for _, v in t.top] for t in lps])
 
 
 # -- the process ----------------------------------------------------------------------------------

@@ -1,45 +1,162 @@
-"""The gateway's ASGI app: websocket chat at /ws and /healthz (the HTTP API joins this app later),
-served by uvicorn."""
+"""The gateway's ASGI app, served by uvicorn: the websocket chat protocol at /ws, the OpenAI-compatible
+HTTP API at /v1/* (its OpenAPI document at /openapi.json), the web chat page at /, and /healthz."""
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
+import sys
+import time
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import orjson
 import uvicorn
+from nats.js.kv import KV_DEL, KV_PURGE
 from starlette.applications import Starlette
-from starlette.responses import Response
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from schemas import subjects
 from schemas.log import configure
+from schemas.messages import Heartbeat, WireError, decode
+from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
+from services.gateway import api, keys, openapi
+from services.gateway.errors import ApiError
 from services.gateway.session import Connection, Gateway
 
+PAGE = Path(__file__).with_name("chat.html")
+SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish when the gateway stops
 
-def create_app(nats_url: str, model_dir: str) -> Starlette:
+
+def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_tokens: int = subjects.MAX_TOKENS,
+               model_name: str | None = None) -> Starlette:
+    """The app; ValueError (naming the file and the key) for a bad keys file."""
+    key_table = keys.load(api_keys) if api_keys else None
+    model = model_name or os.path.basename(os.path.normpath(model_dir))
+    config = orjson.loads(Path(model_dir, "config.json").read_bytes())
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         log = configure("gateway")
         tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
         nc = await subjects.connect(nats_url, "gateway", log)
+        watcher = None
         try:
             js = nc.jetstream()
             await subjects.ensure_streams(js)
-            app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log)
-            log.info("gateway ready", nats=nats_url, model=model_dir)
+            gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log, model,
+                                             config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table)
+            known = asyncio.Event()
+            watcher = asyncio.create_task(watch(gw, known))
+            with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
+                await asyncio.wait_for(known.wait(), 5)
+            app.state.started, app.state.openapi = int(time.time()), orjson.dumps(openapi.document(model, max_tokens))
+            app.state.page = PAGE.read_text()
+            log.info("gateway ready", nats=nats_url, model=model_dir, api_keys=api_keys)
+            if key_table is None:
+                log.warning("no API keys: one tenant, no authentication, loopback only")
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await subjects.close(nc)
             log.info("gateway stopped")
 
-    return Starlette(routes=[Route("/healthz", healthz), WebSocketRoute("/ws", chat)], lifespan=lifespan)
+    routes = [Route("/", page), Route("/healthz", healthz), Route("/openapi.json", openapi_json),
+              Route("/v1/models", api.models), Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/completions", api.completions, methods=["POST"]), WebSocketRoute("/ws", chat)]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
+                     exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
-async def chat(ws) -> None:
-    await Connection(ws.app.state.gateway, ws).run()
+async def watch(gw: Gateway, known: asyncio.Event) -> None:
+    """Keeps admission's view of the workers current, from the registry; `known` is set once the
+    entries there at the start have been read."""
+    cluster = gw.admission.cluster
+    async for entry in await gw.kv.watchall():
+        if entry is None:                         # the end of the initial values
+            known.set()
+            continue
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            cluster.remove(entry.key)
+            continue
+        try:
+            cluster.update(decode(entry.value, Heartbeat))
+        except WireError as e:
+            gw.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
+
+
+async def chat(ws: WebSocket) -> None:
+    gw: Gateway = ws.app.state.gateway
+    try:
+        key = gw.authorize(ws.headers, ws.query_params)
+    except ApiError as e:
+        await ws.send_denial_response(e.response())
+        return
+    await Connection(gw, ws, key).run()
+
+
+async def page(request) -> Response:
+    return HTMLResponse(request.app.state.page)
+
+
+async def openapi_json(request) -> Response:
+    return Response(request.app.state.openapi, media_type="application/json")
+
+
+async def http_error(request, exc: HTTPException) -> Response:
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    "not_found" if exc.status_code == 404 else None).response()
+
+
+async def server_error(request, exc: Exception) -> Response:
+    request.app.state.gateway.log.error("request failed", path=request.url.path, error=repr(exc))
+    return ApiError(500, f"the gateway failed: {type(exc).__name__}", "internal").response()
+
+
+class HeaderLimit:
+    """More than MAX_HEADERS header fields, or more than MAX_HEADER_BYTES in them: 431 naming the limit
+    (HTTP, and websocket handshakes). A head that arrives in pieces is held to MAX_HEADER_BYTES by h11."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = scope.get("headers", ())
+        size = sum(len(k) + len(v) for k, v in headers) + len(scope.get("raw_path") or b"")
+        if len(headers) > MAX_HEADERS:
+            e = ApiError(431, f"{len(headers)} header fields is more than MAX_HEADERS={MAX_HEADERS}",
+                         "too_many_headers")
+        elif size > MAX_HEADER_BYTES:
+            e = ApiError(431, f"the request line and headers are more than MAX_HEADER_BYTES={MAX_HEADER_BYTES} "
+                              "bytes", "headers_too_large")
+        else:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await WebSocket(scope, receive, send).send_denial_response(e.response())
+        else:
+            await e.response()(scope, receive, send)
+
+
+class Http(H11Protocol):
+    """uvicorn's h11 protocol, but a request line and headers over MAX_HEADER_BYTES (h11 refuses them
+    unparsed) get a 431 that names the limit; uvicorn would say only "Invalid HTTP request received"."""
+
+    def send_400_response(self, msg: str) -> None:
+        if len(self.conn.trailing_data[0]) <= MAX_HEADER_BYTES:
+            return super().send_400_response(msg)
+        body = orjson.dumps(ApiError(431, f"the request line and headers are more than MAX_HEADER_BYTES="
+                                          f"{MAX_HEADER_BYTES} bytes", "headers_too_large").body())
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
 
 async def healthz(request) -> Response:
@@ -61,8 +178,10 @@ async def workers(gw: Gateway) -> int:
 
 def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
     # No permessage-deflate: token deltas are a few dozen bytes, and compressing each costs both ends CPU
-    return uvicorn.Config(app, host=host, port=port, ws="websockets-sansio", ws_max_size=subjects.MAX_FRAME_BYTES,
-                          ws_per_message_deflate=False, lifespan="on", log_config=None, access_log=False)
+    return uvicorn.Config(app, host=host, port=port, http=Http, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                          ws="websockets-sansio", ws_max_size=subjects.MAX_FRAME_BYTES, ws_per_message_deflate=False,
+                          lifespan="on", log_config=None, access_log=False,
+                          timeout_graceful_shutdown=SHUTDOWN_GRACE)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,12 +190,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF checkpoint directory, for its tokenizer.json")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", help="JSON file: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
+                                      "max_concurrent_requests}; without it, loopback only")
+    p.add_argument("--max-tokens", type=int, default=subjects.MAX_TOKENS, help="the cap on a request's max_tokens")
+    p.add_argument("--served-model-name", help="the model's name in the HTTP API (default: the checkpoint directory's)")
     return p
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    server = uvicorn.Server(server_config(create_app(args.nats_url, args.model), args.host, args.port))
+    try:
+        keys.check_exposure(args.host, args.api_keys)
+        app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name)
+    except ValueError as e:
+        sys.exit(f"gateway: {e}")
+    server = uvicorn.Server(server_config(app, args.host, args.port))
     for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead
         signal.signal(sig, lambda *_: None)
     server.run()

@@ -1,11 +1,13 @@
-"""One websocket connection: client frames in, its requests' frames out. Each request subscribes to
-tb.out.<request id> before it is published; the subscription's callback is the hot path (decode,
-drop duplicates, detokenize, send)."""
+"""Requests in flight: what every client shares (Gateway), one websocket connection (Connection) or
+one HTTP request (Exchange) as the owner of its requests, and a request's stream (Request). Each
+request subscribes to tb.out.<request id> before it is published; the subscription's callback is the
+hot path (decode, drop duplicates, detokenize, send). When a request ends its admission ticket is
+settled and, if it ran, its usage record goes to TB_USAGE."""
 import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 import orjson
@@ -17,27 +19,102 @@ from tokenizers import Tokenizer
 
 from schemas import subjects
 from schemas.detokenizer import Detokenizer
-from schemas.messages import Cancel, ErrorChunk, FinalChunk, TokenChunk, WireError, decode, encode
-from services.gateway import frames
+from schemas.messages import (
+    Cancel,
+    ErrorChunk,
+    FinalChunk,
+    GenerateRequest,
+    TokenChunk,
+    Usage,
+    WireError,
+    decode,
+    encode,
+)
+from services.gateway import admission, frames, keys
+from services.gateway.admission import Admission, Ticket
+from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
+from services.gateway.keys import Key
 
-TENANT = "default"                       # until API keys map to tenants
 PUBLISH_TIMEOUT = 5.0
 
 
 @dataclass(slots=True)
 class Gateway:
-    """What every connection shares: the NATS connection, the registry and the tokenizer."""
+    """What every client shares: the NATS connection, the registry, the tokenizer, the keys and admission."""
     nc: nats.NATS
     js: JetStreamContext
     kv: KeyValue                                  # the worker registry
     tokenizer: Tokenizer
     log: FilteringBoundLogger
+    model: str = "model"                          # the served model's name
+    max_model_len: int = 1 << 30
+    max_tokens: int = subjects.MAX_TOKENS         # the cap on a request's max_tokens
+    keys: dict[str, Key] | None = None            # SHA-256 hex → key; None: no keys, one tenant
+    admission: Admission = field(default_factory=Admission)
+    tasks: set = field(default_factory=set)
+
+    def authorize(self, headers, query) -> Key:
+        if self.keys is None:
+            return keys.OPEN
+        given = keys.presented(headers, query)
+        key = self.keys.get(keys.digest(given)) if given else None
+        if key is None:
+            raise ApiError(401, "missing API key: send Authorization: Bearer <key>" if not given
+                           else "invalid API key", "invalid_api_key")
+        return key
+
+    def admit(self, key: Key, req: GenerateRequest) -> Ticket:
+        """The request's admission ticket, or ApiError naming the limit."""
+        n = req.sampling.max_tokens
+        if n > self.max_tokens:
+            raise ApiError(400, f"max_tokens: {n} is more than the gateway's cap max_tokens={self.max_tokens}",
+                           "max_tokens_too_large", "max_tokens")
+        prompt = admission.estimate(req)
+        return self.admission.admit(key, prompt, min(n, max(self.max_model_len - prompt, 1)))
+
+    async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float) -> "Request":
+        """Subscribes to the request's tokens, then publishes it (in a task); the tenant's salt goes in."""
+        req.tenant = req.cache_salt = ticket.key.tenant          # the salt is the gateway's, never the client's
+        r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created)
+        try:
+            r.sub = await self.nc.subscribe(subjects.out(req.id), cb=r.on_msg)  # before the publish
+        except nats.errors.Error as e:
+            self.admission.settle(ticket, 0)
+            raise ApiError(503, f"NATS is not reachable: {e}", "unavailable") from None
+        owner.inflight[cid] = r
+        r.task = asyncio.create_task(r.submit(req))
+        return r
+
+    def close(self, r: "Request", reason: str | None) -> None:
+        """A request ended (reason None: with an error): settle its ticket, meter what it used."""
+        self.admission.settle(r.ticket, r.prompt_tokens + r.received)
+        if reason is not None:
+            self.spawn(self.meter(r.usage(reason, self.model)))
+
+    async def meter(self, u: Usage) -> None:
+        try:
+            await self.js.publish(subjects.usage(u.tenant), encode(u), headers=subjects.msg_id(u.id),
+                                  timeout=PUBLISH_TIMEOUT)
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            self.log.error("usage record not stored", request_id=u.id, tenant=u.tenant,
+                           error=str(e) or type(e).__name__)
+
+    async def publish_cancel(self, rid: str, reason: str) -> None:
+        try:
+            await self.nc.publish(subjects.cancel(rid), encode(Cancel(rid, reason)))
+        except nats.errors.Error as e:
+            self.log.error("cancel publish failed", request_id=rid, error=str(e))
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
 
 class Connection:
-    def __init__(self, gw: Gateway, ws):
-        self.gw, self.ws, self.log = gw, ws, gw.log
+    def __init__(self, gw: Gateway, ws, key: Key = keys.OPEN):
+        self.gw, self.ws, self.log, self.key = gw, ws, gw.log, key
         self.inflight: dict[str, Request] = {}  # client id -> request
 
     async def run(self) -> None:
@@ -70,14 +147,11 @@ class Connection:
             raise FrameError(f"{len(self.inflight)} requests are in flight on this connection; "
                              f"MAX_INFLIGHT_PER_CONNECTION={subjects.MAX_INFLIGHT_PER_CONNECTION}", cid,
                              "too_many_requests")
-        req = frames.request(frame, uuid.uuid4().hex, TENANT)
-        r = Request(self, cid, req.id, req.sampling.stop, t0)
+        req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
         try:
-            r.sub = await self.gw.nc.subscribe(subjects.out(req.id), cb=r.on_msg)  # before the publish
-        except nats.errors.Error as e:
-            raise FrameError(f"NATS is not reachable: {e}", cid, "unavailable") from None
-        self.inflight[cid] = r
-        r.task = asyncio.create_task(r.submit(req))
+            await self.gw.start(self, cid, req, self.gw.admit(self.key, req), "ws", t0)
+        except ApiError as e:                     # refused by a limit: an error frame with its code
+            raise FrameError(e.message, cid, e.frame(cid)["code"]) from None
 
     async def cancel(self, cid: str) -> None:
         r = self.inflight.get(cid)
@@ -96,26 +170,37 @@ class Connection:
         except Exception as e:                    # the client left: run() sees it and aborts its requests
             self.log.debug("send failed", error=repr(e))
 
-    async def publish_cancel(self, rid: str, reason: str) -> None:
-        try:
-            await self.gw.nc.publish(subjects.cancel(rid), encode(Cancel(rid, reason)))
-        except nats.errors.Error as e:
-            self.log.error("cancel publish failed", request_id=rid, error=str(e))
+
+class Exchange:
+    """The owner of one HTTP request's Request: its frames queue up for the response to take."""
+
+    def __init__(self, gw: Gateway):
+        self.gw, self.log = gw, gw.log
+        self.inflight: dict[str, Request] = {}
+        self.frames: asyncio.Queue[dict] = asyncio.Queue()
+
+    async def send(self, frame: dict) -> None:
+        self.frames.put_nowait(frame)
 
 
 @dataclass(slots=True, eq=False)
 class Request:
     """One generate in flight: its subscription, detokenizer and counters."""
-    conn: Connection
+    conn: Connection | Exchange                   # its owner: where its frames go
     cid: str                                      # the client's id
     rid: str                                      # the request id on the wire
     stop: tuple[str, ...]
-    t0: float                                     # perf_counter when the generate frame arrived
+    t0: float                                     # perf_counter when the request arrived
+    ticket: Ticket
+    api: str                                      # ws | chat | completions
+    created: float = 0.0                          # unix time
     sub: Subscription | None = None
     task: asyncio.Task | None = None
     detok: Detokenizer | None = None
     received: int = 0                             # output tokens so far: the offset the next chunk should have
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    worker_timing: dict = field(default_factory=dict)
     ttft: float | None = None
     ended: bool = False
 
@@ -141,7 +226,7 @@ class Request:
             await self.handle(msg.data)
         except Exception as e:                    # e.g. a token id the tokenizer does not know
             self.log.exception("chunk failed", request_id=self.rid)
-            await self.conn.publish_cancel(self.rid, "abort")
+            await self.conn.gw.publish_cancel(self.rid, "abort")
             await self.end(error(self.cid, "internal", f"the gateway failed on a chunk: {type(e).__name__}: {e}"))
 
     async def handle(self, data: bytes) -> None:
@@ -157,23 +242,30 @@ class Request:
             await self.end(error(self.cid, chunk.code, chunk.message))
             return
         final = type(chunk) is FinalChunk
-        new = self.accept(chunk)
+        new, skip = self.accept(chunk)
         stop = self.detok.push(new) if new else None
         text = self.detok.release(final)
         if new or text:
-            await self.conn.send({"type": "delta", "id": self.cid, "text": text, "token_ids": new})
+            delta = {"type": "delta", "id": self.cid, "text": text, "token_ids": new}
+            if chunk.logprobs is not None:        # HTTP requests only: the websocket protocol has no logprobs
+                delta["logprobs"] = chunk.logprobs, skip
+            await self.conn.send(delta)
         if stop is not None:
             if not final:
-                await self.conn.publish_cancel(self.rid, "stop")
+                await self.conn.gw.publish_cancel(self.rid, "stop")
             await self.end(self.done("stop"))
         elif final:
+            self.cached_tokens = chunk.usage.get("cached_tokens", self.cached_tokens)
+            self.worker_timing = chunk.timing
             await self.end(self.done(chunk.finish_reason, chunk.usage))
 
-    def accept(self, chunk: TokenChunk | FinalChunk) -> list[int]:
-        """The chunk's tokens not received before; the first chunk starts the detokenizer."""
+    def accept(self, chunk: TokenChunk | FinalChunk) -> tuple[list[int], int]:
+        """The chunk's tokens not received before, and how many of its tokens came before; the first
+        chunk starts the detokenizer."""
         if self.detok is None:
             self.detok = Detokenizer(self.conn.gw.tokenizer, chunk.prompt_tail, self.stop)
             self.prompt_tokens = getattr(chunk, "prompt_tokens", 0)
+            self.cached_tokens = getattr(chunk, "cached_tokens", 0)
         skip = self.received - chunk.offset
         if skip < 0:
             self.log.warning("token gap", request_id=self.rid, seq=chunk.seq, offset=chunk.offset,
@@ -184,7 +276,7 @@ class Request:
             self.received = chunk.offset + len(chunk.token_ids)
             if self.ttft is None:
                 self.ttft = time.perf_counter() - self.t0
-        return new
+        return new, skip
 
     def done(self, reason: str, usage: dict | None = None) -> dict:
         usage = usage or {}
@@ -193,11 +285,18 @@ class Request:
                           "completion_tokens": usage.get("completion_tokens", self.received)},
                 "timing": {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0)}}
 
+    def usage(self, reason: str, model: str) -> Usage:
+        timing = {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0),
+                  "queue_ms": self.worker_timing.get("queue_ms")}
+        return Usage(self.rid, self.ticket.key.tenant, self.ticket.key.id, model, self.api, reason, self.prompt_tokens,
+                     self.cached_tokens, self.received, {k: v for k, v in timing.items() if v is not None},
+                     self.created, time.time())
+
     async def end(self, frame: dict) -> None:
         """Sends the request's last frame and drops its subscription. In the callback this is the last
         await: the unsubscribe cancels the callback's task (at its next real suspension, so messages
         already queued still reach on_msg)."""
-        if not self.finish():
+        if not self.finish(frame.get("finish_reason")):
             return
         self.log.debug("request ended", request_id=self.rid, frame=frame["type"], tokens=self.received)
         await self.conn.send(frame)
@@ -205,18 +304,19 @@ class Request:
 
     async def abort(self) -> None:
         """Ends the request from outside its callback (client cancel or disconnect) and tells the worker."""
-        self.finish()
+        self.finish("abort")
         self.task.cancel()
         await self.unsubscribe()
-        await self.conn.publish_cancel(self.rid, "abort")
+        await self.conn.gw.publish_cancel(self.rid, "abort")
 
-    def finish(self) -> bool:
-        """Marks the request ended and frees its id; False if it already was (whoever ends it sends its
-        last frame)."""
+    def finish(self, reason: str | None) -> bool:
+        """Marks the request ended (reason None: by an error), frees its id, settles and meters it;
+        False if it already was (whoever ends it sends its last frame)."""
         if self.ended:
             return False
         self.ended = True
         del self.conn.inflight[self.cid]
+        self.conn.gw.close(self, reason)
         return True
 
     async def unsubscribe(self) -> None:

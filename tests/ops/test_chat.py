@@ -99,6 +99,23 @@ def test_an_error_frame_is_printed_and_the_failed_turn_leaves_no_trace_in_the_hi
     assert requests[1].messages == [{"role": "user", "content": "ok"}]
 
 
+def test_a_gateway_with_keys_takes_the_api_key_and_refuses_a_chat_without_one(nats_url, tiny_model, tok, tmp_path,
+                                                                             capsys):
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-term": {"tenant": "term"}}')
+    out = Output()
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, answer, api_keys=str(keys)) as down:
+            await asyncio.wait_for(chat(down.ws, input_fn=scripted("hi"), output=out, api_key="sk-term"), 20)
+            assert await asyncio.to_thread(run, down.ws, input_fn=scripted("hi")) == 1
+            return down.requests
+
+    requests = asyncio.run(body())
+    assert " you said hi" in out.text and [r.tenant for r in requests] == ["term"]
+    assert "401" in capsys.readouterr().err
+
+
 def test_run_reports_an_unreachable_gateway_with_exit_status_1(capsys):
     assert run(f"ws://127.0.0.1:{free_port()}/ws", input_fn=scripted()) == 1
     assert "chat: ws://127.0.0.1:" in capsys.readouterr().err

@@ -15,8 +15,10 @@ from schemas.messages import (
     GenerateRequest,
     Heartbeat,
     KvEvent,
+    Logprobs,
     TokenChunk,
     TokenizedRequest,
+    Usage,
     WireError,
     WorkItem,
     decode,
@@ -39,6 +41,9 @@ EXAMPLES = [
     Heartbeat("w0", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5),
     KvEvent("w0", 4, [2**64 - 1, 1], [7]),
     Completion("r1", "t", "w0", SAMPLING, [1], [2, 3], "length", None, {"prompt_tokens": 1}, {"e2e_ms": 2.0}, 1.0),
+    TokenChunk("r1", 0, 0, [9, 10], 2, [5, 6], 16,
+               Logprobs([-0.5, -1.0], [[9, 3], [10, 4]], [[-0.5, -2.0], [-1.0, -3.0]])),
+    Usage("r1", "t", "0123456789ab", "tiny", "chat", "stop", 9, 4, 7, {"ttft_ms": 1.5, "e2e_ms": 9.0}, 1.0, 2.0),
 ]
 
 
@@ -73,6 +78,9 @@ def wire(msg, **changes) -> bytes:
     (wire(EXAMPLES[0], prompt="also"), "exactly one of messages, prompt, prompt_token_ids"),
     (wire(EXAMPLES[3], request={"id": "r"}), "request.tenant: missing"),
     (wire(EXAMPLES[5], stop_reason=[1]), "stop_reason: [1] is not int | str | NoneType"),
+    (wire(EXAMPLES[-2], logprobs={"logprob": [0.5], "top_ids": [["x"]], "top_logprobs": [[]]}),
+     "logprobs.top_ids[0][0]: expected int"),
+    (wire(EXAMPLES[-1], prompt_tokens=1.5), "prompt_tokens: expected int, got float"),
 ])
 def test_bad_messages_are_wire_errors_that_name_the_field(data, message):
     with pytest.raises(WireError, match=message.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):

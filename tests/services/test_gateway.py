@@ -96,7 +96,7 @@ def test_concurrent_generates_on_one_connection_each_stream_their_text_and_done(
                 assert 0 < done["timing"]["ttft_ms"] <= done["timing"]["e2e_ms"]
             by_said = {said(r): r for r in down.requests}
             m = by_said["first one"]
-            assert m.tenant == "default" and len(m.id) == 32 and m.cache_salt is None and m.created > 0
+            assert m.tenant == m.cache_salt == "default" and len(m.id) == 32 and m.created > 0
             assert (m.sampling.max_tokens, m.sampling.temperature, m.sampling.top_p, m.sampling.seed,
                     m.sampling.stop) == (64, 0.7, 0.9, 7, ("\n\n",))
             p = by_said["second prompt"].sampling
@@ -349,7 +349,7 @@ def test_a_request_the_stream_cannot_store_gets_an_unavailable_error(nats_url, t
 
 def test_healthz_is_503_without_workers_and_200_once_a_heartbeat_is_registered(nats_url, tiny_model, tok):
     async def body():
-        async with gateway(nats_url, tiny_model, tok) as down:
+        async with gateway(nats_url, tiny_model, tok, workers=0) as down:
             assert await asyncio.to_thread(http_get, down.http + "/healthz") == (
                 503, {"status": "unavailable", "workers": 0})
             kv = await subjects.registry(down.nc.jetstream())

@@ -1,0 +1,158 @@
+"""Whether a request may enter, decided in the gateway's memory (no I/O, microseconds):
+- per tenant, a token bucket of tokens_per_minute charged prompt + max output tokens, refunded what
+  the request did not use when it ends; and a cap on its concurrent requests (429 + Retry-After);
+- the cluster, from the worker registry: some worker must be able to take the request soon, its
+  queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
+  overloaded cluster refuses quickly instead of queueing without bound.
+
+The gateway does not tokenize: a text prompt is estimated at BYTES_PER_TOKEN and the bucket is
+settled with the worker's counts when the request ends."""
+import math
+import time
+from dataclasses import dataclass, field
+
+from schemas.messages import GenerateRequest, Heartbeat
+from schemas.subjects import HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL
+from services.gateway.errors import ApiError
+from services.gateway.keys import Key
+
+BYTES_PER_TOKEN = 4              # English text under a byte-level BPE; corrected when the request ends
+MESSAGE_OVERHEAD = 4             # chat-template tokens around each message
+BUSY_RETRY = 2 * HEARTBEAT_SECONDS
+
+
+class TokenBucket:
+    """`per_minute` tokens of capacity, refilled continuously; it may go below zero when a request
+    used more than it was charged."""
+
+    def __init__(self, per_minute: int, now: float):
+        self.capacity, self.rate = float(per_minute), per_minute / 60.0
+        self.level, self.t = self.capacity, now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.t) * self.rate)
+        self.t = now
+
+    def wait(self, n: int, now: float) -> float:
+        """Seconds until n tokens are there (0: they are)."""
+        self.refill(now)
+        return max(0.0, (n - self.level) / self.rate)
+
+    def take(self, n: float, now: float) -> None:
+        """Takes n tokens (a refund when n < 0; never above capacity)."""
+        self.refill(now)
+        self.level = min(self.capacity, self.level - n)
+
+
+@dataclass(slots=True)
+class Tenant:
+    bucket: TokenBucket | None
+    active: int = 0
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request's charge, settled once when it ends."""
+    key: Key
+    charged: int
+    settled: bool = False
+
+
+def estimate(req: GenerateRequest) -> int:
+    """Prompt tokens, estimated without tokenizing (exact for prompt_token_ids)."""
+    if req.prompt_token_ids is not None:
+        return len(req.prompt_token_ids)
+    if req.prompt is not None:
+        return math.ceil(len(req.prompt.encode()) / BYTES_PER_TOKEN)
+    size = sum(len(m.get("content", "").encode()) for m in req.messages)
+    return math.ceil(size / BYTES_PER_TOKEN) + MESSAGE_OVERHEAD * len(req.messages)
+
+
+class Cluster:
+    """The workers the registry shows, and the requests this gateway sent each since its last heartbeat
+    (charged to the one the router would pick: the least loaded)."""
+
+    def __init__(self):
+        self.workers: dict[str, Heartbeat] = {}
+        self.added: dict[str, int] = {}
+
+    def update(self, hb: Heartbeat) -> None:
+        self.workers[hb.worker] = hb
+        self.added[hb.worker] = 0
+
+    def remove(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+        self.added.pop(worker, None)
+
+    def load(self, hb: Heartbeat) -> float:
+        return (hb.running + hb.waiting + self.added[hb.worker]) / max(hb.max_num_seqs, 1)
+
+    def place(self, tokens: int, now: float) -> str:
+        """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none."""
+        live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL]
+        if not live:
+            raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
+        fit = [hb for hb in live if math.ceil(tokens / hb.block_size) <= hb.kv_blocks_total]
+        if not fit:
+            largest = max(live, key=lambda hb: hb.kv_blocks_total)
+            raise ApiError(503, f"the request may need {math.ceil(tokens / largest.block_size)} KV blocks (prompt + "
+                           f"max_tokens = {tokens} tokens); the largest worker holds {largest.kv_blocks_total}; "
+                           "lower max_tokens", "unavailable", "max_tokens", BUSY_RETRY)
+        best = min(fit, key=self.load)
+        if self.load(best) >= 1 + QUEUE_WATERMARK:
+            raise ApiError(503, f"every worker is busy: {len(fit)} worker(s), each with more than "
+                           f"QUEUE_WATERMARK={QUEUE_WATERMARK} × max_num_seqs requests queued; retry shortly",
+                           "overloaded", retry_after=BUSY_RETRY)
+        self.added[best.worker] += 1
+        return best.worker
+
+
+@dataclass(slots=True)
+class Admission:
+    cluster: Cluster = field(default_factory=Cluster)
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+
+    def tenant(self, key: Key, now: float) -> Tenant:
+        t = self.tenants.get(key.tenant)
+        if t is None:
+            bucket = TokenBucket(key.tokens_per_minute, now) if key.tokens_per_minute else None
+            t = self.tenants[key.tenant] = Tenant(bucket)
+        return t
+
+    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None) -> Ticket:
+        """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit."""
+        now = time.monotonic() if now is None else now
+        t, cost = self.tenant(key, now), prompt_tokens + max_tokens
+        cap = key.max_concurrent_requests
+        if cap is not None and t.active >= cap:
+            raise ApiError(429, f"tenant {key.tenant} has {t.active} requests in flight; max_concurrent_requests="
+                           f"{cap}", "concurrency_limit_exceeded", retry_after=1)
+        if t.bucket is not None:
+            self.check_rate(key, t.bucket, cost, now)
+        self.cluster.place(cost, time.time())
+        if t.bucket is not None:
+            t.bucket.take(cost, now)
+        t.active += 1
+        return Ticket(key, cost)
+
+    def check_rate(self, key: Key, bucket: TokenBucket, cost: int, now: float) -> None:
+        if cost > bucket.capacity:              # would never pass: no Retry-After to give
+            raise ApiError(400, f"this request may use {cost} tokens (prompt + max_tokens), more than "
+                           f"tokens_per_minute={key.tokens_per_minute} of tenant {key.tenant}; lower max_tokens",
+                           "request_too_large", "max_tokens")
+        wait = bucket.wait(cost, now)
+        if wait > 0:
+            raise ApiError(429, f"tenant {key.tenant} is over tokens_per_minute={key.tokens_per_minute}: this request "
+                           f"may use {cost} tokens (prompt + max_tokens), {max(int(bucket.level), 0)} are left; "
+                           f"retry after {math.ceil(wait)} s", "rate_limit_exceeded", retry_after=wait)
+
+    def settle(self, ticket: Ticket, used: int, now: float | None = None) -> None:
+        """Refunds what the request did not use (or charges what it used beyond its charge); once."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        now = time.monotonic() if now is None else now
+        t = self.tenant(ticket.key, now)
+        t.active -= 1
+        if t.bucket is not None:
+            t.bucket.take(used - ticket.charged, now)

@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+A request is checked (key, body size, JSON, fields, admission) before anything is published; the
+response starts only when the pipeline's first chunk or error arrives, so an error of the tokenizer
+or worker (a prompt over the context) still gets its own status. Streams are server-sent events,
+one `data:` line per chunk, every chunk already queued written in one go."""
+import asyncio
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import orjson
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from schemas.messages import GenerateRequest
+from schemas.subjects import MAX_BODY_BYTES
+from services.gateway import errors, frames
+from services.gateway.errors import ApiError
+from services.gateway.frames import FrameError
+from services.gateway.session import Exchange, Gateway, Request
+
+EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
+          "frequency_penalty", "user", "stream", "stream_options", *EXTENSIONS}
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}
+ROLES = ("system", "developer", "user", "assistant")
+MAX_LOGPROBS = 20
+COMPLETIONS_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+@dataclass(slots=True)
+class Call:
+    """A checked HTTP request: what to run and how to answer."""
+    api: str                                      # chat | completions
+    req: GenerateRequest
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    id: str                                       # chatcmpl-… or cmpl-…
+    created: int
+    model: str
+
+
+class Disconnected(Exception):
+    pass
+
+
+# -- handlers -------------------------------------------------------------------------------------
+
+async def chat_completions(request: HttpRequest):
+    return await complete(request, "chat")
+
+
+async def completions(request: HttpRequest):
+    return await complete(request, "completions")
+
+
+async def models(request: HttpRequest) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        gw.authorize(request.headers, request.query_params)
+    except ApiError as e:
+        return e.response()
+    return json({"object": "list", "data": [{"id": gw.model, "object": "model", "created": request.app.state.started,
+                                             "owned_by": "tokenbus"}]})
+
+
+async def complete(request: HttpRequest, api: str):
+    gw: Gateway = request.app.state.gateway
+    t0, ex = time.perf_counter(), Exchange(gw)
+    try:
+        key = gw.authorize(request.headers, request.query_params)
+        call = parse(api, await body(request), gw)
+        r = await gw.start(ex, "http", call.req, gw.admit(key, call.req), api, t0)
+        first = await watching(request, ex.frames.get())
+    except ApiError as e:
+        return e.response()
+    except Disconnected:
+        await abort(ex)
+        return Response(status_code=499)
+    if first["type"] == "error":
+        return errors.from_pipeline(first["code"], first["message"]).response()
+    if call.stream:
+        return EventStream(events(ex, call, r, first), ex)
+    try:
+        got = [first] if first["type"] == "done" else [first, *await watching(request, rest(ex))]
+    except Disconnected:
+        await abort(ex)
+        return Response(status_code=499)
+    if got[-1]["type"] == "error":
+        return errors.from_pipeline(got[-1]["code"], got[-1]["message"]).response()
+    return json(whole(call, r, got, gw))
+
+
+async def body(request: HttpRequest) -> dict:
+    """The JSON object in the body; 413 past MAX_BODY_BYTES (read no further), 400 if not a JSON object."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise too_large(int(size))
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > MAX_BODY_BYTES:
+            raise too_large(len(data))
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {frames.kind(obj)}", "invalid_json")
+    return obj
+
+
+def too_large(n: int) -> ApiError:
+    return ApiError(413, f"the request body has {n} bytes or more; MAX_BODY_BYTES={MAX_BODY_BYTES}", "body_too_large")
+
+
+async def watching(request: HttpRequest, coro):
+    """coro's result, or Disconnected if the client leaves first."""
+    work, gone = asyncio.ensure_future(coro), asyncio.ensure_future(disconnect(request))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        work.cancel()
+        raise Disconnected
+    return work.result()
+
+
+async def disconnect(request: HttpRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def rest(ex: Exchange) -> list[dict]:
+    got = []
+    while not got or got[-1]["type"] not in ("done", "error"):
+        got.append(await ex.frames.get())
+    return got
+
+
+async def abort(ex: Exchange) -> None:
+    for r in list(ex.inflight.values()):
+        await r.abort()
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+def parse(api: str, b: dict, gw: Gateway) -> Call:
+    b = {k: v for k, v in b.items() if v is not None}           # null means "not given"
+    extra = sorted(b.keys() - FIELDS[api])
+    if extra:
+        raise bad(f"{extra[0][:40]}: unknown or unsupported parameter", extra[0][:40])
+    model = b.get("model")
+    if not isinstance(model, str):
+        raise bad("model: required, a string", "model")
+    if model != gw.model:
+        raise ApiError(404, f"model {frames.show(model)} does not exist; this server serves {gw.model!r}",
+                       "model_not_found", "model")
+    if b.get("n", 1) != 1 or frames.is_bool(b.get("n")):
+        raise bad(f"n: only n=1 is supported (got {frames.show(b['n'])})", "n")
+    stream = flag(b, "stream")
+    include_usage = stream_options(b, stream)
+    fields, top = sampling_fields(api, b, gw)
+    prompt = messages(b.get("messages")) if api == "chat" else dict([completion_prompt(b.get("prompt"))])
+    try:
+        req = frames.request({"id": "http", **fields, **prompt}, uuid.uuid4().hex, "default")
+    except FrameError as e:
+        raise bad(str(e), param_of(str(e))) from None
+    req.sampling.logprobs = top
+    prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+    return Call(api, req, stream, include_usage, top is not None, prefix + req.id, int(time.time()), model)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request", param)
+
+
+def param_of(message: str) -> str | None:
+    m = re.match(r"([a-z_]+)", message)
+    return m.group(1) if m else None
+
+
+def flag(b: dict, name: str) -> bool:
+    v = b.get(name, False)
+    if not frames.is_bool(v):
+        raise bad(f"{name}: expected true or false, got {frames.kind(v)}", name)
+    return v
+
+
+def stream_options(b: dict, stream: bool) -> bool:
+    opts = b.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("stream_options: only allowed when stream is true", "stream_options")
+    if not isinstance(opts, dict) or opts.keys() - {"include_usage"}:
+        raise bad("stream_options: expected an object with include_usage", "stream_options")
+    return flag(opts, "include_usage")
+
+
+def sampling_fields(api: str, b: dict, gw: Gateway) -> tuple[dict, int | None]:
+    """The SamplingParams fields of the body (the websocket protocol's names), and the number of top
+    logprobs wanted (None: no logprobs)."""
+    fields = {k: b[k] for k in frames.SAMPLING if k in b}
+    default = gw.max_tokens if api == "chat" else COMPLETIONS_MAX_TOKENS
+    fields["max_tokens"] = b.get("max_completion_tokens", b.get("max_tokens", default))
+    if api == "chat":
+        want = flag(b, "logprobs")
+        top = b.get("top_logprobs")
+        if top is not None and not want:
+            raise bad("top_logprobs: needs logprobs: true", "top_logprobs")
+        n = top if top is not None else 0
+        name = "top_logprobs"
+    else:
+        n = b.get("logprobs")
+        want, name = n is not None, "logprobs"
+    if not want:
+        return fields, None
+    if not frames.is_int(n) or not 0 <= n <= MAX_LOGPROBS:
+        raise bad(f"{name}: must be an integer in [0, {MAX_LOGPROBS}] (got {frames.show(n)})", name)
+    return fields, n
+
+
+def messages(v) -> dict:
+    """The chat messages with text content; content parts of type text are joined."""
+    if not isinstance(v, list) or not v:
+        raise bad(f"messages: required, a non-empty array of {{role, content}} objects (got {frames.kind(v)})",
+                  "messages")
+    out = []
+    for i, m in enumerate(v[:frames.MAX_MESSAGES + 1]):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]: expected an object, got {frames.kind(m)}", "messages")
+        extra = sorted(m.keys() - {"role", "content", "name"})
+        if extra:
+            raise bad(f"messages[{i}].{extra[0][:40]}: not supported", "messages")
+        if not isinstance(m.get("name", ""), str):
+            raise bad(f"messages[{i}].name: expected a string, got {frames.kind(m['name'])}", "messages")
+        if m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role: must be one of {', '.join(ROLES)} (got {frames.show(m.get('role'))})",
+                      "messages")
+        out.append({"role": m["role"], "content": content(m.get("content"), i)})
+    return {"messages": out}
+
+
+def content(c, i: int) -> str:
+    if isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise bad(f"messages[{i}].content: expected a string or an array of text parts, got {frames.kind(c)}",
+                  "messages")
+    texts = []
+    for j, part in enumerate(c):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad(f"messages[{i}].content[{j}]: only {{\"type\": \"text\", \"text\": ...}} parts are supported",
+                      "messages")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def completion_prompt(p) -> tuple[str, object]:
+    """("prompt", text) or ("prompt_token_ids", ids): one prompt per request."""
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        p = p[0]
+    if isinstance(p, str):
+        return "prompt", p
+    if isinstance(p, list) and p and frames.is_ints(p):
+        return "prompt_token_ids", p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
+        raise bad(f"prompt: one prompt per request (got {len(p)})", "prompt")
+    raise bad(f"prompt: required, a string, an array of token ids, or an array of one of those (got {frames.kind(p)})",
+              "prompt")
+
+
+# -- answering ------------------------------------------------------------------------------------
+
+def json(obj: dict, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status, media_type="application/json")
+
+
+def usage(r: Request) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.received,
+            "total_tokens": r.prompt_tokens + r.received, "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+
+def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
+    """The non-streaming answer."""
+    text = "".join(f["text"] for f in got if f["type"] == "delta")
+    choice = {"index": 0, "finish_reason": got[-1]["finish_reason"], "logprobs": None}
+    if call.logprobs:
+        choice["logprobs"] = logprobs(call, [f for f in got if f["type"] == "delta"], gw)
+    if call.api == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": call.id, "object": "chat.completion" if call.api == "chat" else "text_completion",
+            "created": call.created, "model": call.model, "choices": [choice], "usage": usage(r)}
+
+
+def chunk(call: Call, choices: list, usage_: dict | None = None) -> bytes:
+    c = {"id": call.id, "object": "chat.completion.chunk" if call.api == "chat" else "text_completion",
+         "created": call.created, "model": call.model, "choices": choices}
+    if call.include_usage:
+        c["usage"] = usage_
+    return b"data: " + orjson.dumps(c) + b"\n\n"
+
+
+def delta_choice(call: Call, text: str, lp: dict | None = None, finish: str | None = None, role: bool = False) -> dict:
+    if call.api == "chat":
+        delta = {"role": "assistant", "content": text} if role else ({"content": text} if text or lp else {})
+        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+def sse(call: Call, r: Request, f: dict, gw: Gateway) -> bytes:
+    """The events of one frame."""
+    if f["type"] == "delta":
+        lp = logprobs(call, [f], gw) if call.logprobs else None
+        return chunk(call, [delta_choice(call, f["text"], lp)])
+    if f["type"] == "error":
+        return b"data: " + orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body()) + b"\n\n"
+    out = chunk(call, [delta_choice(call, "", None, f["finish_reason"])])
+    if call.include_usage:
+        out += chunk(call, [], usage(r))
+    return out + b"data: [DONE]\n\n"
+
+
+async def events(ex: Exchange, call: Call, r: Request, first: dict):
+    """The stream's bytes: each time, every frame queued so far."""
+    gw = ex.gw
+    out = [chunk(call, [delta_choice(call, "", role=True)])] if call.api == "chat" else []
+    pending = [first]
+    while True:
+        out += [sse(call, r, f, gw) for f in pending]
+        yield b"".join(out)
+        if pending[-1]["type"] in ("done", "error"):
+            return
+        out, pending = [], [await ex.frames.get()]
+        while not ex.frames.empty():
+            pending.append(ex.frames.get_nowait())
+
+
+class EventStream:
+    """An SSE response that ends the request when the client leaves (uvicorn tells only a reader of
+    `receive`, and a held request may not send anything for a long time)."""
+
+    def __init__(self, chunks, ex: Exchange):
+        self.chunks, self.ex = chunks, ex
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        pump, gone = asyncio.ensure_future(self.pump(send)), asyncio.ensure_future(self.gone(receive))
+        try:
+            await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                self.ex.log.error("stream failed", error=repr(pump.exception()))
+        finally:
+            pump.cancel()
+            gone.cancel()
+            await abort(self.ex)
+
+    async def pump(self, send) -> None:
+        async for data in self.chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def gone(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+def logprobs(call: Call, deltas: list[dict], gw: Gateway) -> dict:
+    """OpenAI's logprobs object for the tokens of these delta frames."""
+    entries = []
+    for f in deltas:
+        if "logprobs" in f:
+            lp, skip = f["logprobs"]
+            entries += zip(f["token_ids"], lp.logprob[skip:], lp.top_ids[skip:], lp.top_logprobs[skip:])
+    def piece(t: int) -> str:
+        return gw.tokenizer.decode([t], skip_special_tokens=False)
+
+    def entry(t: int, v: float) -> dict:
+        s = piece(t)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+    if call.api == "chat":
+        return {"content": [{**entry(t, v), "top_logprobs": [entry(i, w) for i, w in zip(ids, vals)]}
+                            for t, v, ids, vals in entries]}
+    tokens = [piece(t) for t, *_ in entries]
+    offsets = [0]
+    for s in tokens[:-1]:
+        offsets.append(offsets[-1] + len(s))
+    return {"tokens": tokens, "token_logprobs": [v for _, v, _, _ in entries],
+            "top_logprobs": [{piece(i): w for i, w in zip(ids, vals)} for _, _, ids, vals in entries],
+            "text_offset": offsets[:len(tokens)]}
+

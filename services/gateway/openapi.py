@@ -1,0 +1,152 @@
+"""The OpenAPI document of the HTTP API, served at /openapi.json: the bounds in it are the ones the
+gateway enforces (schemathesis generates requests from it)."""
+from schemas.subjects import MAX_MESSAGES, MAX_STOP
+from services.gateway.api import MAX_LOGPROBS, ROLES
+
+
+def nullable(schema: dict) -> dict:
+    return {**schema, "nullable": True}
+
+
+def number(lo=None, hi=None, exclusive_lo=False) -> dict:
+    s = {"type": "number"}
+    if lo is not None:
+        s["minimum"] = lo
+        if exclusive_lo:
+            s["exclusiveMinimum"] = True
+    if hi is not None:
+        s["maximum"] = hi
+    return nullable(s)
+
+
+def integer(lo=None, hi=None) -> dict:
+    s = {"type": "integer"}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return nullable(s)
+
+
+def obj(properties: dict, required=()) -> dict:
+    s = {"type": "object", "properties": properties, "additionalProperties": False}
+    if required:
+        s["required"] = list(required)
+    return s
+
+
+def sampling(max_tokens: int) -> dict:
+    word = {"type": "string", "minLength": 1}
+    return {
+        "max_tokens": integer(1, max_tokens),
+        "temperature": number(0),
+        "top_p": number(0, 1, exclusive_lo=True),
+        "seed": integer(0, 2**63 - 1),
+        "stop": nullable({"oneOf": [word, {"type": "array", "maxItems": MAX_STOP, "items": word}]}),
+        "n": nullable({"type": "integer", "enum": [1]}),
+        "presence_penalty": number(-2, 2),
+        "frequency_penalty": number(-2, 2),
+        "user": nullable({"type": "string"}),
+        "stream": nullable({"type": "boolean"}),
+        "stream_options": nullable(obj({"include_usage": nullable({"type": "boolean"})})),
+        "ignore_eos": nullable({"type": "boolean", "description": "extension: generate until max_tokens"}),
+        "top_k": integer(-1),
+        "min_p": number(0, 1),
+        "repetition_penalty": number(0, exclusive_lo=True),
+        "stop_token_ids": nullable({"type": "array", "items": {"type": "integer"}}),
+    }
+
+
+def one(item: dict) -> dict:
+    return {"type": "array", "minItems": 1, "maxItems": 1, "items": item}
+
+
+def message() -> dict:
+    part = obj({"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}, ["type", "text"])
+    return obj({"role": {"type": "string", "enum": list(ROLES)},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]},
+                "name": {"type": "string"}}, ["role", "content"])
+
+
+EVENT = {"type": "object", "required": ["data"], "properties": {   # one server-sent event
+    "data": {"type": "string", "description": "a chunk as JSON, an error as JSON, or [DONE]"}}}
+USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
+
+
+def completion(kind: str, choice: dict) -> dict:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": [kind]}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": USAGE}}
+
+
+def choice(extra: dict) -> dict:
+    return {"type": "object", "required": ["index", "finish_reason", *extra], "properties": {
+        "index": {"type": "integer"}, "finish_reason": {"type": "string"},
+        "logprobs": {"type": "object", "nullable": True}, **extra}}
+
+
+def errors(*statuses: int) -> dict:
+    retry = {"Retry-After": {"description": "seconds until a retry may pass", "schema": {"type": "integer"}}}
+    body = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    return {str(s): {"description": WHY[s], "content": body, **({"headers": retry} if s in (429, 503) else {})}
+            for s in statuses}
+
+
+WHY = {400: "invalid request: the message names the field or the limit", 401: "missing or wrong API key",
+       404: "no such model", 413: "body over MAX_BODY_BYTES", 429: "over the tenant's rate or concurrency limit",
+       431: "too many header fields", 500: "the pipeline failed", 502: "the worker failed",
+       503: "no worker could take the request soon"}
+
+
+def operation(summary: str, body: dict, answer: dict) -> dict:
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": "the completion, or server-sent events when stream is true",
+                                  "content": {"application/json": {"schema": answer},
+                                              "text/event-stream": {"schema": EVENT}}},
+                          **errors(400, 401, 404, 413, 429, 431, 503)}}
+
+
+def document(model: str, max_tokens: int) -> dict:
+    common = sampling(max_tokens)
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
+    chat = obj({"model": {"type": "string", "enum": [model]},
+                "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message()},
+                "max_completion_tokens": integer(1, max_tokens), **common,
+                "logprobs": nullable({"type": "boolean"}), "top_logprobs": integer(0, MAX_LOGPROBS)},
+               ["model", "messages"])
+    text = obj({"model": {"type": "string", "enum": [model]},
+                "prompt": {"oneOf": [{"type": "string"}, ids, one({"type": "string"}), one(ids)]},
+                **common, "logprobs": integer(0, MAX_LOGPROBS)}, ["model", "prompt"])
+    reply = {"type": "object", "required": ["role", "content"]}
+    chat_answer = completion("chat.completion", choice({"message": reply}))
+    text_answer = completion("text_completion", choice({"text": {"type": "string"}}))
+    models = {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"type": "string"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+                           "owned_by": {"type": "string"}}}}}}
+    health = {"type": "object", "required": ["status", "workers"],
+              "properties": {"status": {"type": "string"}, "workers": {"type": "integer"}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "tokenbus", "version": "1", "description": "OpenAI-compatible completions over tokenbus"},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                       "schemas": {"Error": ERROR}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": {"post": operation("a chat completion", chat, chat_answer)},
+            "/v1/completions": {"post": operation("a text completion", text, text_answer)},
+            "/v1/models": {"get": {"summary": "the served model", "responses": {
+                "200": {"description": "the models", "content": {"application/json": {"schema": models}}},
+                **errors(401, 431)}}},
+            "/healthz": {"get": {"summary": "ready when a worker is registered", "security": [], "responses": {
+                "200": {"description": "ready", "content": {"application/json": {"schema": health}}},
+                "503": {"description": "no worker", "content": {"application/json": {"schema": health}}}}}},
+        },
+    }

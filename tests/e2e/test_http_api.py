@@ -1,0 +1,96 @@
+"""The OpenAI-compatible HTTP API of a real stack (one worker, two tenants), driven by the official
+openai client: models, chat and completions streamed and not, usage, cached tokens on a repeated
+prompt and never across tenants, logprobs, the context limit, and the usage records it leaves."""
+import json
+import os
+
+import openai
+import pytest
+
+from ops.cli import main
+from ops.procs import free_port
+from ops.up import Stack
+from tests.e2e.conftest import WORKER_ARGS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+KEYS = {"sk-alpha": {"tenant": "alpha"}, "sk-beta": {"tenant": "beta"}}
+QUESTION = [{"role": "user", "content": "Explain how a paged KV cache shares the blocks of a common prompt "
+                                        "prefix between requests, and why the last prompt token is recomputed."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("http")
+    (tmp / "keys.json").write_text(json.dumps(KEYS))
+    s = Stack(tiny_model, free_port(), tmp, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS,  # one worker:
+              api_keys=str(tmp / "keys.json"))                                                        # one prefix cache
+    try:
+        s.start()
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def client(stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=stack.http + "/v1", max_retries=0, timeout=60)
+
+
+def test_models_and_the_same_answer_streamed_or_not_for_the_same_seed(stack, tiny_model):
+    alpha = client(stack, "sk-alpha")
+    model = os.path.basename(tiny_model)
+    assert [m.id for m in alpha.models.list()] == [model]
+    params = {"model": model, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 42}
+    messages = [{"role": "user", "content": "Tell me about streams."}]
+    whole = alpha.chat.completions.create(messages=messages, **params)
+    chunks = list(alpha.chat.completions.create(messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **params))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and len(chunks) > 4
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason in ("stop", "length")
+
+    text = alpha.completions.create(model=model, prompt="The engine", **{k: v for k, v in params.items()
+                                                                         if k != "model"})
+    pieces = list(alpha.completions.create(model=model, prompt="The engine", stream=True,
+                                           **{k: v for k, v in params.items() if k != "model"}))
+    assert "".join(c.choices[0].text for c in pieces) == text.choices[0].text and text.usage.completion_tokens > 0
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_of_its_own_tenant_only(stack, tiny_model):
+    alpha, beta = client(stack, "sk-alpha"), client(stack, "sk-beta")
+    model = os.path.basename(tiny_model)
+
+    def cached(c) -> tuple[int, int]:
+        r = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, temperature=0)
+        return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+    prompt, first = cached(alpha)
+    assert prompt >= 32 and first == 0
+    assert cached(alpha)[1] >= 16 * ((prompt - 1) // 16)      # every full block but the last token's
+    assert cached(beta)[1] == 0                                # the same prompt, another tenant: no hit
+    assert cached(beta)[1] > 0
+
+
+def test_logprobs_and_the_context_limit_through_the_pipeline(stack, tiny_model):
+    alpha = client(stack, "sk-alpha")
+    model = os.path.basename(tiny_model)
+    r = alpha.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)   # greedy: the best one
+    with pytest.raises(openai.BadRequestError) as refused:
+        alpha.completions.create(model=model, prompt=[100 + i % 3000 for i in range(5000)], max_tokens=4)
+    assert "max_model_len=4096" in refused.value.message
+
+
+def test_usage_sums_the_requests_of_each_tenant(stack, capsys):
+    main(["usage", "--nats-url", stack.nats_url, "--json"])
+    rows = {r["tenant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) >= {"alpha", "beta"}
+    assert rows["alpha"]["cached_tokens"] > 0 and rows["beta"]["requests"] == 2
+    assert all(r["total_tokens"] == r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())

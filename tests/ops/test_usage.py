@@ -1,0 +1,69 @@
+"""`tokenbus usage` sums the metering log (TB_USAGE) per tenant, key and model, filtered by tenant
+and by time, as a table or JSON."""
+import asyncio
+import datetime
+import json
+import time
+
+import pytest
+
+from ops.cli import main
+from ops.usage import since
+from schemas import subjects
+from schemas.messages import Usage, encode
+
+
+def record(rid: str, tenant: str, key: str, prompt: int, cached: int, completion: int) -> Usage:
+    return Usage(rid, tenant, key, "tiny", "chat", "stop", prompt, cached, completion, {"e2e_ms": 1.0}, 1.0, 2.0)
+
+
+async def store(nats_url: str, records: list[Usage]) -> None:
+    nc = await subjects.connect(nats_url, "test-usage")
+    js = nc.jetstream()
+    await subjects.ensure_streams(js)
+    for u in records:
+        await js.publish(subjects.usage(u.tenant), encode(u), headers=subjects.msg_id(u.id))
+    await nc.close()
+
+
+def usage(capsys, *args: str) -> str:
+    main(["usage", *args])
+    return capsys.readouterr().out
+
+
+def test_usage_sums_per_tenant_and_key_filters_by_tenant_and_time_and_prints_table_or_json(nats_url, capsys):
+    assert usage(capsys, "--nats-url", nats_url).strip() == "no usage recorded"
+    asyncio.run(store(nats_url, [record("a", "acme", "k1", 10, 4, 5), record("b", "acme", "k1", 20, 0, 7),
+                                 record("c", "acme", "k2", 1, 0, 1), record("a", "acme", "k1", 10, 4, 5)]))  # a again:
+    between = time.time()                                                          # deduplicated by its id
+    time.sleep(0.05)
+    asyncio.run(store(nats_url, [record("d", "globex", "k3", 100, 50, 30)]))
+
+    got = json.loads(usage(capsys, "--nats-url", nats_url, "--json"))
+    assert got["rows"] == [
+        {"tenant": "acme", "key_id": "k1", "model": "tiny", "requests": 2, "prompt_tokens": 30, "cached_tokens": 4,
+         "completion_tokens": 12, "total_tokens": 42},
+        {"tenant": "acme", "key_id": "k2", "model": "tiny", "requests": 1, "prompt_tokens": 1, "cached_tokens": 0,
+         "completion_tokens": 1, "total_tokens": 2},
+        {"tenant": "globex", "key_id": "k3", "model": "tiny", "requests": 1, "prompt_tokens": 100,
+         "cached_tokens": 50, "completion_tokens": 30, "total_tokens": 130}]
+    assert got["total"] == {"requests": 4, "prompt_tokens": 131, "cached_tokens": 54, "completion_tokens": 43,
+                            "total_tokens": 174}
+    assert [r["tenant"] for r in json.loads(usage(capsys, "--nats-url", nats_url, "--json", "--tenant", "globex"))[
+        "rows"]] == ["globex"]
+    iso = datetime.datetime.fromtimestamp(between, datetime.UTC).isoformat()
+    assert [r["key_id"] for r in json.loads(usage(capsys, "--nats-url", nats_url, "--json", "--since", iso))[
+        "rows"]] == ["k3"]
+    assert json.loads(usage(capsys, "--nats-url", nats_url, "--json", "--since", "1h"))["total"]["requests"] == 4
+
+    lines = usage(capsys, "--nats-url", nats_url).splitlines()
+    assert lines[0].split() == ["tenant", "key", "model", "requests", "prompt", "cached", "completion", "total"]
+    assert lines[1].split() == ["acme", "k1", "tiny", "2", "30", "4", "12", "42"]
+    assert lines[-1].split() == ["total", "4", "131", "54", "43", "174"]
+
+
+def test_since_takes_ages_and_dates_and_names_what_it_wants():
+    assert abs(since("30m") - (time.time() - 1800)) < 2
+    assert since("2026-11-01") == datetime.datetime(2026, 11, 1, tzinfo=datetime.UTC).timestamp()
+    with pytest.raises(ValueError, match="expected an age like 30m"):
+        since("yesterday")

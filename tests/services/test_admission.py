@@ -1,0 +1,102 @@
+"""Keys files, token buckets and cluster admission, in memory."""
+import hashlib
+import json
+
+import pytest
+
+from schemas.messages import GenerateRequest
+from schemas.sampling import SamplingParams
+from services.gateway import keys
+from services.gateway.admission import Admission, TokenBucket, estimate
+from services.gateway.errors import ApiError
+from tests.services.fake_pipeline import heartbeat
+
+
+def write(tmp_path, obj) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    return str(path)
+
+
+def test_a_keys_file_maps_keys_and_their_sha256_to_tenants(tmp_path):
+    digest = hashlib.sha256(b"sk-two").hexdigest()
+    table = keys.load(write(tmp_path, {"sk-one": {"tenant": "a", "tokens_per_minute": 10},
+                                       f"sha256:{digest.upper()}": {"tenant": "b", "max_concurrent_requests": 2}}))
+    one = table[hashlib.sha256(b"sk-one").hexdigest()]
+    assert (one.tenant, one.tokens_per_minute, one.max_concurrent_requests) == ("a", 10, None)
+    assert one.id == hashlib.sha256(b"sk-one").hexdigest()[:12] and "sk-one" not in repr(table)
+    assert table[digest] == keys.Key(digest[:12], "b", None, 2)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{", "api keys"),
+    ({}, "non-empty JSON object"),
+    ({"sk-secret": "acme"}, "expected an object"),
+    ({"sk-secret": {"tenant": "a.b"}}, "tenant 'a.b' must be 1-64 characters"),
+    ({"sk-secret": {"tenant": "a", "tokens_per_minute": 0}}, "tokens_per_minute must be a positive integer"),
+    ({"sk-secret": {"tenant": "a", "rpm": 5}}, "unknown field 'rpm'"),
+    ({"sha256:abc": {"tenant": "a"}}, "needs 64 hex digits"),
+    ({"sk-secret": {"tenant": "a", "tokens_per_minute": 5}, "sk-secret2": {"tenant": "a", "tokens_per_minute": 6}},
+     "limits are per tenant"),
+])
+def test_a_bad_keys_file_is_refused_naming_the_field_but_never_the_key(tmp_path, content, message):
+    with pytest.raises(ValueError, match="api keys") as e:
+        keys.load(write(tmp_path, content))
+    assert message in str(e.value) and "sk-secret" not in str(e.value)
+
+
+def test_serving_beyond_loopback_needs_keys():
+    keys.check_exposure("127.0.0.1", None)
+    keys.check_exposure("localhost", None)
+    keys.check_exposure("0.0.0.0", "keys.json")
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        with pytest.raises(ValueError, match="without --api-keys"):
+            keys.check_exposure(host, None)
+
+
+def test_a_token_bucket_refills_at_its_rate_and_says_how_long_to_wait():
+    b = TokenBucket(600, now=0.0)                  # 10 tokens a second
+    assert b.wait(600, 0.0) == 0
+    b.take(550, 0.0)
+    assert b.wait(100, 0.0) == pytest.approx(5.0)
+    assert b.wait(100, 5.0) == 0
+    b.take(-1000, 5.0)                            # a refund never lifts it above its capacity
+    assert b.level == 600
+
+
+def admission_with_worker(**hb) -> Admission:
+    a = Admission()
+    a.cluster.update(heartbeat(**hb))
+    return a
+
+
+def test_admission_charges_prompt_and_max_tokens_and_settles_with_what_was_used():
+    a = admission_with_worker()
+    key = keys.Key("id", "t", tokens_per_minute=1000, max_concurrent_requests=5)
+    ticket = a.admit(key, 100, 800, now=0.0)
+    with pytest.raises(ApiError) as refused:
+        a.admit(key, 100, 800, now=0.0)
+    assert refused.value.status == 429 and 47 <= refused.value.retry_after <= 49   # 800 more at 1000/min
+    a.settle(ticket, 150, now=0.0)                # used 150 of the 900 charged
+    a.settle(ticket, 150, now=0.0)                # once only
+    assert a.tenants["t"].bucket.level == pytest.approx(850) and a.tenants["t"].active == 0
+    a.admit(key, 100, 700, now=0.0)
+
+
+def test_admission_refuses_when_every_worker_is_past_the_watermark_and_counts_what_it_sent():
+    a = admission_with_worker(max_num_seqs=2)
+    key = keys.OPEN
+    for _ in range(4):                            # 2 running + 2 queued: the watermark
+        a.admit(key, 1, 1, now=0.0)
+    with pytest.raises(ApiError) as busy:
+        a.admit(key, 1, 1, now=0.0)
+    assert busy.value.status == 503 and busy.value.retry_after == 1.0
+    a.cluster.update(heartbeat(max_num_seqs=2))   # a fresh heartbeat shows the queue drained
+    a.admit(key, 1, 1, now=0.0)
+
+
+def test_a_prompt_is_estimated_without_tokenizing():
+    params = SamplingParams()
+    assert estimate(GenerateRequest("r", "t", params, prompt_token_ids=[1, 2, 3])) == 3
+    assert estimate(GenerateRequest("r", "t", params, prompt="x" * 41)) == 11
+    assert estimate(GenerateRequest("r", "t", params, messages=[{"role": "user", "content": "x" * 8}] * 2)) == 4 + 8

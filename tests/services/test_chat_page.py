@@ -1,0 +1,109 @@
+"""The web chat page in headless Chromium (Debian's chromium and chromium-driver, which
+`tests/install-chromium.sh` installs and `make test` runs), driven as a person would: typing,
+clicking, reading the page. The pipeline behind the gateway is the scripted fake."""
+import json
+import shutil
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+from tokenizers import Tokenizer
+
+from tests.services.fake_pipeline import said, served
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (shutil.which(CHROMIUM) and shutil.which(DRIVER)):
+        pytest.fail("Debian's chromium and chromium-driver are needed: run tests/install-chromium.sh (make test does)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+async def script(down, req):
+    """Echoes the last message slowly enough to be stopped; "hold" sends one token and holds."""
+    text = said(req)
+    if text == "hold":
+        await down.publish(req.id, down.chunk(req.id, 0, down.ids(" partial")))
+        return
+    await down.reply(req, f" echo {text}")
+
+
+def wait(driver, check, timeout: float = 10):
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: check(d))
+
+
+def answers(driver) -> list:
+    return driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+
+
+def type_and_send(driver, text: str) -> None:
+    box = driver.find_element(By.ID, "prompt")
+    box.send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+def set_value(driver, element_id: str, value: str) -> None:
+    field = driver.find_element(By.ID, element_id)
+    field.clear()
+    field.send_keys(value)
+
+
+def test_the_chat_page_streams_answers_keeps_history_stops_and_shows_ttft_and_tokens_per_s(
+        browser, nats_url, tiny_model, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-page": {"tenant": "web"}}))
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    with served(nats_url, tiny_model, tok, script, api_keys=str(keys)) as down:
+        browser.get(down.http + "/")
+        assert browser.title == "tokenbus chat"
+
+        type_and_send(browser, "no key")                     # the server wants a key: the page says so
+        wait(browser, lambda d: "error" in answers(d)[-1].get_attribute("class"))
+        assert "API key" in answers(browser)[-1].text
+
+        set_value(browser, "api-key", "sk-page")
+        set_value(browser, "temperature", "0.3")
+        set_value(browser, "max-tokens", "42")
+        type_and_send(browser, "hello there")
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+        first = answers(browser)[-1]
+        assert first.find_element(By.CLASS_NAME, "text").text == " echo hello there"
+        stats = first.find_element(By.CLASS_NAME, "stats")
+        assert "TTFT" in stats.text and "tokens/s" in stats.text and "length" in stats.text
+        assert float(stats.get_attribute("data-ttft-ms")) > 0 and float(stats.get_attribute("data-tokens-per-s")) > 0
+        req = down.requests[-1]
+        assert (req.tenant, req.sampling.temperature, req.sampling.max_tokens) == ("web", 0.3, 42)
+
+        type_and_send(browser, "and again")                  # the second turn carries the first
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) == 2)
+        assert down.requests[-1].messages == [{"role": "user", "content": "hello there"},
+                                              {"role": "assistant", "content": " echo hello there"},
+                                              {"role": "user", "content": "and again"}]
+
+        type_and_send(browser, "hold")                       # a long answer, stopped by the button
+        wait(browser, lambda d: "partial" in answers(d)[-1].text)
+        assert browser.find_element(By.ID, "send").get_attribute("disabled")
+        browser.find_element(By.ID, "stop").click()
+        wait(browser, lambda d: answers(d)[-1].find_elements(By.CLASS_NAME, "stats"))
+        assert "stopped" in answers(browser)[-1].text
+        held = down.requests[-1].id
+        wait(browser, lambda d: held in down.cancelled("abort"))
+        assert browser.find_element(By.ID, "stop").get_attribute("disabled")
+
+        browser.find_element(By.ID, "new-chat").click()      # a new conversation starts empty
+        assert answers(browser) == []
+        type_and_send(browser, "fresh")
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+        assert down.requests[-1].messages == [{"role": "user", "content": "fresh"}]
