@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: websocket chat at /ws and /healthz (the HTTP API joins this app later),
+"""The gateway's ASGI app: websocket chat at /ws, /healthz and /metrics (the HTTP API joins this app later),
 served by uvicorn."""
 import argparse
 import asyncio
@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from schemas import subjects
 from schemas.log import configure
+from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.session import Connection, Gateway
 
 
@@ -35,7 +36,8 @@ def create_app(nats_url: str, model_dir: str) -> Starlette:
             await subjects.close(nc)
             log.info("gateway stopped")
 
-    return Starlette(routes=[Route("/healthz", healthz), WebSocketRoute("/ws", chat)], lifespan=lifespan)
+    routes = [Route("/healthz", healthz), Route("/metrics", metrics), WebSocketRoute("/ws", chat)]
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 async def chat(ws) -> None:
@@ -46,6 +48,11 @@ async def healthz(request) -> Response:
     n = await workers(request.app.state.gateway)
     body = orjson.dumps({"status": "ok" if n else "unavailable", "workers": n})
     return Response(body, status_code=200 if n else 503, media_type="application/json")
+
+
+async def metrics(request) -> Response:
+    gw = request.app.state.gateway
+    return Response(await gw.metrics.render(gw.kv, gw.log), media_type=CONTENT_TYPE)
 
 
 async def workers(gw: Gateway) -> int:

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 import orjson
@@ -20,6 +20,7 @@ from schemas.detokenizer import Detokenizer
 from schemas.messages import Cancel, ErrorChunk, FinalChunk, TokenChunk, WireError, decode, encode
 from services.gateway import frames
 from services.gateway.frames import FrameError
+from services.gateway.metrics import Metrics
 
 TENANT = "default"                       # until API keys map to tenants
 PUBLISH_TIMEOUT = 5.0
@@ -33,6 +34,7 @@ class Gateway:
     kv: KeyValue                                  # the worker registry
     tokenizer: Tokenizer
     log: FilteringBoundLogger
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 class Connection:
@@ -58,6 +60,7 @@ class Connection:
             else:
                 await self.cancel(cid)
         except FrameError as e:
+            self.gw.metrics.error(TENANT, e.code)
             await self.send(error(e.id, e.code, str(e)))
         except Exception as e:                    # a bug must not end the connection
             self.log.exception("frame failed")
@@ -71,7 +74,7 @@ class Connection:
                              f"MAX_INFLIGHT_PER_CONNECTION={subjects.MAX_INFLIGHT_PER_CONNECTION}", cid,
                              "too_many_requests")
         req = frames.request(frame, uuid.uuid4().hex, TENANT)
-        r = Request(self, cid, req.id, req.sampling.stop, t0)
+        r = Request(self, cid, req.id, req.tenant, req.sampling.stop, t0)
         try:
             r.sub = await self.gw.nc.subscribe(subjects.out(req.id), cb=r.on_msg)  # before the publish
         except nats.errors.Error as e:
@@ -109,6 +112,7 @@ class Request:
     conn: Connection
     cid: str                                      # the client's id
     rid: str                                      # the request id on the wire
+    tenant: str
     stop: tuple[str, ...]
     t0: float                                     # perf_counter when the generate frame arrived
     sub: Subscription | None = None
@@ -117,6 +121,8 @@ class Request:
     received: int = 0                             # output tokens so far: the offset the next chunk should have
     prompt_tokens: int = 0
     ttft: float | None = None
+    queue_ms: float | None = None                 # accepted here → taken by a worker, from the final chunk
+    worker: str = ""
     ended: bool = False
 
     @property
@@ -132,7 +138,7 @@ class Request:
             self.log.error("request publish failed", request_id=self.rid, error=reason)
             await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
             return
-        self.log.debug("request published", request_id=self.rid, client_id=self.cid)
+        self.log.info("request accepted", request_id=self.rid, tenant=self.tenant, client_id=self.cid)
 
     async def on_msg(self, msg) -> None:
         if self.ended:                            # messages already queued when the request ended
@@ -167,6 +173,7 @@ class Request:
                 await self.conn.publish_cancel(self.rid, "stop")
             await self.end(self.done("stop"))
         elif final:
+            self.queue_ms, self.worker = chunk.timing.get("queue_ms"), chunk.worker
             await self.end(self.done(chunk.finish_reason, chunk.usage))
 
     def accept(self, chunk: TokenChunk | FinalChunk) -> list[int]:
@@ -197,26 +204,28 @@ class Request:
         """Sends the request's last frame and drops its subscription. In the callback this is the last
         await: the unsubscribe cancels the callback's task (at its next real suspension, so messages
         already queued still reach on_msg)."""
-        if not self.finish():
+        if not self.finish(frame):
             return
-        self.log.debug("request ended", request_id=self.rid, frame=frame["type"], tokens=self.received)
         await self.conn.send(frame)
         await self.unsubscribe()
 
     async def abort(self) -> None:
         """Ends the request from outside its callback (client cancel or disconnect) and tells the worker."""
-        self.finish()
+        self.finish(self.done("abort"))
         self.task.cancel()
         await self.unsubscribe()
         await self.conn.publish_cancel(self.rid, "abort")
 
-    def finish(self) -> bool:
-        """Marks the request ended and frees its id; False if it already was (whoever ends it sends its
-        last frame)."""
+    def finish(self, frame: dict) -> bool:
+        """Marks the request ended with `frame` (counted in the metrics, logged) and frees its id; False if it
+        already was (whoever ends it sends its last frame)."""
         if self.ended:
             return False
         self.ended = True
         del self.conn.inflight[self.cid]
+        self.conn.gw.metrics.observe(self.tenant, frame, self.queue_ms)
+        self.log.info("request ended", request_id=self.rid, tenant=self.tenant, worker=self.worker,
+                      end=frame.get("finish_reason") or frame.get("code"), tokens=self.received)
         return True
 
     async def unsubscribe(self) -> None:
