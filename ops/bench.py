@@ -29,7 +29,7 @@ import orjson
 import websockets
 from tqdm import tqdm
 
-from ops.model_builder import load_tokenizer
+from ops.tokenizer import load_tokenizer
 
 SEED_INPUT, SEED_OUTPUT = 3000, 400      # the production turn: 3k tokens in, 400 out
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"

@@ -9,7 +9,7 @@ import nats.errors
 import orjson
 from nats.js import api
 
-from ops.model_builder import load_tokenizer
+from ops.tokenizer import load_tokenizer
 from ops.records import parse_time
 from schemas import subjects
 from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, WireError, decode, to_dict

@@ -152,15 +152,3 @@ def is_current(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return stamp.get("tokenbus_builder_version") == builder_version()
-
-
-def load_tokenizer(model: str | None = None, build: bool = True):
-    """The `tokenizers.Tokenizer` of a checkpoint directory (default: the tiny model, built on first use;
-    None when it is not built yet and build is False)."""
-    from tokenizers import Tokenizer
-
-    if model is None:
-        if not build and not is_current(tokenbus_home() / "models" / "tiny"):
-            return None
-        model = default_model_dir()
-    return Tokenizer.from_file(str(Path(model) / "tokenizer.json"))

@@ -67,6 +67,8 @@ async def scan(js, since: dt.datetime | None = None):
     info = await js.stream_info(subjects.RESULTS_STREAM)
     if info.state.messages == 0:
         return
+    if since is not None and await stored_before(js, info.state.last_seq, since):
+        return                                   # nothing was stored since
     config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=since) \
         if since else None
     sub = await js.subscribe(subjects.RESULTS_SUBJECTS, stream=subjects.RESULTS_STREAM, ordered_consumer=True,
@@ -84,6 +86,13 @@ async def scan(js, since: dt.datetime | None = None):
                 return
     finally:
         await sub.unsubscribe()
+
+
+async def stored_before(js, seq: int, since: dt.datetime) -> bool:
+    try:
+        return (await js.get_msg(subjects.RESULTS_STREAM, seq)).time < since
+    except nats.js.errors.NotFoundError:
+        return False
 
 
 def record(data: bytes) -> Completion | None:

@@ -18,7 +18,7 @@ import nats.errors
 import orjson
 
 from ops import records
-from ops.model_builder import load_tokenizer
+from ops.tokenizer import load_tokenizer
 from schemas import subjects
 from schemas.messages import (
     Cancel,
