@@ -9,8 +9,8 @@ import nats.errors
 import orjson
 from nats.js import api
 
-from ops.tokenizer import load_tokenizer
 from ops.records import parse_time
+from ops.tokenizer import load_tokenizer
 from schemas import subjects
 from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, WireError, decode, to_dict
 
