@@ -4,6 +4,8 @@ greedy and seeded sampled requests and names the first position a changed engine
 import asyncio
 import json
 import math
+import os
+import signal
 import time
 import urllib.request
 
@@ -161,6 +163,39 @@ def test_replay_reproduces_greedy_seeded_and_unseeded_sampled_and_stopped_reques
     table = capsys.readouterr().out.splitlines()
     assert table[1].split()[:3] == [recs[1].id, "identical", "24"]
     assert table[-1] == "1 replayed: 1 identical, 0 differing, 0 failed"
+
+
+def test_a_worker_whose_heartbeat_only_lapsed_gets_work_again_and_nothing_loops(stack):
+    """Stopped past WORKER_TTL (as a starved process is), the worker is declared gone: the router deletes
+    its consumer and moves its queue. When it resumes, it recreates its consumer, and the router, finding it
+    the only pick, leaves the rest to it instead of re-publishing to its own subject forever."""
+    w0 = stack.children["w0"].pid
+
+    async def run():
+        async with connect(stack) as ws:
+            os.kill(w0, signal.SIGSTOP)
+            try:
+                await send(ws, {"type": "generate", "id": "during", "prompt": "The engine", "max_tokens": 4})
+                await asyncio.sleep(subjects.WORKER_TTL + 2)
+            finally:
+                os.kill(w0, signal.SIGCONT)
+            await send(ws, {"type": "generate", "id": "after", "prompt": "A paged", "max_tokens": 4})
+            return await collect(ws, {"during", "after"}, timeout=60)
+
+    got = asyncio.run(run())
+    assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 4 for g in got.values())
+    assert any(e["event"] == "worker left" for e in logs(stack)["router"])
+
+    async def work_published():
+        nc = await subjects.connect(stack.nats_url, "test")
+        try:
+            return (await nc.jetstream().stream_info(subjects.WORK_STREAM)).state.last_seq
+        finally:
+            await nc.close()
+
+    first = asyncio.run(work_published())
+    time.sleep(1)
+    assert asyncio.run(work_published()) == first < 1000                # no work item circles
 
 
 def test_replay_names_the_first_position_a_changed_engine_setting_changes(stack, tiny_model, capsys):
