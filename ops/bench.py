@@ -21,6 +21,7 @@ import random
 import sys
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,8 +141,9 @@ def dataset(path: Path, n: int, default_max: int) -> list[Conversation]:
 class WsClient:
     """Requests over a few websockets, each carrying many at once; one reader per connection."""
 
-    def __init__(self, url: str, connections: int, options: dict):
+    def __init__(self, url: str, connections: int, api_key: str | None, options: dict):
         self.url, self.n, self.options = url, connections, options
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.conns: list[websockets.ClientConnection] = []
         self.pending: list[dict[str, tuple[Result, asyncio.Future]]] = []
         self.readers: list[asyncio.Task] = []
@@ -149,7 +151,12 @@ class WsClient:
 
     async def open(self) -> None:
         for i in range(self.n):
-            self.conns.append(await websockets.connect(self.url, max_size=None, compression=None))
+            try:
+                ws = await websockets.connect(self.url, max_size=None, compression=None,
+                                              additional_headers=self.headers)
+            except (OSError, websockets.InvalidHandshake) as e:
+                raise ValueError(f"{self.url}: {e}") from None
+            self.conns.append(ws)
             self.pending.append({})
             self.readers.append(asyncio.create_task(self.read(i)))
 
@@ -206,8 +213,9 @@ class HttpClient:
     """OpenAI chat completions streamed as server-sent events, on plain asyncio streams (HTTP/1.1,
     keep-alive connections reused): a few µs of parsing per chunk."""
 
-    def __init__(self, url: str, model: str, api_key: str | None, options: dict):
+    def __init__(self, url: str, model: str | None, api_key: str | None, options: dict):
         u = urllib.parse.urlsplit(url)
+        self.base, self.api_key = f"{u.scheme}://{u.netloc}", api_key
         self.host, self.port = u.hostname, u.port or 80
         self.path = u.path if u.path.endswith("/chat/completions") else u.path.rstrip("/") + "/v1/chat/completions"
         self.head = (f"POST {self.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
@@ -216,7 +224,8 @@ class HttpClient:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def open(self) -> None:
-        pass
+        if self.model is None:                   # the one the gateway serves
+            self.model = await asyncio.to_thread(served_model, self.base, self.api_key)
 
     async def close(self) -> None:
         for _, w in self.idle:
@@ -267,6 +276,16 @@ class HttpClient:
         if r.output_tokens == 0:                  # no usage chunk: count the chunks
             r.output_tokens = len(r.chunks)
         return headers.get("connection") != "close"
+
+
+def served_model(base: str, api_key: str | None) -> str:
+    """The first model GET /v1/models lists."""
+    req = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return orjson.loads(r.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"{base}/v1/models did not name a model ({e}); give --served-model") from None
 
 
 async def body(reader: asyncio.StreamReader, headers: dict):
@@ -330,7 +349,7 @@ def client(args):
     if args.ignore_eos:
         options["ignore_eos"] = True
     if protocol(args) == "ws":
-        return WsClient(args.url, args.connections or min(args.concurrency or 16, 16), options)
+        return WsClient(args.url, args.connections or min(args.concurrency or 16, 16), args.api_key, options)
     return HttpClient(args.url, args.served_model, args.api_key, options)
 
 

@@ -1,5 +1,6 @@
 """The `tokenbus` command line."""
 import argparse
+import os
 import sys
 
 
@@ -215,8 +216,9 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bn.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput over time")
     bn.add_argument("--model", help="checkpoint whose tokenizer cuts the prompts (default: the tiny model)")
-    bn.add_argument("--served-model", default="tokenbus", help="the OpenAI `model` field")
-    bn.add_argument("--api-key", help="OpenAI API: sent as a bearer token")
+    bn.add_argument("--served-model", help="the OpenAI `model` field (default: the first of GET /v1/models)")
+    bn.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
+                    help="sent as a bearer token (default: $TOKENBUS_API_KEY)")
     bn.add_argument("--connections", type=int, help="ws: websockets to spread requests over (default ≤ 16)")
     bn.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     bn.add_argument("--seed", type=int, default=0)

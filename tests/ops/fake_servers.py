@@ -18,10 +18,16 @@ from starlette.routing import Route, WebSocketRoute
 
 from ops.procs import free_port
 
+MODEL = "fake-model"
 
-def app(ttft: float = 0.0, itl: float = 0.0, fail_every: int = 0) -> Starlette:
-    """Every fail_every-th request (if set) is refused: an error frame on ws, a 429 over HTTP."""
+
+def app(ttft: float = 0.0, itl: float = 0.0, fail_every: int = 0, key: str | None = None) -> Starlette:
+    """Every fail_every-th request (if set) is refused: an error frame on ws, a 429 over HTTP. With a key,
+    requests without `Authorization: Bearer <key>` are refused (403 handshake, 401 over HTTP)."""
     seen = {"n": 0}
+
+    def allowed(headers) -> bool:
+        return key is None or headers.get("authorization") == f"Bearer {key}"
 
     def refused() -> bool:
         seen["n"] += 1
@@ -44,6 +50,9 @@ def app(ttft: float = 0.0, itl: float = 0.0, fail_every: int = 0) -> Starlette:
         await ws.send_text(orjson.dumps(done).decode())
 
     async def ws_endpoint(ws) -> None:
+        if not allowed(ws.headers):
+            await ws.close(code=1008)
+            return
         await ws.accept()
         tasks = set()
         with contextlib.suppress(Exception):
@@ -55,8 +64,12 @@ def app(ttft: float = 0.0, itl: float = 0.0, fail_every: int = 0) -> Starlette:
                     task.add_done_callback(tasks.discard)
 
     async def chat_completions(request):
+        if not allowed(request.headers):
+            return JSONResponse({"error": {"message": "bad key", "type": "invalid_request_error",
+                                           "code": "invalid_api_key"}}, status_code=401)
         body = orjson.loads(await request.body())
-        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}, body
+        assert body["model"] == MODEL and body["stream"] is True, body
+        assert body["stream_options"] == {"include_usage": True}, body
         if refused():
             return JSONResponse({"error": {"message": "fake refusal", "type": "rate_limit_error",
                                            "code": "rate_limited"}}, status_code=429)
@@ -78,7 +91,12 @@ def app(ttft: float = 0.0, itl: float = 0.0, fail_every: int = 0) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[WebSocketRoute("/ws", ws_endpoint),
+    async def models(request):
+        if not allowed(request.headers):
+            return JSONResponse({"error": {"message": "bad key", "code": "invalid_api_key"}}, status_code=401)
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    return Starlette(routes=[WebSocketRoute("/ws", ws_endpoint), Route("/v1/models", models),
                              Route("/v1/chat/completions", chat_completions, methods=["POST"])])
 
 

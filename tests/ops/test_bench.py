@@ -52,6 +52,22 @@ def test_errors_are_counted_by_code_and_goodput_follows_the_slos(proto, code, ti
     assert tight["goodput"]["good"] == 0 and tight["goodput"]["slo_tpot_ms"] is None
 
 
+@pytest.mark.parametrize("proto", ["ws", "openai"])
+def test_the_api_key_is_sent_as_a_bearer_token(proto, tiny_model, tmp_path):
+    with serving(key="sk-1") as port:
+        url = f"ws://127.0.0.1:{port}/ws" if proto == "ws" else f"http://127.0.0.1:{port}"
+        r = run(url, tiny_model, tmp_path, "--api-key", "sk-1", "--num-requests", "2")
+        assert r["requests"]["completed"] == 2
+        if proto == "ws":
+            with pytest.raises(ValueError, match="403"):
+                run(url, tiny_model, tmp_path, "--api-key", "wrong")
+        else:
+            with pytest.raises(ValueError, match="/v1/models"):           # the model lookup is refused first
+                run(url, tiny_model, tmp_path, "--api-key", "wrong")
+            refused = run(url, tiny_model, tmp_path, "--api-key", "wrong", "--served-model", "fake-model")
+            assert refused["errors"] == {"invalid_api_key": 12}
+
+
 def test_poisson_arrivals_spread_the_requests_over_time(tiny_model, tmp_path):
     with serving(ttft=0.001, itl=0.0) as port:
         r = run(f"ws://127.0.0.1:{port}/ws", tiny_model, tmp_path, "--request-rate", "100", "--num-requests", "40")
