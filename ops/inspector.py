@@ -15,7 +15,8 @@ from schemas import subjects
 from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, WireError, decode, to_dict
 
 PREVIEW_BYTES = 48
-SHOWN_IDS = 8                            # token ids shown of a long list in the readable form
+SHOWN_IDS = 8                            # items shown of a long list in the readable form
+SHOWN_CHARS = 80                         # characters shown of a long string
 STREAM_IDLE = 2.0                        # seconds without a message that end a stream read (not --follow)
 
 
@@ -60,11 +61,15 @@ def line(d: dict) -> str:
 
 
 def short(v) -> str:
-    if isinstance(v, list) and len(v) > SHOWN_IDS:
-        return "[" + ", ".join(map(str, v[:SHOWN_IDS])) + f", … ({len(v)})]"
+    """A field's value, long strings and lists cut (the JSON form keeps everything)."""
+    if isinstance(v, str):
+        return repr(v if len(v) <= SHOWN_CHARS else v[:SHOWN_CHARS] + "…")
+    if isinstance(v, list | tuple):
+        more = f", … ({len(v)})" if len(v) > SHOWN_IDS else ""
+        return "[" + ", ".join(map(short, v[:SHOWN_IDS])) + more + "]"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {short(x)}" for k, x in v.items() if x not in (None, [], ())) + "}"
-    return repr(v) if isinstance(v, str) else str(v)
+    return str(v)
 
 
 def start(point: str | None) -> dict:
