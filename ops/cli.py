@@ -67,10 +67,44 @@ def cmd_usage(args) -> None:
     main(args)
 
 
+def cmd_inspect(args) -> None:
+    from ops.inspector import main
+
+    main(args)
+
+
 def cmd_bench_gateway(args) -> None:
     from ops.bench_gateway import main
 
     main(args)
+
+
+def cmd_replay(args) -> None:
+    from ops.replay import main
+
+    sys.exit(main(args))
+
+
+def cmd_log(args) -> None:
+    from ops.records import main
+
+    main(args)
+
+
+def cmd_bench(args) -> None:
+    from ops.bench import main
+
+    main(args)
+
+
+def window(p: argparse.ArgumentParser, file: bool = False) -> None:
+    """Which records of the completions log: --last N | --since TIME | --request-id ID (| --file F)."""
+    w = p.add_mutually_exclusive_group()
+    w.add_argument("--last", type=int, metavar="N", help="the last N records")
+    w.add_argument("--since", metavar="TIME", help="records stored since an ISO time or a duration back (15m, 2h)")
+    w.add_argument("--request-id", metavar="ID", help="the record of one request")
+    if file:
+        w.add_argument("--file", metavar="F", help="records exported with `tokenbus log export` (JSON lines)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -176,6 +210,72 @@ def parser() -> argparse.ArgumentParser:
     bg.add_argument("--tokens", type=int, default=1000, help="tokens per stream")
     bg.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     bg.set_defaults(func=cmd_bench_gateway)
+    i = sub.add_parser("inspect", help="watch a subject, or read a stream, with every payload decoded")
+    i.add_argument("subject", help="a subject, wildcards allowed (tb.out.*, tb.>, $KV.tb_workers.>)")
+    i.add_argument("--count", type=int, metavar="N", help="stop after N messages")
+    i.add_argument("--json", action="store_true", help="one JSON object per message")
+    i.add_argument("--stream", metavar="NAME", help="read this stream (TB_REQUESTS, TB_RESULTS, ...) instead")
+    i.add_argument("--from", dest="start", metavar="POINT",
+                   help="with --stream: new, last, a sequence, an ISO time or a duration back (default: the start)")
+    i.add_argument("--follow", action="store_true", help="with --stream: keep reading new messages")
+    i.add_argument("--model", help="checkpoint whose tokenizer shows chunks as text (default: the tiny model if built)")
+    i.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    i.set_defaults(func=cmd_inspect)
+
+    r = sub.add_parser("replay", help="re-run logged requests through the live stack and diff the outputs")
+    window(r, file=True)
+    r.add_argument("--json", action="store_true", help='print {"replayed": N, "identical": M, "diffs": [...]}')
+    r.add_argument("--model", help="checkpoint whose tokenizer shows the texts (default: the tiny model if built)")
+    r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each replayed request")
+    r.add_argument("--concurrency", type=int, default=16, help="replayed requests in flight at once")
+    r.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    r.set_defaults(func=cmd_replay)
+
+    lg = sub.add_parser("log", help="move a window of the completions log between stacks (JSON lines)")
+    lsub = lg.add_subparsers(dest="action", required=True)
+    e = lsub.add_parser("export", help="write records of TB_RESULTS to FILE (default: all)")
+    e.add_argument("file")
+    window(e)
+    e.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    im = lsub.add_parser("import", help="store the records of FILE in TB_RESULTS")
+    im.add_argument("file")
+    im.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    lg.set_defaults(func=cmd_log)
+
+    bn = sub.add_parser("bench", help="load generator over the websocket protocol or the OpenAI HTTP API")
+    bn.add_argument("--url", default="ws://127.0.0.1:8000/ws",
+                    help="ws://HOST:PORT/ws, or http://HOST:PORT for the OpenAI API (/v1/chat/completions)")
+    bn.add_argument("--protocol", choices=["ws", "openai"], help="default: from the URL's scheme")
+    bn.add_argument("--num-requests", type=int, default=64)
+    bn.add_argument("--concurrency", type=int, help="conversations in flight (default 8; with --request-rate: a cap)")
+    bn.add_argument("--request-rate", type=float, help="Poisson arrivals per second (of conversations)")
+    bn.add_argument("--workload", choices=["random", "shared-prefix", "chat"], default="random")
+    bn.add_argument("--dataset", metavar="FILE", help='JSON lines of {"prompt"|"messages", "max_tokens"?}')
+    bn.add_argument("--input-len", type=int, default=128, help="mean input tokens (random, shared-prefix)")
+    bn.add_argument("--output-len", type=int, default=64, help="mean output tokens (random, shared-prefix, dataset)")
+    bn.add_argument("--range-ratio", type=float, default=0.5, help="uniform: mean × (1 ± ratio); lognormal: sigma")
+    bn.add_argument("--length-dist", choices=["uniform", "lognormal"], default="uniform")
+    bn.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
+    bn.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each system prompt")
+    bn.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    bn.add_argument("--scale", type=float, default=0.05,
+                    help="chat: the seed workload (3k input / 400 output tokens a turn) times this")
+    bn.add_argument("--temperature", type=float, default=0.0)
+    bn.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                    help="let requests end at EOS (by default they run to their output length)")
+    bn.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
+    bn.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    bn.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bn.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput over time")
+    bn.add_argument("--model", help="checkpoint whose tokenizer cuts the prompts (default: the tiny model)")
+    bn.add_argument("--served-model", help="the OpenAI `model` field (default: the first of GET /v1/models)")
+    bn.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
+                    help="sent as a bearer token (default: $TOKENBUS_API_KEY)")
+    bn.add_argument("--connections", type=int, help="ws: websockets to spread requests over (default ≤ 16)")
+    bn.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    bn.add_argument("--seed", type=int, default=0)
+    bn.add_argument("--no-progress", action="store_true")
+    bn.set_defaults(func=cmd_bench)
     return p
 
 

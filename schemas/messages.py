@@ -139,6 +139,9 @@ class Heartbeat:
     prefix_cache_queries: int                     # in tokens
     prefix_cache_hits: int                        # in tokens
     requests_finished: int
+    preemptions: int = 0                          # counters since the worker started, like the three above
+    prompt_tokens: int = 0                        # of the requests it took
+    generation_tokens: int = 0                    # it published
 
 
 @dataclass(slots=True)
@@ -204,6 +207,11 @@ def decode(data: bytes, *expected: type):
         obj = msgpack.unpackb(data)
     except Exception as e:
         raise WireError(f"not msgpack: {type(e).__name__} {e}".rstrip()) from None
+    return from_obj(obj, *expected)
+
+
+def from_obj(obj, *expected: type):
+    """The message in an unpacked map (msgpack, or JSON lines of an exported log), checked like decode."""
     if not isinstance(obj, dict):
         raise WireError(f"a message is a map, got {type(obj).__name__}")
     if type(obj.get("v")) is not int or obj["v"] != VERSION:
@@ -217,6 +225,11 @@ def decode(data: bytes, *expected: type):
     if hasattr(msg, "check"):
         msg.check()
     return msg
+
+
+def to_obj(msg) -> dict:
+    """The map encode packs: the type tag, the version and the fields."""
+    return {"t": msg.TYPE, "v": VERSION, **to_dict(msg)}
 
 
 def to_dict(obj) -> dict:

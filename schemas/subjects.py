@@ -66,9 +66,13 @@ def kv_events(worker: str) -> str:
     return f"tb.kv.{token('worker', worker)}"
 
 
-def msg_id(request_id: str) -> dict[str, str]:
-    """Headers of every JetStream publish of a request: its id deduplicates retried publishes."""
-    return {"Nats-Msg-Id": request_id}
+REQUEST_ID = "Tb-Request-Id"            # the header that names the request in every stage's messages
+
+
+def msg_id(request_id: str, dedup: str | None = None) -> dict[str, str]:
+    """Headers of every JetStream publish of a request: the message id deduplicates retried publishes
+    (the request id unless `dedup` says otherwise), Tb-Request-Id names the request for logs and inspect."""
+    return {"Nats-Msg-Id": dedup or request_id, REQUEST_ID: request_id}
 
 
 # -- streams, consumers, bucket --------------------------------------------------------------
@@ -204,6 +208,8 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                 if status:                       # 408 expired / 409 conflict: these will not come
                     left = msg.headers.get("Nats-Pending-Messages")
                     outstanding = max(0, outstanding - int(left)) if left else 0
+                    if gone(msg.headers):
+                        await recreate(nc, stream, config, log)
                     continue
                 outstanding -= 1
                 try:
@@ -212,6 +218,26 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                     log.exception("message handling failed", subject=msg.subject)
     finally:
         await sub.unsubscribe()
+
+
+def gone(headers) -> bool:
+    """A pull answered because the consumer no longer exists (deleted, e.g. by the router when this
+    worker's heartbeat lapsed under load): 409 Consumer Deleted, or 503 no responders."""
+    return headers["Status"] == "503" or "Deleted" in (headers.get("Description") or "")
+
+
+RECREATE_WAIT = 0.5                      # between attempts while another consumer holds the subject
+
+
+async def recreate(nc, stream: str, config: api.ConsumerConfig, log) -> None:
+    """Creates the consumer again so a live stage keeps pulling; the router may still be moving the
+    work it held (a work-queue subject takes one consumer at a time), so a refusal waits a little."""
+    try:
+        await nc.jetstream().add_consumer(stream, config)
+        log.warning("consumer recreated", stream=stream, consumer=config.durable_name)
+    except (nats.errors.Error, asyncio.TimeoutError) as e:
+        log.warning("consumer not recreated yet", consumer=config.durable_name, error=str(e) or type(e).__name__)
+        await asyncio.sleep(RECREATE_WAIT)
 
 
 def run(main) -> None:

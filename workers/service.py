@@ -66,6 +66,7 @@ class WorkerService:
         self.running: dict[str, Running] = {}
         self.cancelled: dict[str, float] = {}        # cancels that came before their request
         self.finished = 0
+        self.prompt_tokens = self.generation_tokens = 0     # counters for the heartbeat (metrics)
         self.tasks: set[asyncio.Task] = set()
         self.wake = asyncio.Event()                  # set when work arrives for an idle engine
         self.stop = asyncio.Event()
@@ -115,6 +116,7 @@ class WorkerService:
             return
         out = req.output_token_ids
         new = out[run.sent:]
+        self.generation_tokens += len(new)
         if new and not run.first_token:
             run.first_token = now
         if req.finished:
@@ -185,11 +187,14 @@ class WorkerService:
         try:
             self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt)
         except ValueError as e:
-            self.log.info("request rejected", request_id=r.id, error=str(e))
+            self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
             await msg.term()
             return
         self.running[r.id] = Running(item, msg, time.time(), subject=subjects.out(r.id))
+        self.prompt_tokens += len(r.prompt_token_ids)
+        self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt,
+                      prompt_tokens=len(r.prompt_token_ids))
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
@@ -234,7 +239,7 @@ class WorkerService:
         await self.registry.put(self.id, encode(Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
-            s["prefix_cache_hits"], self.finished)))
+            s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens)))
 
     async def progress_loop(self) -> None:
         """In-progress acks keep JetStream from redelivering work that is still running."""
@@ -263,6 +268,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--id", default=f"w-{os.getpid()}", help="worker id (a subject token)")
+    p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int)
@@ -275,7 +281,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args) -> EngineConfig:
-    return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+    return EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         tensor_parallel_size=args.tp)

@@ -1,5 +1,6 @@
 """The gateway's ASGI app, served by uvicorn: the websocket chat protocol at /ws, the OpenAI-compatible
-HTTP API at /v1/* (its OpenAPI document at /openapi.json), the web chat page at /, and /healthz."""
+HTTP API at /v1/* (its OpenAPI document at /openapi.json), the web chat page at /, /healthz and
+/metrics (Prometheus text)."""
 import argparse
 import asyncio
 import contextlib
@@ -29,6 +30,7 @@ from schemas.messages import Heartbeat, WireError, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from services.gateway import api, keys, openapi
 from services.gateway.errors import ApiError
+from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.session import Connection, Gateway
 
 PAGE = Path(__file__).with_name("chat.html")
@@ -69,8 +71,8 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             await subjects.close(nc)
             log.info("gateway stopped")
 
-    routes = [Route("/", page), Route("/healthz", healthz), Route("/openapi.json", openapi_json),
-              Route("/v1/models", api.models), Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+    routes = [Route("/", page), Route("/healthz", healthz), Route("/metrics", metrics),
+              Route("/openapi.json", openapi_json), Route("/v1/models", api.models), Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]), WebSocketRoute("/ws", chat)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
                      exception_handlers={HTTPException: http_error, Exception: server_error})
@@ -163,6 +165,11 @@ async def healthz(request) -> Response:
     n = await workers(request.app.state.gateway)
     body = orjson.dumps({"status": "ok" if n else "unavailable", "workers": n})
     return Response(body, status_code=200 if n else 503, media_type="application/json")
+
+
+async def metrics(request) -> Response:
+    gw = request.app.state.gateway
+    return Response(await gw.metrics.render(gw.kv, gw.log), media_type=CONTENT_TYPE)
 
 
 async def workers(gw: Gateway) -> int:

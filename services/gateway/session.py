@@ -35,6 +35,7 @@ from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
+from services.gateway.metrics import Metrics
 
 PUBLISH_TIMEOUT = 5.0
 
@@ -52,6 +53,7 @@ class Gateway:
     max_tokens: int = subjects.MAX_TOKENS         # the cap on a request's max_tokens
     keys: dict[str, Key] | None = None            # SHA-256 hex → key; None: no keys, one tenant
     admission: Admission = field(default_factory=Admission)
+    metrics: Metrics = field(default_factory=Metrics)
     tasks: set = field(default_factory=set)
 
     def authorize(self, headers, query) -> Key:
@@ -135,6 +137,7 @@ class Connection:
             else:
                 await self.cancel(cid)
         except FrameError as e:
+            self.gw.metrics.error(self.key.tenant, e.code)
             await self.send(error(e.id, e.code, str(e)))
         except Exception as e:                    # a bug must not end the connection
             self.log.exception("frame failed")
@@ -201,6 +204,7 @@ class Request:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     worker_timing: dict = field(default_factory=dict)
+    worker: str = ""
     ttft: float | None = None
     ended: bool = False
 
@@ -217,7 +221,7 @@ class Request:
             self.log.error("request publish failed", request_id=self.rid, error=reason)
             await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
             return
-        self.log.debug("request published", request_id=self.rid, client_id=self.cid)
+        self.log.info("request accepted", request_id=self.rid, tenant=req.tenant, client_id=self.cid)
 
     async def on_msg(self, msg) -> None:
         if self.ended:                            # messages already queued when the request ended
@@ -256,7 +260,7 @@ class Request:
             await self.end(self.done("stop"))
         elif final:
             self.cached_tokens = chunk.usage.get("cached_tokens", self.cached_tokens)
-            self.worker_timing = chunk.timing
+            self.worker_timing, self.worker = chunk.timing, chunk.worker
             await self.end(self.done(chunk.finish_reason, chunk.usage))
 
     def accept(self, chunk: TokenChunk | FinalChunk) -> tuple[list[int], int]:
@@ -296,27 +300,31 @@ class Request:
         """Sends the request's last frame and drops its subscription. In the callback this is the last
         await: the unsubscribe cancels the callback's task (at its next real suspension, so messages
         already queued still reach on_msg)."""
-        if not self.finish(frame.get("finish_reason")):
+        if not self.finish(frame.get("finish_reason"), frame):
             return
-        self.log.debug("request ended", request_id=self.rid, frame=frame["type"], tokens=self.received)
         await self.conn.send(frame)
         await self.unsubscribe()
 
     async def abort(self) -> None:
         """Ends the request from outside its callback (client cancel or disconnect) and tells the worker."""
-        self.finish("abort")
+        self.finish("abort", self.done("abort"))
         self.task.cancel()
         await self.unsubscribe()
         await self.conn.gw.publish_cancel(self.rid, "abort")
 
-    def finish(self, reason: str | None) -> bool:
-        """Marks the request ended (reason None: by an error), frees its id, settles and meters it;
-        False if it already was (whoever ends it sends its last frame)."""
+    def finish(self, reason: str | None, frame: dict) -> bool:
+        """Marks the request ended with its last frame (reason None: by an error), frees its id, settles
+        and meters it, counts it in the metrics and logs it; False if it already was (whoever ends it
+        sends its last frame)."""
         if self.ended:
             return False
         self.ended = True
         del self.conn.inflight[self.cid]
         self.conn.gw.close(self, reason)
+        tenant = self.ticket.key.tenant
+        self.conn.gw.metrics.observe(tenant, frame, self.worker_timing.get("queue_ms"))
+        self.log.info("request ended", request_id=self.rid, tenant=tenant, worker=self.worker,
+                      end=frame.get("finish_reason") or frame.get("code"), tokens=self.received)
         return True
 
     async def unsubscribe(self) -> None:

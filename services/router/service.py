@@ -125,13 +125,20 @@ class RouterService:
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     break
                 for msg in msgs:
-                    moved += await self.move(msg)
+                    n = await self.move(msg, worker)
+                    if n < 0:                   # it came back (its heartbeat had only lapsed): the rest is its own
+                        return
+                    moved += n
         finally:
+            with contextlib.suppress(nats.errors.Error):  # at once, so the worker can recreate its consumer
+                await self.js.delete_consumer(subjects.WORK_STREAM, (await sub.consumer_info()).name)
             await sub.unsubscribe()
         if moved:
             self.log.warning("work re-routed", worker=worker, requests=moved)
 
-    async def move(self, msg) -> int:
+    async def move(self, msg, departed: str) -> int:
+        """1 when the item moved to a live worker, 0 when it was dropped, -1 when the only pick is the
+        departed worker itself (re-publishing to its subject would feed this very loop)."""
         try:
             item = decode(msg.data, WorkItem)
         except WireError as e:
@@ -139,12 +146,16 @@ class RouterService:
             await msg.term()
             return 0
         worker = await self.pick(msg)
+        if worker == departed:
+            await msg.nak()
+            return -1
         await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1))
         await msg.ack()
         return 1
 
     async def send(self, item: WorkItem) -> None:
-        await self.js.publish(subjects.work(item.worker), encode(item), headers={"Nats-Msg-Id": item.msg_id})
+        headers = subjects.msg_id(item.request.id, item.msg_id)
+        await self.js.publish(subjects.work(item.worker), encode(item), headers=headers)
 
     async def handle(self, msg) -> None:
         try:
@@ -160,7 +171,7 @@ class RouterService:
             self.log.error("work publish failed", request_id=req.id, worker=worker, error=str(e))
             return
         await msg.ack()
-        self.log.debug("routed", request_id=req.id, worker=worker)
+        self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=worker)
 
     async def pick(self, msg) -> str:
         """A worker for the request; with none alive, waits (the request stays in TB_ROUTE, kept alive)."""

@@ -87,7 +87,7 @@ class TokenizerService:
             self.log.error("route publish failed", request_id=req.id, error=str(e))
             return
         await msg.ack()
-        self.log.debug("tokenized", request_id=req.id, tenant=req.tenant, prompt_tokens=len(ids))
+        self.log.info("tokenized", request_id=req.id, tenant=req.tenant, prompt_tokens=len(ids))
 
     async def refuse(self, msg, rid: str | None, code: str, message: str) -> None:
         self.log.error("request refused", request_id=rid, code=code, error=message, subject=msg.subject)

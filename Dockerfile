@@ -1,0 +1,19 @@
+# One image for every tokenbus service; compose.yaml picks each container's command (the same
+# `python -m ...` entry points `tokenbus up` starts). torch's PyPI wheel brings the CUDA runtime, so
+# the image runs workers on NVIDIA GPUs (with the NVIDIA container toolkit) and on CPU alike.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 \
+    TOKENBUS_HOME=/tmp/tokenbus
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY schemas schemas
+COPY services services
+COPY workers workers
+COPY kernels kernels
+COPY ops ops
+RUN pip install . && useradd --create-home tokenbus
+USER tokenbus
+
+EXPOSE 8000
+CMD ["python", "-m", "ops.cli", "--help"]

@@ -1,0 +1,548 @@
+"""`tokenbus bench`: a load generator against a running gateway, over the websocket protocol (ws://…/ws)
+or the OpenAI HTTP API (http://…/v1/chat/completions, streamed as server-sent events).
+
+Arrivals: a fixed number of conversations in flight (--concurrency) or Poisson arrivals at
+--request-rate per second (capped by --concurrency when both are given). Workloads are
+conversations of one or more turns, built before the clock starts from real text of the
+tokenizer's corpus cut to token lengths:
+- random: one turn, input and output lengths drawn around --input-len / --output-len;
+- shared-prefix: one turn behind one of --num-prefixes long system prompts of --prefix-len tokens;
+- chat: --turns turns per conversation, each turn sending the whole history; the seed workload
+  (3k input, 400 output tokens a turn on average) scaled by --scale;
+- --dataset FILE: JSON lines of {"prompt": …} or {"messages": […]}, optional "max_tokens".
+Per request: TTFT (send → first token), TPOT ((e2e − TTFT) / (output tokens − 1)), the gaps
+between streamed chunks (ITL) and e2e; then percentiles, throughput, goodput under the SLOs,
+errors by code, and the client's own CPU per token (so one can see it is not the bottleneck)."""
+import asyncio
+import collections
+import itertools
+import math
+import random
+import sys
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+import websockets
+from tqdm import tqdm
+
+from ops.tokenizer import load_tokenizer
+
+SEED_INPUT, SEED_OUTPUT = 3000, 400      # the production turn: 3k tokens in, 400 out
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+MAX_INFLIGHT_PER_CONNECTION = 256        # the gateway's limit per websocket
+QUANTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class Conversation:
+    head: list[dict]                     # messages before the first turn (a system prompt)
+    users: list[str]                     # one user message per turn
+    max_tokens: list[int]
+
+
+@dataclass(slots=True)
+class Result:
+    start: float                         # perf_counter when the request was sent
+    chunks: list[float] = field(default_factory=list)   # arrival of each chunk that carried tokens
+    end: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    parts: list[str] = field(default_factory=list)
+    error: str | None = None             # an error code
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.end - self.chunks[0]) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+# -- workloads ------------------------------------------------------------------------------------------
+
+class Corpus:
+    """Text of a given token length: windows of the tokenized corpus at random offsets, decoded."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids = tokenizer.encode(CORPUS.read_text()).ids
+
+    def text(self, rng: random.Random, n: int) -> str:
+        ids = self.ids * (n // len(self.ids) + 2)
+        at = rng.randrange(len(self.ids))
+        return self.tok.decode(ids[at:at + n])
+
+
+def length(rng: random.Random, mean: int, ratio: float, dist: str) -> int:
+    """uniform over mean·(1 ± ratio), or lognormal with that mean and sigma = ratio."""
+    if dist == "lognormal" and ratio > 0:
+        return max(1, round(rng.lognormvariate(math.log(mean) - ratio ** 2 / 2, ratio)))
+    return rng.randint(max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio))))
+
+
+def workload(args, corpus: Corpus) -> list[Conversation]:
+    rng = random.Random(args.seed)
+    if args.dataset:
+        return dataset(Path(args.dataset), args.num_requests, args.output_len)
+    n, out = args.num_requests, args.output_len
+    if args.workload == "chat":
+        return chats(rng, corpus, n, args.turns, args.scale)
+
+    def draw(mean: int) -> int:
+        return length(rng, mean, args.range_ratio, args.length_dist)
+
+    if args.workload == "shared-prefix":
+        prefixes = [[{"role": "system", "content": corpus.text(rng, args.prefix_len)}]
+                    for _ in range(args.num_prefixes)]
+        return [Conversation(rng.choice(prefixes), [corpus.text(rng, draw(args.input_len))], [draw(out)])
+                for _ in range(n)]
+    return [Conversation([], [corpus.text(rng, draw(args.input_len))], [draw(out)]) for _ in range(n)]
+
+
+def chats(rng: random.Random, corpus: Corpus, n: int, turns: int, scale: float) -> list[Conversation]:
+    """Conversations of `turns` turns (n turns in all). Each turn sends the history, so turn i's input is
+    i user messages and i−1 replies; the user message length makes the mean input the seed's 3k × scale."""
+    out = max(1, round(SEED_OUTPUT * scale))
+    user = max(1, round((2 * SEED_INPUT * scale - out * (turns - 1)) / (turns + 1)))
+    convs = []
+    while n > 0:
+        k = min(turns, n)
+        convs.append(Conversation([], [corpus.text(rng, user) for _ in range(k)], [out] * k))
+        n -= k
+    return convs
+
+
+def dataset(path: Path, n: int, default_max: int) -> list[Conversation]:
+    rows = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"--dataset {path}: no requests in it")
+    convs = []
+    for i, row in zip(range(n), itertools.cycle(rows)):
+        msgs = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
+        if not isinstance(msgs[-1].get("content"), str):
+            raise ValueError(f"--dataset {path}: line {i % len(rows) + 1} needs a prompt or messages")
+        max_tokens = row.get("max_tokens") or row.get("output_len") or default_max
+        convs.append(Conversation(msgs[:-1], [msgs[-1]["content"]], [max_tokens]))
+    return convs
+
+
+# -- the clients ----------------------------------------------------------------------------------------
+
+class WsClient:
+    """Requests over a few websockets, each carrying many at once; one reader per connection."""
+
+    def __init__(self, url: str, connections: int, api_key: str | None, options: dict):
+        self.url, self.n, self.options = url, connections, options
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.conns: list[websockets.ClientConnection] = []
+        self.pending: list[dict[str, tuple[Result, asyncio.Future]]] = []
+        self.readers: list[asyncio.Task] = []
+        self.ids = itertools.count()
+
+    async def open(self) -> None:
+        for i in range(self.n):
+            try:
+                ws = await websockets.connect(self.url, max_size=None, compression=None,
+                                              additional_headers=self.headers)
+            except (OSError, websockets.InvalidHandshake) as e:
+                raise ValueError(f"{self.url}: {e}") from None
+            self.conns.append(ws)
+            self.pending.append({})
+            self.readers.append(asyncio.create_task(self.read(i)))
+
+    async def close(self) -> None:
+        for ws in self.conns:
+            await ws.close()
+        for t in self.readers:
+            t.cancel()
+
+    async def request(self, messages: list[dict], max_tokens: int) -> Result:
+        i = min(range(self.n), key=lambda k: len(self.pending[k]))
+        rid = str(next(self.ids))
+        frame = {"type": "generate", "id": rid, "messages": messages, "max_tokens": max_tokens, **self.options}
+        r, done = Result(time.perf_counter()), asyncio.get_running_loop().create_future()
+        self.pending[i][rid] = (r, done)
+        await self.conns[i].send(orjson.dumps(frame).decode())
+        try:
+            return await done
+        except asyncio.CancelledError:           # the bench's timeout: stop it in the gateway too
+            if self.pending[i].pop(rid, None):
+                await self.conns[i].send(orjson.dumps({"type": "cancel", "id": rid}).decode())
+            raise
+
+    async def read(self, i: int) -> None:
+        pending = self.pending[i]
+        try:
+            async for raw in self.conns[i]:
+                t = time.perf_counter()
+                f = orjson.loads(raw)
+                if f["id"] not in pending:
+                    continue
+                r = pending[f["id"]][0]
+                kind = f["type"]
+                if kind == "delta":
+                    if f["token_ids"]:
+                        r.chunks.append(t)
+                    r.parts.append(f["text"])
+                    continue
+                if kind == "done":
+                    r.prompt_tokens, r.output_tokens = f["usage"]["prompt_tokens"], f["usage"]["completion_tokens"]
+                else:
+                    r.error = f.get("code") or "error"
+                r.end = t
+                pending.pop(f["id"])[1].set_result(r)   # (a timed-out request was popped already)
+        except websockets.ConnectionClosed:
+            pass
+        for r, done in pending.values():          # the connection went away under them
+            r.error, r.end = "connection_closed", time.perf_counter()
+            done.set_result(r)
+        pending.clear()
+
+
+class HttpClient:
+    """OpenAI chat completions streamed as server-sent events, on plain asyncio streams (HTTP/1.1,
+    keep-alive connections reused): a few µs of parsing per chunk."""
+
+    def __init__(self, url: str, model: str | None, api_key: str | None, options: dict):
+        u = urllib.parse.urlsplit(url)
+        self.base, self.api_key = f"{u.scheme}://{u.netloc}", api_key
+        self.host, self.port = u.hostname, u.port or 80
+        self.path = u.path if u.path.endswith("/chat/completions") else u.path.rstrip("/") + "/v1/chat/completions"
+        self.head = (f"POST {self.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Accept: text/event-stream\r\n" + (f"Authorization: Bearer {api_key}\r\n" if api_key else ""))
+        self.model, self.options = model, options
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def open(self) -> None:
+        if self.model is None:                   # the one the gateway serves
+            self.model = await asyncio.to_thread(served_model, self.base, self.api_key)
+
+    async def close(self) -> None:
+        for _, w in self.idle:
+            w.close()
+
+    async def request(self, messages: list[dict], max_tokens: int) -> Result:
+        body = orjson.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                             "stream_options": {"include_usage": True}, **self.options})
+        head = f"{self.head}Content-Length: {len(body)}\r\n\r\n".encode()
+        r = Result(time.perf_counter())
+        conn = None
+        try:
+            for reused in (bool(self.idle), False):  # a kept-alive connection the server closed: once more
+                conn = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
+                conn[1].write(head + body)
+                status = await conn[0].readline()
+                if status or not reused:
+                    break
+                conn[1].close()
+            if await self.exchange(conn[0], status, r):
+                self.idle.append(conn)
+                conn = None
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
+            r.error, r.end = "connection_error" if isinstance(e, OSError) else "bad_response", time.perf_counter()
+        finally:
+            if conn is not None:                 # broken, not kept alive, or cancelled by the bench's timeout
+                conn[1].close()
+        return r
+
+    async def exchange(self, reader: asyncio.StreamReader, status_line: bytes, r: Result) -> bool:
+        """Reads one response into r; True when the connection can carry the next request."""
+        status = int(status_line.split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip().lower()
+        events = SseEvents(r)
+        async for data in body(reader, headers):
+            if status == 200:
+                events.feed(data, time.perf_counter())
+            else:
+                events.buf += data
+        r.end = time.perf_counter()
+        if status != 200:
+            r.error = error_code(events.buf, status)
+        elif not events.finished and r.error is None:
+            r.error = "incomplete_stream"
+        if r.output_tokens == 0:                  # no usage chunk: count the chunks
+            r.output_tokens = len(r.chunks)
+        return headers.get("connection") != "close"
+
+
+def served_model(base: str, api_key: str | None) -> str:
+    """The first model GET /v1/models lists."""
+    req = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return orjson.loads(r.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"{base}/v1/models did not name a model ({e}); give --served-model") from None
+
+
+async def body(reader: asyncio.StreamReader, headers: dict):
+    """The response body's pieces as they arrive: chunked, by length, or up to the connection's end."""
+    if headers.get("transfer-encoding") == "chunked":
+        while (size := int((await reader.readline()).split(b";")[0], 16)) > 0:
+            yield (await reader.readexactly(size + 2))[:-2]
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):   # trailers
+            pass
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while data := await reader.read(65536):
+            yield data
+
+
+class SseEvents:
+    """`data: {...}` events of an OpenAI stream into a Result; `data: [DONE]` ends it."""
+
+    def __init__(self, r: Result):
+        self.r, self.buf, self.finished = r, b"", False
+
+    def feed(self, data: bytes, t: float) -> None:
+        self.buf += data.replace(b"\r\n", b"\n")
+        *events, self.buf = self.buf.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self.data(line[5:].strip(), t)
+
+    def data(self, payload: bytes, t: float) -> None:
+        if payload == b"[DONE]":
+            self.finished = True
+            return
+        obj = orjson.loads(payload)
+        r = self.r
+        if "error" in obj:
+            r.error = error_code(payload, 200)
+            return
+        for choice in obj.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                r.chunks.append(t)
+                r.parts.append(text)
+        usage = obj.get("usage")
+        if usage:
+            r.prompt_tokens, r.output_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+
+
+def error_code(raw: bytes, status: int) -> str:
+    """The error's code from an OpenAI error body ({"error": {"code"|"type": …}}), else http_<status>."""
+    try:
+        err = orjson.loads(raw)["error"]
+        return str(err.get("code") or err.get("type") or f"http_{status}")
+    except Exception:
+        return f"http_{status}"
+
+
+def client(args):
+    options = {"temperature": args.temperature}
+    if args.ignore_eos:
+        options["ignore_eos"] = True
+    if protocol(args) == "ws":
+        return WsClient(args.url, args.connections or min(args.concurrency or 16, 16), args.api_key, options)
+    return HttpClient(args.url, args.served_model, args.api_key, options)
+
+
+def protocol(args) -> str:
+    return args.protocol or ("ws" if args.url.startswith(("ws://", "wss://")) else "openai")
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+async def drive(args, convs: list[Conversation], conn, progress) -> tuple[list[Result], float]:
+    """Runs every conversation, at fixed concurrency or Poisson arrivals; the results and the duration."""
+    results: list[Result] = []
+    gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+    async def converse(conv: Conversation) -> None:
+        history = list(conv.head)
+        for user, n in zip(conv.users, conv.max_tokens):
+            history.append({"role": "user", "content": user})
+            try:
+                r = await asyncio.wait_for(conn.request(history, n), args.timeout)
+            except asyncio.TimeoutError:
+                r = Result(time.perf_counter() - args.timeout, end=time.perf_counter(), error="timeout")
+            results.append(r)
+            progress.update(1)
+            history.append({"role": "assistant", "content": "".join(r.parts) if r.error is None else ""})
+
+    async def gated(conv: Conversation) -> None:
+        if gate is None:
+            return await converse(conv)
+        async with gate:
+            await converse(conv)
+
+    rng = random.Random(args.seed + 1)
+    start = time.perf_counter()
+    if args.request_rate:
+        tasks, at = [], 0.0
+        for conv in convs:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(gated(conv)))
+            at += rng.expovariate(args.request_rate)
+        await asyncio.gather(*tasks)
+    else:
+        queue = collections.deque(convs)
+
+        async def worker():
+            while queue:
+                await converse(queue.popleft())
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return results, time.perf_counter() - start
+
+
+def stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in QUANTILES}}
+    a = np.asarray(values)
+    return {"mean": round(float(a.mean()), 3), **{f"p{q}": round(float(np.percentile(a, q)), 3) for q in QUANTILES}}
+
+
+def summarize(args, results: list[Result], duration: float, cpu: float) -> dict:
+    ok = [r for r in results if r.error is None and r.chunks]
+    failed = [r for r in results if r.error is not None]
+    ttft = [r.ttft * 1e3 for r in ok]
+    tpot = [r.tpot * 1e3 for r in ok if r.tpot is not None]
+    itl = [(b - a) * 1e3 for r in ok for a, b in itertools.pairwise(r.chunks)]
+    out_tokens, in_tokens = sum(r.output_tokens for r in ok), sum(r.prompt_tokens for r in ok)
+    chunks = sum(len(r.chunks) for r in results)
+    report = {
+        "protocol": protocol(args), "url": args.url,
+        "workload": workload_desc(args),
+        "duration_s": round(duration, 3),
+        "requests": {"completed": len(ok), "failed": len(failed), "total": len(results)},
+        "errors": dict(collections.Counter(r.error for r in failed)),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_tokens_per_s": round(out_tokens / duration, 2),
+        "input_tokens_per_s": round(in_tokens / duration, 2),
+        "total_tokens_per_s": round((in_tokens + out_tokens) / duration, 2),
+        "output_tokens": out_tokens, "input_tokens": in_tokens,
+        "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl), "e2e_ms": stats(e2e(ok)),
+        "client": {"cpu_s": round(cpu, 3), "cpu_us_per_token": round(cpu / max(out_tokens, 1) * 1e6, 2),
+                   "cpu_us_per_chunk": round(cpu / max(chunks, 1) * 1e6, 2),
+                   "cpu_share_of_one_core": round(cpu / duration, 4)},
+    }
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        good = [r for r in ok if meets(r, args.slo_ttft_ms, args.slo_tpot_ms)]
+        report["goodput"] = {"requests_per_s": round(len(good) / duration, 3), "good": len(good),
+                             "fraction": round(len(good) / max(len(results), 1), 4),
+                             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    return report
+
+
+def e2e(ok: list[Result]) -> list[float]:
+    return [r.e2e * 1e3 for r in ok]
+
+
+def meets(r: Result, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    if ttft_ms is not None and r.ttft * 1e3 > ttft_ms:
+        return False
+    return tpot_ms is None or r.tpot is None or r.tpot * 1e3 <= tpot_ms
+
+
+def workload_desc(args) -> dict:
+    arrival = {"request_rate": args.request_rate, "max_concurrency": args.concurrency} if args.request_rate \
+        else {"concurrency": args.concurrency}
+    kind = f"dataset:{args.dataset}" if args.dataset else args.workload
+    return {"kind": kind, "num_requests": args.num_requests, **arrival}
+
+
+def table(r: dict) -> str:
+    w = r["workload"]
+    arrival = f"Poisson {w['request_rate']}/s" if w.get("request_rate") else f"concurrency {w['concurrency']}"
+    req = r["requests"]
+    lines = [f"tokenbus bench: {w['kind']}, {w['num_requests']} requests, {arrival}, {r['protocol']} {r['url']}",
+             f"{'duration':28}{r['duration_s']:.2f} s",
+             f"{'requests completed / failed':28}{req['completed']} / {req['failed']}"
+             + (f"  ({', '.join(f'{k}: {v}' for k, v in r['errors'].items())})" if r["errors"] else ""),
+             f"{'request throughput':28}{r['request_throughput']:.2f} req/s",
+             f"{'output tokens/s':28}{r['output_tokens_per_s']:.1f}",
+             f"{'total tokens/s':28}{r['total_tokens_per_s']:.1f}"]
+    if "goodput" in r:
+        g = r["goodput"]
+        lines.append(f"{'goodput':28}{g['requests_per_s']:.2f} req/s ({g['fraction']:.1%} within TTFT ≤ "
+                     f"{g['slo_ttft_ms']} ms, TPOT ≤ {g['slo_tpot_ms']} ms)")
+    lines.append(f"{'':28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = r[key]
+        lines.append(f"{key[:-3].upper() + ' (ms)':28}" + "".join(f"{'-' if s[k] is None else format(s[k], '.2f'):>10}"
+                                            for k in ("mean", "p50", "p90", "p99")))
+    c = r["client"]
+    lines.append(f"{'client CPU':28}{c['cpu_us_per_token']:.1f} µs/token, {c['cpu_share_of_one_core']:.1%} of one core")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    """Latency CDFs and output throughput over time, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.error is None and r.chunks]
+    t0 = min((r.start for r in results), default=0.0)
+    fig, (cdf, tput) = plt.subplots(1, 2, figsize=(13, 4.8))
+    series = {"TTFT": [r.ttft * 1e3 for r in ok], "TPOT": [r.tpot * 1e3 for r in ok if r.tpot is not None],
+              "ITL": [(b - a) * 1e3 for r in ok for a, b in itertools.pairwise(r.chunks)], "E2E": e2e(ok)}
+    for name, values in series.items():
+        if values:
+            xs = np.sort(values)
+            cdf.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+    cdf.set(xscale="log", xlabel="ms", ylabel="fraction of requests (ITL: of gaps)", title="latency CDFs")
+    cdf.grid(True, which="both", alpha=0.3)
+    cdf.legend()
+    times = [(t - t0, r.output_tokens / len(r.chunks)) for r in ok for t in r.chunks]
+    span = max((t for t, _ in times), default=1.0)
+    width = max(span / 60, 0.25)
+    bins = np.arange(0, span + width, width)
+    counts, _ = np.histogram([t for t, _ in times], bins=bins, weights=[w for _, w in times])
+    tput.plot(bins[:-1], counts / width, drawstyle="steps-post", label="output tokens/s")
+    done, _ = np.histogram([r.end - t0 for r in ok], bins=bins)
+    twin = tput.twinx()
+    twin.plot(bins[:-1], done / width, drawstyle="steps-post", color="tab:orange", label="requests/s")
+    tput.set(xlabel="s since start", ylabel="output tokens/s", title="throughput over time")
+    twin.set_ylabel("requests completed/s")
+    tput.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+async def bench(args, convs: list[Conversation]) -> tuple[list[Result], float, float]:
+    conn = client(args)
+    await conn.open()
+    total = sum(len(c.users) for c in convs)
+    progress = tqdm(total=total, unit="req", file=sys.stderr, disable=True if args.no_progress else None,
+                    dynamic_ncols=True)
+    cpu = time.process_time()
+    try:
+        results, duration = await drive(args, convs, conn, progress)
+    finally:
+        cpu = time.process_time() - cpu
+        progress.close()
+        await conn.close()
+    return results, duration, cpu
+
+
+def main(args) -> dict:
+    if args.request_rate is None and args.concurrency is None:
+        args.concurrency = 8
+    convs = workload(args, Corpus(load_tokenizer(args.model)))
+    results, duration, cpu = asyncio.run(bench(args, convs))
+    report = summarize(args, results, duration, cpu)
+    print(table(report))
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.plot:
+        plot(results, args.plot)
+    return report

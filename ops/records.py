@@ -1,0 +1,161 @@
+"""The completions log (stream TB_RESULTS): every finished request with its prompt tokens, sampling
+(the seed the tokenizer drew included), outputs, usage and timings. Selecting a window of it, and
+`tokenbus log export FILE` / `tokenbus log import FILE` to move a window between stacks as JSON lines."""
+import asyncio
+import contextlib
+import datetime as dt
+import re
+from pathlib import Path
+
+import nats.js.errors
+import orjson
+from nats.js import api
+
+from schemas import subjects
+from schemas.messages import Completion, WireError, decode, encode, from_obj, to_obj
+
+REPLAY_PREFIX = "replay-"                # the request ids of replays: never selected themselves
+READ_TIMEOUT = 5.0
+DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(text: str, now: dt.datetime | None = None) -> dt.datetime:
+    """An ISO 8601 time (UTC unless it names a zone) or a duration back from now: 90s, 15m, 2h, 7d."""
+    now = now or dt.datetime.now(dt.UTC)
+    m = DURATION.fullmatch(text.strip())
+    if m:
+        return now - dt.timedelta(seconds=float(m[1]) * UNITS[m[2]])
+    try:
+        t = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"--since: {text!r} is neither an ISO time (2025-06-01T12:00:00Z) nor a duration "
+                         "(90s, 15m, 2h, 7d)") from None
+    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+
+def selected(rec: Completion, request_id: str | None) -> bool:
+    if request_id is not None:
+        return rec.id == request_id
+    return not rec.id.startswith(REPLAY_PREFIX)
+
+
+async def select(js, last: int | None = None, since: dt.datetime | None = None,
+                 request_id: str | None = None) -> list[Completion]:
+    """Records of TB_RESULTS in log order: the last N, those stored since a time, the one of a request
+    id, or all. Replays (ids starting with replay-) are left out unless asked for by id."""
+    if last is not None:
+        return await last_records(js, last)
+    return [rec async for rec in scan(js, since) if selected(rec, request_id)]
+
+
+async def last_records(js, n: int) -> list[Completion]:
+    """Walks the stream back from its last message until n records (replays skipped)."""
+    state = (await js.stream_info(subjects.RESULTS_STREAM)).state
+    out, seq = [], state.last_seq
+    while len(out) < n and seq >= max(state.first_seq, 1):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            rec = record((await js.get_msg(subjects.RESULTS_STREAM, seq)).data)
+            if rec is not None and selected(rec, None):
+                out.append(rec)
+        seq -= 1
+    return out[::-1]
+
+
+async def scan(js, since: dt.datetime | None = None):
+    """Every record from the start (or from `since`) to the stream's end as it was when called."""
+    info = await js.stream_info(subjects.RESULTS_STREAM)
+    if info.state.messages == 0:
+        return
+    if since is not None and await stored_before(js, info.state.last_seq, since):
+        return                                   # nothing was stored since
+    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=since) \
+        if since else None
+    sub = await js.subscribe(subjects.RESULTS_SUBJECTS, stream=subjects.RESULTS_STREAM, ordered_consumer=True,
+                             config=config)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=READ_TIMEOUT)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return                           # nothing since `since`
+            rec = record(msg.data)
+            if rec is not None:
+                yield rec
+            if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= info.state.last_seq:
+                return
+    finally:
+        await sub.unsubscribe()
+
+
+async def stored_before(js, seq: int, since: dt.datetime) -> bool:
+    try:
+        return (await js.get_msg(subjects.RESULTS_STREAM, seq)).time < since
+    except nats.js.errors.NotFoundError:
+        return False
+
+
+def record(data: bytes) -> Completion | None:
+    try:
+        return decode(data, Completion)
+    except WireError:
+        return None
+
+
+# -- export / import ------------------------------------------------------------------------------
+
+def dumps(rec: Completion) -> bytes:
+    return orjson.dumps(to_obj(rec)) + b"\n"
+
+
+def loads(path: Path) -> list[Completion]:
+    """The records in a JSON-lines file; ValueError naming the line of a bad one."""
+    out = []
+    for i, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(from_obj(orjson.loads(line), Completion))
+        except (orjson.JSONDecodeError, WireError) as e:
+            raise ValueError(f"{path}:{i}: not a completion record: {e}") from None
+    return out
+
+
+async def export(nats_url: str, path: Path, **window) -> int:
+    nc = await subjects.connect(nats_url, "tokenbus-log")
+    try:
+        records = await select(nc.jetstream(), **window)
+    finally:
+        await nc.close()
+    Path(path).write_bytes(b"".join(map(dumps, records)))
+    return len(records)
+
+
+async def import_(nats_url: str, path: Path) -> int:
+    """Stores the file's records in TB_RESULTS under their own request ids (a record already stored
+    within the duplicate window is not stored twice)."""
+    records = loads(path)
+    nc = await subjects.connect(nats_url, "tokenbus-log")
+    try:
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        for rec in records:
+            await js.publish(subjects.done(rec.tenant), encode(rec), headers=subjects.msg_id(rec.id))
+    finally:
+        await subjects.close(nc)
+    return len(records)
+
+
+def window(args) -> dict:
+    """The --last / --since / --request-id arguments as select()'s keywords."""
+    return {"last": args.last, "since": parse_time(args.since) if args.since else None,
+            "request_id": args.request_id}
+
+
+def main(args) -> None:
+    if args.action == "export":
+        n = asyncio.run(export(args.nats_url, args.file, **window(args)))
+        print(f"exported {n} records to {args.file}")
+    else:
+        n = asyncio.run(import_(args.nats_url, args.file))
+        print(f"imported {n} records from {args.file} into {subjects.RESULTS_STREAM}")

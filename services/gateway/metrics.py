@@ -1,0 +1,129 @@
+"""Prometheus metrics at /metrics, for the whole cluster, from two sources:
+- what this gateway sees of each request it serves (per tenant): latency histograms, tokens,
+  finish reasons and error codes. TTFT runs from the generate frame's arrival to the first token,
+  so it counts every queue on the way (JetStream, tokenizer, router, the worker's waiting list);
+- what every worker pushes over NATS in its heartbeat (per worker, read from the tb_workers
+  bucket at scrape time): running and waiting requests, KV blocks, prefix-cache tokens,
+  preemptions, tokens and finished requests, counted since the worker started.
+With several gateways, sum the per-tenant series over them; the per-worker series are the same on
+every gateway."""
+import asyncio
+import contextlib
+import time
+
+import nats.errors
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from schemas.messages import Heartbeat, WireError, decode
+from schemas.subjects import WORKER_TTL
+
+disable_created_metrics()                  # no *_created series: counters start at the process's start
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+           5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+PER_TOKEN = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+             0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+READ_TIMEOUT = 2.0
+
+# heartbeat field -> (metric name, kind, help); labelled by worker
+WORKER_METRICS = {
+    "running": ("tokenbus_num_requests_running", "gauge", "Requests in the engine's running batch."),
+    "waiting": ("tokenbus_num_requests_waiting", "gauge", "Requests waiting in the engine for a slot."),
+    "kv_blocks_used": ("tokenbus_kv_blocks_used", "gauge", "KV cache blocks in use."),
+    "kv_blocks_total": ("tokenbus_kv_blocks_total", "gauge", "KV cache blocks in the pool."),
+    "prefix_cache_queries": ("tokenbus_prefix_cache_queries", "counter", "Prompt tokens looked up in the cache."),
+    "prefix_cache_hits": ("tokenbus_prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache."),
+    "preemptions": ("tokenbus_num_preemptions", "counter", "Requests preempted (recomputed later)."),
+    "prompt_tokens": ("tokenbus_worker_prompt_tokens", "counter", "Prompt tokens of the requests a worker took."),
+    "generation_tokens": ("tokenbus_worker_generation_tokens", "counter", "Tokens a worker generated."),
+    "requests_finished": ("tokenbus_worker_requests_finished", "counter", "Requests a worker finished."),
+}
+
+
+class Workers:
+    """A collector of the latest heartbeats (set just before each scrape)."""
+
+    def __init__(self):
+        self.beats: list[Heartbeat] = []
+
+    def collect(self):
+        live = GaugeMetricFamily("tokenbus_workers", "Workers with a live heartbeat.", value=len(self.beats))
+        families = [live]
+        for field, (name, kind, doc) in WORKER_METRICS.items():
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["worker"])
+            for hb in self.beats:
+                family.add_metric([hb.worker], value(hb, field))
+            families.append(family)
+        return families
+
+
+def value(hb: Heartbeat, field: str) -> float:
+    return hb.kv_blocks_total - hb.kv_blocks_free if field == "kv_blocks_used" else getattr(hb, field)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("tokenbus_time_to_first_token_seconds", "From the request's arrival at the gateway "
+                              "to its first token, queueing included.", ["tenant"], buckets=LATENCY, registry=r)
+        self.tpot = Histogram("tokenbus_time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request.", ["tenant"], buckets=PER_TOKEN, registry=r)
+        self.e2e = Histogram("tokenbus_e2e_request_latency_seconds", "From the request's arrival at the gateway "
+                             "to its last frame.", ["tenant"], buckets=LATENCY, registry=r)
+        self.queue = Histogram("tokenbus_queue_time_seconds", "From acceptance at the gateway until a worker took "
+                               "the request.", ["tenant"], buckets=LATENCY, registry=r)
+        self.requests = Counter("tokenbus_requests", "Requests finished, by finish reason.",
+                                ["tenant", "finish_reason"], registry=r)
+        self.errors = Counter("tokenbus_request_errors", "Error frames sent, by code.", ["tenant", "code"], registry=r)
+        self.prompt_tokens = Counter("tokenbus_prompt_tokens", "Prompt tokens of finished requests.", ["tenant"],
+                                     registry=r)
+        self.generation_tokens = Counter("tokenbus_generation_tokens", "Tokens generated for finished requests.",
+                                         ["tenant"], registry=r)
+        self.workers = Workers()
+        r.register(self.workers)
+
+    def observe(self, tenant: str, frame: dict, queue_ms: float | None = None) -> None:
+        """Counts a request's last frame: a done frame (its timing in ms, its usage) or an error frame."""
+        if frame["type"] == "error":
+            self.error(tenant, frame["code"])
+            return
+        self.requests.labels(tenant, frame["finish_reason"]).inc()
+        usage, timing = frame["usage"], frame["timing"]
+        self.prompt_tokens.labels(tenant).inc(usage["prompt_tokens"])
+        self.generation_tokens.labels(tenant).inc(usage["completion_tokens"])
+        ttft, e2e, n = timing["ttft_ms"], timing["e2e_ms"], usage["completion_tokens"]
+        self.e2e.labels(tenant).observe(e2e / 1e3)
+        if ttft is not None:
+            self.ttft.labels(tenant).observe(ttft / 1e3)
+            if n > 1:
+                self.tpot.labels(tenant).observe((e2e - ttft) / 1e3 / (n - 1))
+        if queue_ms is not None:
+            self.queue.labels(tenant).observe(queue_ms / 1e3)
+
+    def error(self, tenant: str, code: str) -> None:
+        self.errors.labels(tenant, code).inc()
+
+    async def render(self, kv, log) -> bytes:
+        self.workers.beats = await heartbeats(kv, log)
+        return generate_latest(self.registry)
+
+
+async def heartbeats(kv, log) -> list[Heartbeat]:
+    """The latest heartbeat of every worker in the registry bucket (expired entries are gone)."""
+    beats = []
+    try:
+        async with asyncio.timeout(READ_TIMEOUT):
+            watcher = await kv.watchall()
+            async for entry in watcher:
+                if entry is None:                # the end of the current values
+                    break
+                if entry.value and entry.operation is None:
+                    with contextlib.suppress(WireError):
+                        beats.append(decode(entry.value, Heartbeat))
+            await watcher.stop()
+    except (nats.errors.Error, TimeoutError) as e:
+        log.warning("registry read failed", error=str(e) or type(e).__name__)
+    now = time.time()
+    return sorted((b for b in beats if now - b.ts < WORKER_TTL), key=lambda b: b.worker)

@@ -1,0 +1,153 @@
+"""compose.yaml and the Dockerfile, checked without Docker: compose.yaml (interpolated as compose does)
+validates against the compose-spec JSON schema, names every service, and runs the same entry points with
+the same flags as `tokenbus up`. The schema is vendored from the docker-compose 1.29.2 wheel on PyPI
+(compose/config/compose_spec.json, Apache-2.0), the last compose that shipped it as a file."""
+import importlib
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from ops import up
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((Path(__file__).parent / "data" / "compose_spec.json").read_text())
+SERVICES = {"nats", "gateway", "tokenizer", "router", "worker", "worker-cpu"}
+PARSERS = {"services.gateway": "services.gateway.app", "services.tokenizer": "services.tokenizer.service",
+           "services.router": "services.router.service", "workers.service": "workers.service"}
+VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
+LATER = {"--tensor-parallel-size": 1, "--api-keys": 1}   # flags of parallel issues (tensor parallel, API keys):
+                                                       # taken out while a parser does not know them yet
+
+
+def interpolate(node, env: dict):
+    """${VAR:-default}, ${VAR} and $VAR from env, $$ as a literal $, in every string (as compose does)."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if isinstance(node, str):
+        return VARIABLE.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1] or m[3], m[2] or ""), node)
+    return node
+
+
+def compose(env: dict | None = None) -> dict:
+    return interpolate(yaml.safe_load((ROOT / "compose.yaml").read_text()), env or {})
+
+
+def errors(doc: dict) -> list[str]:
+    validator = jsonschema.Draft201909Validator(SCHEMA)
+    return [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def argv(service: dict) -> list[str]:
+    """The command a service runs, with `sh -c "exec ..."` unwrapped."""
+    cmd = service["command"]
+    if cmd[:2] == ["sh", "-c"]:
+        cmd = shlex.split(cmd[2].replace("exec ", "", 1))
+    return cmd
+
+
+def test_compose_validates_against_the_compose_spec_and_names_every_service():
+    doc = compose()
+    assert errors(doc) == []
+    assert set(doc["services"]) == SERVICES
+    assert all("healthcheck" in s for s in doc["services"].values())
+
+
+def test_the_validator_rejects_a_broken_compose_file():
+    doc = compose()
+    doc["services"]["gateway"]["helthcheck"] = doc["services"]["gateway"].pop("healthcheck")
+    doc["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] = [1]
+    assert len(errors(doc)) == 2
+
+
+def test_nats_is_the_official_image_with_jetstream_on_a_volume():
+    nats = compose()["services"]["nats"]
+    assert nats["image"].startswith("nats:") and "-js" in nats["command"]
+    store = nats["command"][nats["command"].index("-sd") + 1]
+    assert any(v.endswith(f":{store}") and v.split(":")[0] in compose()["volumes"] for v in nats["volumes"])
+
+
+def test_settings_come_from_the_environment_gpus_tensor_parallel_size_model_and_api_keys():
+    doc = compose({"TB_TP_SIZE": "4", "TB_MODEL": "llama-70b", "TB_MODEL_DIR": "/srv/models",
+                   "TB_API_KEYS": "/etc/tb/keys.json"})
+    worker = doc["services"]["worker"]
+    [device] = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == "4"
+    cmd = argv(worker)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4" and cmd[cmd.index("--model") + 1] == "/models/llama-70b"
+    assert cmd[cmd.index("--id") + 1] == "${HOSTNAME}"          # expanded by the container's shell
+    assert "deploy" not in doc["services"]["worker-cpu"] and doc["services"]["worker-cpu"]["profiles"] == ["cpu"]
+    gateway = doc["services"]["gateway"]
+    assert argv(gateway)[argv(gateway).index("--api-keys") + 1] == "/config/api-keys.json"
+    assert "/etc/tb/keys.json:/config/api-keys.json:ro" in gateway["volumes"]
+    for name in SERVICES - {"nats"}:
+        assert "/srv/models:/models:ro" in doc["services"][name]["volumes"], name
+        assert doc["services"][name]["depends_on"]["nats"]["condition"] == "service_healthy"
+
+
+def up_commands(monkeypatch, tmp_path) -> dict[str, list[str]]:
+    """The commands `tokenbus up` starts, by module (nothing is started)."""
+    started = {}
+    monkeypatch.setattr(up.procs, "start_nats", lambda *a, **k: None)
+    monkeypatch.setattr(up, "prepare", lambda url: _done())
+    monkeypatch.setattr(up.Stack, "spawn", lambda self, name, module, *args: started.setdefault(module, list(args)))
+    up.Stack("/models/tiny", 8000, tmp_path).start()
+    return started
+
+
+async def _done():
+    return None
+
+
+def test_compose_runs_the_entry_points_of_tokenbus_up_with_flags_their_parsers_take(monkeypatch, tmp_path):
+    started = up_commands(monkeypatch, tmp_path)
+    doc = compose()
+    modules = {}
+    for name in SERVICES - {"nats"}:
+        cmd = argv(doc["services"][name])
+        assert cmd[:2] == ["python", "-m"], cmd
+        modules.setdefault(cmd[2], []).append(cmd[3:])
+    assert set(modules) == set(started) == set(PARSERS)
+    for module, commands in modules.items():
+        parser = importlib.import_module(PARSERS[module]).parser()
+        for args in commands:
+            for flag, n in LATER.items():
+                if flag in args and flag not in parser._option_string_actions:
+                    i = args.index(flag)
+                    args = args[:i] + args[i + 1 + n:]
+            parsed = parser.parse_args(args)                 # exits (fails the test) on an unknown flag
+            assert parsed.nats_url == "nats://nats:4222"
+        flags_up = {a for a in started[module] if a.startswith("--")}
+        assert flags_up <= {a for a in commands[0] if a.startswith("--")}, module   # nothing up passes is missing
+
+
+def test_the_dockerfile_copies_every_package_and_installs_tokenbus():
+    text = (ROOT / "Dockerfile").read_text()
+    copied = re.findall(r"^COPY (\S+)", text, re.M)
+    assert all((ROOT / c).exists() for c in copied)
+    packages = {"schemas", "services", "workers", "kernels", "ops"}
+    assert packages <= set(copied) and "pyproject.toml" in copied and "pip install ." in text
+    assert text.startswith("#") and re.search(r"^FROM python:3\.1[1-9]", text, re.M)
+
+
+@pytest.mark.skipif(not (shutil.which("docker-compose") or shutil.which("docker")), reason="no docker CLI here")
+def test_docker_compose_config_accepts_the_file_where_a_compose_cli_exists():
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        probe = subprocess.run([*cmd, "version"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            continue
+        p = subprocess.run([*cmd, "-f", str(ROOT / "compose.yaml"), "config", "-q"], capture_output=True, text=True,
+                           cwd=ROOT)
+        assert p.returncode == 0, p.stderr
+        return
+    pytest.skip("no compose plugin or docker-compose here")

@@ -1,0 +1,96 @@
+"""The gateway's /metrics: Prometheus text that the official parser reads, per-tenant request metrics that
+move as requests run through the gateway (fake downstream), per-worker metrics from the heartbeats."""
+import asyncio
+import time
+import urllib.request
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
+from websockets.asyncio.client import connect
+
+from schemas import subjects
+from schemas.messages import Heartbeat, encode
+from tests.services.fake_pipeline import Downstream, gateway
+
+HISTOGRAMS = ("tokenbus_time_to_first_token_seconds", "tokenbus_time_per_output_token_seconds",
+              "tokenbus_e2e_request_latency_seconds", "tokenbus_queue_time_seconds")
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of everything /metrics exposes."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def slow_echo(down: Downstream, req) -> None:
+    """Three tokens 20 ms apart, then a final chunk with the worker's timing."""
+    await asyncio.sleep(0.02)
+    ids = down.ids(" one two three")[:3]
+    for i, t in enumerate(ids[:-1]):
+        await down.publish(req.id, down.chunk(req.id, i, [t]))
+        await asyncio.sleep(0.02)
+    final = down.final(req.id, 2, ids[-1:])
+    final.timing, final.worker = {"queue_ms": 12.0, "ttft_ms": 5.0, "e2e_ms": 50.0}, "w7"
+    await down.publish(req.id, final)
+
+
+def test_metrics_parse_and_move_as_requests_run_and_fail(nats_url, tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, script=slow_echo) as down:
+            before = await asyncio.to_thread(scrape, down.http)
+            async with connect(down.ws) as ws:
+                for i in range(2):
+                    await ws.send(orjson.dumps({"type": "generate", "id": f"r{i}", "prompt": "hi"}).decode())
+                await ws.send('{"type": "generate", "id": "bad", "prompt": "x", "max_tokens": 0}')
+                ends = 0
+                while ends < 3:
+                    ends += orjson.loads(await ws.recv())["type"] in ("done", "error")
+            return before, await asyncio.to_thread(scrape, down.http)
+
+    before, after = asyncio.run(asyncio.wait_for(body(), 30))
+    tenant = (("tenant", "default"),)
+    assert not any(name.startswith(HISTOGRAMS) for name, _ in before)
+    assert after[("tokenbus_requests_total", (("finish_reason", "length"), *tenant))] == 2
+    assert after[("tokenbus_request_errors_total", (("code", "invalid_request"), *tenant))] == 1
+    assert after[("tokenbus_generation_tokens_total", tenant)] == 6
+    assert after[("tokenbus_prompt_tokens_total", tenant)] == 18
+    for name in HISTOGRAMS:
+        assert after[(f"{name}_count", tenant)] == 2, name
+    assert 0.02 <= after[("tokenbus_time_to_first_token_seconds_sum", tenant)] / 2 < 1.0     # counts the wait
+    assert 0.015 <= after[("tokenbus_time_per_output_token_seconds_sum", tenant)] / 2 < 1.0
+    assert after[("tokenbus_queue_time_seconds_sum", tenant)] == 0.024
+    le = after[("tokenbus_e2e_request_latency_seconds_bucket", (("le", "0.03"), *tenant))]
+    assert le == 0 and after[("tokenbus_e2e_request_latency_seconds_bucket", (("le", "+Inf"), *tenant))] == 2
+
+
+def test_worker_metrics_come_from_the_heartbeats_of_live_workers(nats_url, tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, workers=0) as down:
+            empty = await asyncio.to_thread(scrape, down.http)
+            kv = await subjects.registry(down.nc.jetstream())
+            await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, running=3, waiting=2,
+                                                kv_blocks_total=64, kv_blocks_free=40, prefix_cache_queries=100,
+                                                prefix_cache_hits=25, requests_finished=7, preemptions=1,
+                                                prompt_tokens=300, generation_tokens=90)))
+            await kv.put("w0", encode(Heartbeat("w0", time.time() - 60, "tiny", 16, 8, 9, 9, 9, 9, 9, 9, 9)))
+            return empty, await asyncio.to_thread(scrape, down.http)
+
+    empty, m = asyncio.run(asyncio.wait_for(body(), 30))
+    assert empty[("tokenbus_workers", ())] == 0
+    w1 = (("worker", "w1"),)
+    assert m[("tokenbus_workers", ())] == 1                                   # w0's heartbeat is stale
+    assert (m[("tokenbus_num_requests_running", w1)], m[("tokenbus_num_requests_waiting", w1)]) == (3, 2)
+    assert (m[("tokenbus_kv_blocks_used", w1)], m[("tokenbus_kv_blocks_total", w1)]) == (24, 64)
+    assert (m[("tokenbus_prefix_cache_queries_total", w1)], m[("tokenbus_prefix_cache_hits_total", w1)]) == (100, 25)
+    assert m[("tokenbus_num_preemptions_total", w1)] == 1 and m[("tokenbus_worker_requests_finished_total", w1)] == 7
+    assert m[("tokenbus_worker_prompt_tokens_total", w1)] == 300
+    assert m[("tokenbus_worker_generation_tokens_total", w1)] == 90
+    assert ("tokenbus_num_requests_running", (("worker", "w0"),)) not in m
