@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ops import bench, procs, records, replay
 from ops.cli import parser
+from ops.status import read_registry
 from schemas import subjects
 from tests.e2e.conftest import WORKER_ARGS, collect, completions, connect, send, start_stack
 from workers import LLM, SamplingParams
@@ -179,11 +180,14 @@ def test_a_worker_whose_heartbeat_only_lapsed_gets_work_again_and_nothing_loops(
                 await asyncio.sleep(subjects.WORKER_TTL + 2)
             finally:
                 os.kill(w0, signal.SIGCONT)
+            async with asyncio.timeout(15):     # the gateway's admission refuses work while no worker is registered
+                while not [b for b in await read_registry(stack.nats_url) if b.worker == "w0"]:
+                    await asyncio.sleep(0.1)
             await send(ws, {"type": "generate", "id": "after", "prompt": "A paged", "max_tokens": 4})
             return await collect(ws, {"during", "after"}, timeout=60)
 
     got = asyncio.run(run())
-    assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 4 for g in got.values())
+    assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 4 for g in got.values()), got
     assert any(e["event"] == "worker left" for e in logs(stack)["router"])
 
     async def work_published():
