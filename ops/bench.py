@@ -216,7 +216,8 @@ class HttpClient:
     def __init__(self, url: str, model: str | None, api_key: str | None, options: dict):
         u = urllib.parse.urlsplit(url)
         self.base, self.api_key = f"{u.scheme}://{u.netloc}", api_key
-        self.host, self.port = u.hostname, u.port or 80
+        self.tls = u.scheme == "https"
+        self.host, self.port = u.hostname, u.port or (443 if self.tls else 80)
         self.path = u.path if u.path.endswith("/chat/completions") else u.path.rstrip("/") + "/v1/chat/completions"
         self.head = (f"POST {self.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
                      f"Accept: text/event-stream\r\n" + (f"Authorization: Bearer {api_key}\r\n" if api_key else ""))
@@ -239,7 +240,7 @@ class HttpClient:
         conn = None
         try:
             for reused in (bool(self.idle), False):  # a kept-alive connection the server closed: once more
-                conn = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
+                conn = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port, ssl=self.tls)
                 conn[1].write(head + body)
                 status = await conn[0].readline()
                 if status or not reused:
@@ -354,7 +355,7 @@ def client(args):
 
 
 def protocol(args) -> str:
-    return args.protocol or ("ws" if args.url.startswith(("ws://", "wss://")) else "openai")
+    return args.protocol or ("ws" if args.url.startswith(("ws://", "wss://")) else "openai")   # http(s)://
 
 
 # -- the run --------------------------------------------------------------------------------------------
