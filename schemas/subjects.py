@@ -61,6 +61,21 @@ def kv_events(worker: str) -> str:
     return f"tb.kv.{token('worker', worker)}"
 
 
+KV_EVENTS_ALL = "tb.kv.*"                # never matches tb.kv.snapshot.<worker>: one token more
+
+
+def kv_snapshot(worker: str) -> str:
+    """Request-reply: a request here is answered with the worker's KvSnapshot parts."""
+    return f"tb.kv.snapshot.{token('worker', worker)}"
+
+
+def router_stats(router: str) -> str:
+    return f"tb.router.stats.{token('router', router)}"
+
+
+ROUTER_STATS_ALL = "tb.router.stats.*"
+
+
 def msg_id(request_id: str) -> dict[str, str]:
     """Headers of every JetStream publish of a request: its id deduplicates retried publishes."""
     return {"Nats-Msg-Id": request_id}
@@ -95,6 +110,9 @@ IN_PROGRESS_SECONDS = 2.0                # a worker touches the work items it ru
 ACK_WAIT = 10.0                          # after this an unacked message is redelivered
 WORK_ACK_WAIT = 4 * IN_PROGRESS_SECONDS
 MAX_DELIVER = 5
+KV_SNAPSHOT_PART = 1 << 15               # hashes per KvSnapshot message (about 300 kB, under the 1 MB payload)
+KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole snapshot before asking again
+ROUTER_STATS_SECONDS = 1.0
 
 
 def consumer(durable: str, filter_subject: str, ack_wait: float = ACK_WAIT) -> api.ConsumerConfig:

@@ -15,6 +15,8 @@ from schemas.messages import (
     GenerateRequest,
     Heartbeat,
     KvEvent,
+    KvSnapshot,
+    RouterStats,
     TokenChunk,
     TokenizedRequest,
     WireError,
@@ -37,7 +39,10 @@ EXAMPLES = [
     ErrorChunk("r1", "invalid_request", "prompt has 9 tokens; max_model_len=8"),
     Cancel("r1", "stop"),
     Heartbeat("w0", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5),
+    Heartbeat("w1", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, kv_blocks_queued=12),
     KvEvent("w0", 4, [2**64 - 1, 1], [7]),
+    KvSnapshot("w0", 4, 0, 2, [2**64 - 1, 1]),
+    RouterStats("r0", 1.0, "prefix", 5, 1, 4, 400, 96, 80, 3, 2, 0, {"w0": 5}, {"w0": 42}),
     Completion("r1", "t", "w0", SAMPLING, [1], [2, 3], "length", None, {"prompt_tokens": 1}, {"e2e_ms": 2.0}, 1.0),
 ]
 
