@@ -62,6 +62,8 @@ class Choice:
     cost: float = 0.0
     guarded: bool = False           # the guard ruled out a worker
     costs: dict[str, float] = field(default_factory=dict)
+    new_blocks: int = 0             # what it adds to the worker's load until its next heartbeat
+    state: Worker | None = None     # the worker's state it was counted in
 
 
 class Registry:
@@ -94,8 +96,8 @@ class Registry:
             choice = Choice(self.in_turn(live, lambda w: w.load), 0)
         else:
             choice = self.cheapest(live, hits, len(prompt))
-        choice.hit_tokens = hits[choice.worker]
-        self.routed(self.workers[choice.worker], len(prompt), choice.hit_tokens)
+        choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
+        choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens)
         return choice
 
     def hits(self, live: list[Worker], prompt: list[int], salt: str | None) -> dict[str, int]:
@@ -142,6 +144,15 @@ class Registry:
         self.last = name
         return name
 
-    def routed(self, w: Worker, n: int, hit: int) -> None:
+    def routed(self, w: Worker, n: int, hit: int) -> int:
+        new = -(-n // w.hb.block_size) - hit // w.hb.block_size
         w.routed += 1
-        w.routed_blocks += -(-n // w.hb.block_size) - hit // w.hb.block_size
+        w.routed_blocks += new
+        return new
+
+    def finished(self, choice: Choice) -> None:
+        """A request ended before its worker's next heartbeat: it no longer loads the worker."""
+        w = choice.state
+        if w is not None and self.workers.get(w.hb.worker) is w:
+            w.routed -= 1
+            w.routed_blocks -= choice.new_blocks

@@ -35,7 +35,7 @@ from schemas.messages import (
     encode,
 )
 from services.router.index import INDEX_CAP, KvIndex
-from services.router.policy import POLICIES, Options, Registry
+from services.router.policy import POLICIES, Choice, Options, Registry
 
 NO_WORKER_POLL = 0.1
 MAX_PENDING = 100_000        # decisions awaiting their completion; past this the oldest is forgotten
@@ -54,7 +54,7 @@ class RouterService:
         self.log = LOG.bind(router=self.id)
         self.tasks: set[asyncio.Task] = set()
         self.syncing: set[str] = set()              # workers whose snapshot is awaited
-        self.pending: OrderedDict[str, tuple[int, int]] = OrderedDict()   # request id -> (predicted hit, prompt)
+        self.pending: OrderedDict[str, tuple[Choice, int]] = OrderedDict()   # request id -> (decision, prompt)
         self.stats = RouterStats(self.id, 0.0, self.options.policy, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     async def run(self) -> None:
@@ -186,8 +186,9 @@ class RouterService:
         mine = self.pending.pop(done.id, None)
         if mine is None:                          # routed by another replica (or forgotten)
             return
-        predicted, prompt = mine
-        actual = done.usage.get("cached_tokens", 0)
+        choice, prompt = mine
+        self.registry.finished(choice)
+        predicted, actual = choice.hit_tokens, done.usage.get("cached_tokens", 0)
         s = self.stats
         s.completed += 1
         s.prompt_tokens += prompt
@@ -277,17 +278,18 @@ class RouterService:
                 await msg.in_progress()
                 waited = 0.0
 
-    def decided(self, req: TokenizedRequest, choice) -> None:
+    def decided(self, req: TokenizedRequest, choice: Choice) -> None:
         s, n = self.stats, len(req.prompt_token_ids)
         s.routed += 1
         s.guarded += choice.guarded
         s.routed_to[choice.worker] = s.routed_to.get(choice.worker, 0) + 1
-        self.pending[req.id] = (choice.hit_tokens, n)
+        self.pending[req.id] = (choice, n)
         if len(self.pending) > MAX_PENDING:
             self.pending.popitem(last=False)
         self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=choice.worker, prompt_tokens=n,
                       predicted_hit_tokens=choice.hit_tokens, cost=round(choice.cost, 2), guarded=choice.guarded,
                       costs={w: round(c, 2) for w, c in choice.costs.items()})
+        choice.costs = {}                           # it waits for its completion: keep it small
 
 
 def parser() -> argparse.ArgumentParser:

@@ -62,6 +62,18 @@ def test_least_loaded_is_relative_to_capacity():
     assert picks(reg, 1) == ["big"]
 
 
+def test_a_request_that_ends_before_the_next_heartbeat_stops_counting_as_load():
+    reg = registry(beat("w0"), beat("w1"))
+    first = reg.pick(NOW, prompt(0))
+    assert (reg.workers["w0"].routed, reg.workers["w0"].routed_blocks) == (1, 9)
+    reg.finished(first)
+    assert (reg.workers["w0"].routed, reg.workers["w0"].routed_blocks) == (0, 0)
+    second = reg.pick(NOW, prompt(1))
+    reg.update(beat("w1", running=1))                      # the heartbeat counts it from now on
+    reg.finished(second)
+    assert reg.workers["w1"].routed == 0 and reg.workers["w1"].hb.running == 1
+
+
 def test_round_robin_ignores_load_and_cache():
     reg = registry(beat("w0", running=8), beat("w1"), beat("w2"), policy="round-robin")
     holds(reg, "w1", prompt(0))

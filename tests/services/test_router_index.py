@@ -104,10 +104,10 @@ def test_router_predicted_hits_equal_the_engine_hits_through_evictions_and_salts
     """One engine with a small pool (evictions happen), its KV changes fed to the router's index after
     every step; before each request the router predicts its hit, and the engine then reports it."""
     bs = 16
-    engine = LLMEngine(tiny_model, EngineConfig(block_size=bs, num_kv_blocks=40, max_num_seqs=4))
+    engine = LLMEngine(tiny_model, EngineConfig(block_size=bs, num_kv_blocks=32, max_num_seqs=4))
     engine.kv.record_changes()
     reg = Registry()
-    reg.update(Heartbeat("w0", 100.0, "tiny", bs, 4, 0, 0, 40, 40, 0, 0, 0))
+    reg.update(Heartbeat("w0", 100.0, "tiny", bs, 4, 0, 0, 32, 32, 0, 0, 0))
     index, seq = reg.index, 0
     index.expect_snapshot("w0")
     index.load_snapshot("w0", 0, [])
@@ -120,7 +120,7 @@ def test_router_predicted_hits_equal_the_engine_hits_through_evictions_and_salts
         for c, history in histories.items():
             history += [rng.randrange(10, 4000) for _ in range(rng.randrange(5, 40))]
             predicted.append(reg.pick(100.0, history, salts[c]).hit_tokens)
-            req = engine.add_request(f"c{c}t{turn}", history, SamplingParams(max_tokens=12, ignore_eos=True),
+            req = engine.add_request(f"c{c}t{turn}", history, SamplingParams(max_tokens=4, ignore_eos=True),
                                      salts[c])
             while engine.has_unfinished():
                 engine.step()
@@ -131,4 +131,5 @@ def test_router_predicted_hits_equal_the_engine_hits_through_evictions_and_salts
             history += req.output_token_ids
             assert set(index.workers["w0"].hashes) == set(engine.kv.cached)
     assert predicted == actual
-    assert actual[6:].count(0) >= 2 and max(actual) >= 6 * bs      # evicted histories and long hits
+    shrunk = [i for i in range(6, len(actual)) if actual[i] < actual[i - 6]]   # only evictions shrink a hit
+    assert len(shrunk) >= 3 and max(actual) >= 5 * bs
