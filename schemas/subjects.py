@@ -173,6 +173,7 @@ async def registry(js):
 
 
 PULL_EXPIRES = 5.0                       # seconds a pull request waits on the server
+CONSUMER_RETRY = 0.5
 
 
 async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batch: int = 64, room=None) -> None:
@@ -183,7 +184,7 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
     as messages arrive, so a message is handed over the moment it is stored: no round trip per
     fetch and no waiting for a batch to fill (nats-py's fetch(n) waits for n or its timeout).
     room(): how many more messages the caller can take now (default: unbounded)."""
-    await nc.jetstream().add_consumer(stream, config)
+    await add_consumer(nc.jetstream(), stream, config, log)
     inbox, queue = nc.new_inbox(), asyncio.Queue()
     sub = await nc.subscribe(inbox, cb=queue.put)
     next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
@@ -205,6 +206,10 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                 msgs.append(queue.get_nowait())
             for msg in msgs:
                 status = msg.headers and msg.headers.get("Status")
+                if status == "503":              # no consumer: a router took this stage for gone and deleted it
+                    outstanding = 0
+                    await add_consumer(nc.jetstream(), stream, config, log)
+                    continue
                 if status:                       # 408 expired / 409 conflict: these will not come
                     left = msg.headers.get("Nats-Pending-Messages")
                     outstanding = max(0, outstanding - int(left)) if left else 0
@@ -216,6 +221,18 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
                     log.exception("message handling failed", subject=msg.subject)
     finally:
         await sub.unsubscribe()
+
+
+async def add_consumer(js, stream: str, config: api.ConsumerConfig, log) -> None:
+    """Creates the durable (or finds it), retrying while the server refuses, e.g. while a router's
+    re-routing still holds this worker's subject of the work queue."""
+    while True:
+        try:
+            await js.add_consumer(stream, config)
+            return
+        except nats.js.errors.Error as e:
+            log.warning("consumer not created; retrying", consumer=config.durable_name, error=str(e))
+            await asyncio.sleep(CONSUMER_RETRY)
 
 
 def run(main) -> None:
