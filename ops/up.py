@@ -28,6 +28,7 @@ class Stack:
     nats_port: int = 4222
     workers: int = 1
     worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -43,7 +44,7 @@ class Stack:
         asyncio.run(prepare(self.nats_url))
         common = ["--nats-url", self.nats_url]
         self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
-        self.spawn("router", "services.router", *common)
+        self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args)
         self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--port", str(self.port))
@@ -137,7 +138,8 @@ def watch(stack: Stack) -> None:
 def main(args) -> None:
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
-    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers)
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers,
+                  router_args=["--policy", args.router])
     signal.signal(signal.SIGTERM, interrupt)
     try:
         stack.start()

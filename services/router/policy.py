@@ -21,7 +21,7 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 @dataclass(slots=True)
 class Options:
     policy: str = "prefix"
-    alpha: float = 1.0              # a block of prefill against a block of KV held
+    alpha: float = 4.0              # a block to prefill against a block of KV held (docs/decisions.md)
     kv_watermark: float = 0.9       # (active + new blocks) / kv_blocks_total above this: no room
     queue_watermark: float = 0.5    # queued requests / max_num_seqs above this: no room
 
@@ -64,6 +64,7 @@ class Choice:
     costs: dict[str, float] = field(default_factory=dict)
     new_blocks: int = 0             # what it adds to the worker's load until its next heartbeat
     state: Worker | None = None     # the worker's state it was counted in
+    best_hit_tokens: int = 0        # the longest predicted hit on any live worker
 
 
 class Registry:
@@ -97,6 +98,7 @@ class Registry:
         else:
             choice = self.cheapest(live, hits, len(prompt))
         choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
+        choice.best_hit_tokens = max(hits.values())
         choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens)
         return choice
 
@@ -125,7 +127,7 @@ class Registry:
         best = min(costs[w.hb.worker] for w in candidates)
         ties = [w for w in candidates if costs[w.hb.worker] == best]
         worker = self.in_turn(ties, lambda w: w.load)
-        return Choice(worker, 0, best, len(candidates) < len(live), costs)
+        return Choice(worker, 0, cost=best, guarded=len(candidates) < len(live), costs=costs)
 
     def over(self, w: Worker, new_blocks: int) -> bool:
         """Above the KV or the queue watermark: the hard guard against hot spots."""

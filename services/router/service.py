@@ -287,7 +287,8 @@ class RouterService:
         if len(self.pending) > MAX_PENDING:
             self.pending.popitem(last=False)
         self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=choice.worker, prompt_tokens=n,
-                      predicted_hit_tokens=choice.hit_tokens, cost=round(choice.cost, 2), guarded=choice.guarded,
+                      predicted_hit_tokens=choice.hit_tokens, best_hit_tokens=choice.best_hit_tokens,
+                      cost=round(choice.cost, 2), guarded=choice.guarded,
                       costs={w: round(c, 2) for w, c in choice.costs.items()})
         choice.costs = {}                           # it waits for its completion: keep it small
 

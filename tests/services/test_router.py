@@ -159,7 +159,8 @@ def test_a_hot_system_prompt_on_a_worker_over_its_queue_watermark_goes_elsewhere
     reg = registry(beat("w0", running=8, waiting=5), beat("w1"), beat("w2"))  # w0 queues 5 of 8: over 0.5
     holds(reg, "w0", SYSTEM)
     choice = reg.pick(NOW, prompt(0))
-    assert choice.worker == "w1" and choice.guarded and choice.costs["w0"] < choice.costs["w1"]
+    assert (choice.worker, choice.guarded, choice.hit_tokens, choice.best_hit_tokens) == ("w1", True, 0, 8 * BS)
+    assert choice.costs["w0"] < choice.costs["w1"]
 
 
 def test_the_guard_rules_out_a_worker_above_its_kv_watermark_while_another_has_room():
