@@ -3,6 +3,8 @@ import argparse
 import os
 import sys
 
+from services.router.policy import POLICIES
+
 
 def cmd_model(args) -> None:
     from ops.model_builder import build_tiny_model
@@ -38,6 +40,12 @@ def cmd_bench_tp(args) -> None:
 
 def cmd_bench_pipeline(args) -> None:
     from ops.bench_pipeline import main
+
+    main(args)
+
+
+def cmd_bench_routing(args) -> None:
+    from ops.bench_routing import main
 
     main(args)
 
@@ -168,12 +176,38 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=cmd_bench_pipeline)
 
+    br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
+    br.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"])
+    br.add_argument("--conversations", type=int, default=12)
+    br.add_argument("--turns", type=int, default=8)
+    br.add_argument("--system-prompts", type=int, default=4)
+    br.add_argument("--system-len", type=int, default=96, help="tokens in each system prompt")
+    br.add_argument("--user-len", type=int, nargs=2, default=[128, 192], metavar=("MIN", "MAX"))
+    br.add_argument("--reply-len", type=int, default=32, help="tokens the model replies each turn")
+    br.add_argument("--think-ms", type=float, default=100.0, help="a user's pause before each turn: up to this")
+    br.add_argument("--kv-blocks", type=int, default=416, help="KV blocks of 16 tokens per worker")
+    br.add_argument("--max-num-seqs", type=int, default=16)
+    br.add_argument("--max-num-batched-tokens", type=int, default=512, help="per worker step (short steps keep "
+                    "heartbeats on time on a busy CPU)")
+    br.add_argument("--alpha", type=float, default=4.0, help="the prefix policy's weight of a prefill block")
+    br.add_argument("--shared-requests", type=int, default=96, help="requests sharing one system prompt (0: skip)")
+    br.add_argument("--shared-system-len", type=int, default=256)
+    br.add_argument("--shared-reply-len", type=int, default=16)
+    br.add_argument("--shared-clients", type=int, default=12)
+    br.add_argument("--seed", type=int, default=0)
+    br.add_argument("--data-dir", help="keep the stack's logs and JetStream here (default: a temporary directory)")
+    br.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    br.set_defaults(func=cmd_bench_routing)
+
     u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
     u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")
     u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one")
     u.add_argument("--workers", type=int, default=1)
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
+    u.add_argument("--router", choices=POLICIES, default="prefix",
+                   help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
     u.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "

@@ -31,6 +31,7 @@ class Stack:
     worker_args: list[str] = field(default_factory=list)
     api_keys: str | None = None                   # the gateway's keys file; without one it serves loopback only
     host: str = "127.0.0.1"                       # the gateway's address
+    router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -55,7 +56,7 @@ class Stack:
         asyncio.run(prepare(self.nats_url))
         common = ["--nats-url", self.nats_url]
         self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
-        self.spawn("router", "services.router", *common)
+        self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args)
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
@@ -162,7 +163,8 @@ def main(args) -> None:
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
     worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
-    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args)
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
+                  router_args=["--policy", args.router])
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
     try:

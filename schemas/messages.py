@@ -142,16 +142,51 @@ class Heartbeat:
     preemptions: int = 0                          # counters since the worker started, like the three above
     prompt_tokens: int = 0                        # of the requests it took
     generation_tokens: int = 0                    # it published
+    kv_blocks_queued: int = 0                     # blocks the waiting requests will take (no prefix hits counted)
 
 
 @dataclass(slots=True)
 class KvEvent:
-    """worker → tb.kv.<worker>: block hashes it stored and removed since the last event."""
+    """worker → tb.kv.<worker>: block hashes it stored and removed in one engine step (disjoint lists).
+    `seq` counts the worker's events from 1; a reader that sees one missing asks for a snapshot."""
     TYPE: typing.ClassVar[str] = "kv"
     worker: str
     seq: int
     stored: list[int]
     removed: list[int]
+
+
+@dataclass(slots=True)
+class KvSnapshot:
+    """worker → the reply subject of a request on tb.kv.snapshot.<worker>: every hash it holds, in
+    `parts` messages of at most KV_SNAPSHOT_PART hashes, as of its event `seq` (later events apply on top)."""
+    TYPE: typing.ClassVar[str] = "kv_snapshot"
+    worker: str
+    seq: int
+    part: int
+    parts: int
+    hashes: list[int]
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """router → tb.router.stats.<router>, every ROUTER_STATS_SECONDS: counters since it started.
+    Predicted vs actual prefix hits are over the routed requests whose completion it has seen."""
+    TYPE: typing.ClassVar[str] = "router_stats"
+    router: str
+    ts: float
+    policy: str
+    routed: int                                   # decisions, re-routes included
+    guarded: int                                  # decisions where the guard ruled out a worker
+    completed: int                                # completions matched to a decision
+    prompt_tokens: int                            # of the completed
+    predicted_hit_tokens: int
+    actual_hit_tokens: int
+    exact: int                                    # completions whose actual hit equals the prediction
+    snapshots: int                                # snapshot requests sent
+    gaps: int                                     # event sequence gaps seen
+    routed_to: dict[str, int] = field(default_factory=dict)       # worker -> decisions
+    index_blocks: dict[str, int] = field(default_factory=dict)    # worker -> hashes in its index
 
 
 @dataclass(slots=True)
@@ -190,7 +225,7 @@ class Usage:
 
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
-           | Heartbeat | KvEvent | Completion | Usage)
+           | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 

@@ -66,6 +66,21 @@ def kv_events(worker: str) -> str:
     return f"tb.kv.{token('worker', worker)}"
 
 
+KV_EVENTS_ALL = "tb.kv.*"                # never matches tb.kv.snapshot.<worker>: one token more
+
+
+def kv_snapshot(worker: str) -> str:
+    """Request-reply: a request here is answered with the worker's KvSnapshot parts."""
+    return f"tb.kv.snapshot.{token('worker', worker)}"
+
+
+def router_stats(router: str) -> str:
+    return f"tb.router.stats.{token('router', router)}"
+
+
+ROUTER_STATS_ALL = "tb.router.stats.*"
+
+
 REQUEST_ID = "Tb-Request-Id"            # the header that names the request in every stage's messages
 
 
@@ -108,6 +123,9 @@ IN_PROGRESS_SECONDS = 2.0                # a worker touches the work items it ru
 ACK_WAIT = 10.0                          # after this an unacked message is redelivered
 WORK_ACK_WAIT = 4 * IN_PROGRESS_SECONDS
 MAX_DELIVER = 5
+KV_SNAPSHOT_PART = 1 << 15               # hashes per KvSnapshot message (about 300 kB, under the 1 MB payload)
+KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole snapshot before asking again
+ROUTER_STATS_SECONDS = 1.0
 
 
 def consumer(durable: str, filter_subject: str, ack_wait: float = ACK_WAIT) -> api.ConsumerConfig:
@@ -173,6 +191,7 @@ async def registry(js):
 
 
 PULL_EXPIRES = 5.0                       # seconds a pull request waits on the server
+CONSUMER_RETRY = 0.5
 
 
 async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batch: int = 64, room=None) -> None:
@@ -183,7 +202,7 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
     as messages arrive, so a message is handed over the moment it is stored: no round trip per
     fetch and no waiting for a batch to fill (nats-py's fetch(n) waits for n or its timeout).
     room(): how many more messages the caller can take now (default: unbounded)."""
-    await nc.jetstream().add_consumer(stream, config)
+    await add_consumer(nc.jetstream(), stream, config, log)
     inbox, queue = nc.new_inbox(), asyncio.Queue()
     sub = await nc.subscribe(inbox, cb=queue.put)
     next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
@@ -238,6 +257,18 @@ async def recreate(nc, stream: str, config: api.ConsumerConfig, log) -> None:
     except (nats.errors.Error, asyncio.TimeoutError) as e:
         log.warning("consumer not recreated yet", consumer=config.durable_name, error=str(e) or type(e).__name__)
         await asyncio.sleep(RECREATE_WAIT)
+
+
+async def add_consumer(js, stream: str, config: api.ConsumerConfig, log) -> None:
+    """Creates the durable (or finds it), retrying while the server refuses, e.g. while a router's
+    re-routing still holds this worker's subject of the work queue."""
+    while True:
+        try:
+            await js.add_consumer(stream, config)
+            return
+        except nats.js.errors.Error as e:
+            log.warning("consumer not created; retrying", consumer=config.durable_name, error=str(e))
+            await asyncio.sleep(CONSUMER_RETRY)
 
 
 def run(main) -> None:

@@ -25,6 +25,8 @@ from schemas.messages import (
     ErrorChunk,
     FinalChunk,
     Heartbeat,
+    KvEvent,
+    KvSnapshot,
     Logprobs,
     TokenChunk,
     WireError,
@@ -71,11 +73,14 @@ class WorkerService:
         self.wake = asyncio.Event()                  # set when work arrives for an idle engine
         self.stop = asyncio.Event()
         self.failed = False
+        self.kv_seq = 0                              # KV events published
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
+        self.engine.kv.record_changes()
+        await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
         await self.heartbeat()
         self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks)
         loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
@@ -107,6 +112,8 @@ class WorkerService:
             now = time.time()
             for req in updated:
                 await self.emit(req, now)
+            if self.engine.kv.changes:
+                await self.publish_kv()
             for _ in range(INTAKE_TURNS):        # fetches, cancels, acks, heartbeats
                 await asyncio.sleep(0)
 
@@ -165,6 +172,22 @@ class WorkerService:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    # -- KV events (the router's prefix index) -------------------------------------------------
+
+    async def publish_kv(self) -> None:
+        stored, removed = self.engine.kv.take_changes()
+        self.kv_seq += 1
+        await self.nc.publish(subjects.kv_events(self.id), encode(KvEvent(self.id, self.kv_seq, stored, removed)))
+
+    async def on_snapshot(self, msg) -> None:
+        """Every hash held now, labelled with the last event's seq: changes not yet published are in the
+        snapshot and come again in the next event, which applies twice without harm."""
+        hashes, part = list(self.engine.kv.cached), subjects.KV_SNAPSHOT_PART
+        parts = max(1, -(-len(hashes) // part))
+        for i in range(parts):
+            snap = KvSnapshot(self.id, self.kv_seq, i, parts, hashes[i * part:(i + 1) * part])
+            await self.nc.publish(msg.reply, encode(snap))
 
     # -- intake (runs between steps) ------------------------------------------------------------
 
@@ -239,7 +262,11 @@ class WorkerService:
         await self.registry.put(self.id, encode(Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
-            s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens)))
+            s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
+            self.queued_blocks())))
+
+    def queued_blocks(self) -> int:
+        return sum(self.engine.kv.num_blocks_for(r.num_tokens) for r in self.engine.scheduler.waiting)
 
     async def progress_loop(self) -> None:
         """In-progress acks keep JetStream from redelivering work that is still running."""

@@ -72,7 +72,8 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             log.info("gateway stopped")
 
     routes = [Route("/", page), Route("/healthz", healthz), Route("/metrics", metrics),
-              Route("/openapi.json", openapi_json), Route("/v1/models", api.models), Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/openapi.json", openapi_json), Route("/v1/models", api.models),
+              Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]), WebSocketRoute("/ws", chat)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
                      exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -1,12 +1,20 @@
 """The router: pulls tokenized requests from TB_ROUTE, picks a worker, publishes the work item to
 tb.work.<worker> (TB_WORK), then acks. Workers come from the heartbeat registry (KV bucket
 tb_workers); one whose heartbeat is older than WORKER_TTL is gone, whether or not the bucket has
-expired its entry yet. Policy: least loaded, round-robin among equals (prefix-aware routing is
-its own issue)."""
+expired its entry yet. The policy (policy.py) reads a prefix index built from the workers' KV
+events on tb.kv.<worker> (index.py); a worker that is new, or whose events skipped a number, is
+asked for a snapshot on tb.kv.snapshot.<worker>.
+
+Every decision is logged with its predicted prefix hit; the completions log (tb.done.>, read as a
+core subscription) brings the actual hit (usage.cached_tokens) of each request this replica
+routed. The counters are published as a RouterStats record on tb.router.stats.<router> every
+second. Replicas share the durable consumer; each builds its own index from the same events."""
 import argparse
 import asyncio
 import contextlib
+import os
 import time
+from collections import OrderedDict
 
 import nats.errors
 import nats.js.errors
@@ -14,66 +22,66 @@ from nats.js.kv import KV_DEL, KV_PURGE
 
 from schemas import subjects
 from schemas.log import configure
-from schemas.messages import Heartbeat, TokenizedRequest, WireError, WorkItem, decode, encode
+from schemas.messages import (
+    Completion,
+    Heartbeat,
+    KvEvent,
+    KvSnapshot,
+    RouterStats,
+    TokenizedRequest,
+    WireError,
+    WorkItem,
+    decode,
+    encode,
+)
+from services.router.index import INDEX_CAP, KvIndex
+from services.router.policy import POLICIES, Choice, Options, Registry
 
 NO_WORKER_POLL = 0.1
-
+MAX_PENDING = 100_000        # decisions awaiting their completion; past this the oldest is forgotten
+STATS_LOG_SECONDS = 10.0
 
 LOG = configure("router")
 
 
-class Registry:
-    """The live workers, from heartbeats, plus what was routed to each since its last heartbeat."""
-
-    def __init__(self):
-        self.workers: dict[str, Heartbeat] = {}
-        self.routed: dict[str, int] = {}
-        self.last = ""
-
-    def update(self, hb: Heartbeat) -> None:
-        self.workers[hb.worker] = hb
-        self.routed[hb.worker] = 0
-
-    def remove(self, worker: str) -> None:
-        self.workers.pop(worker, None)
-        self.routed.pop(worker, None)
-
-    def live(self, now: float) -> list[Heartbeat]:
-        return [hb for hb in self.workers.values() if now - hb.ts < subjects.WORKER_TTL]
-
-    def load(self, hb: Heartbeat) -> float:
-        return (hb.running + hb.waiting + self.routed[hb.worker]) / max(hb.max_num_seqs, 1)
-
-    def pick(self, now: float) -> str | None:
-        live = sorted(self.live(now), key=lambda hb: hb.worker)
-        if not live:
-            return None
-        least = min(self.load(hb) for hb in live)
-        ties = [hb.worker for hb in live if self.load(hb) == least]
-        worker = next((w for w in ties if w > self.last), ties[0])   # round-robin: the next after the last pick
-        self.routed[worker] += 1
-        self.last = worker
-        return worker
-
-
 class RouterService:
-    def __init__(self, nc):
+    def __init__(self, nc, options: Options | None = None, router_id: str | None = None, index_cap: int = INDEX_CAP):
         self.nc, self.js = nc, nc.jetstream()
-        self.registry = Registry()
-        self.log = LOG
+        self.options = options or Options()
+        self.id = subjects.token("router", router_id or f"r-{os.getpid()}")
+        self.registry = Registry(self.options, KvIndex(index_cap))
+        self.index = self.registry.index
+        self.log = LOG.bind(router=self.id)
         self.tasks: set[asyncio.Task] = set()
+        self.syncing: set[str] = set()              # workers whose snapshot is awaited
+        self.pending: OrderedDict[str, tuple[Choice, int]] = OrderedDict()   # request id -> (decision, prompt)
+        self.stats = RouterStats(self.id, 0.0, self.options.policy, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
+        await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv)
+        await self.nc.subscribe(subjects.RESULTS_SUBJECTS, cb=self.on_completion)
         bucket = await subjects.registry(self.js)
         watcher = await bucket.watchall()
-        loops = [asyncio.create_task(self.watch(watcher)), asyncio.create_task(self.lapse_loop())]
-        self.log.info("router ready")
+        loops = [asyncio.create_task(f) for f in (self.watch(watcher), self.lapse_loop(), self.stats_loop())]
+        self.log.info("router ready", **self.options_log())
         try:
             await subjects.consume(self.nc, subjects.ROUTE_STREAM, subjects.ROUTER, self.handle, self.log)
         finally:
             for t in loops:
                 t.cancel()
+
+    def options_log(self) -> dict:
+        o = self.options
+        return {"policy": o.policy, "alpha": o.alpha, "kv_watermark": o.kv_watermark,
+                "queue_watermark": o.queue_watermark, "index_cap": self.index.cap}
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- the registry -----------------------------------------------------------------------------
 
     async def watch(self, watcher) -> None:
         async for entry in watcher:
@@ -90,6 +98,8 @@ class RouterService:
             if hb.worker not in self.registry.workers:
                 self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
             self.registry.update(hb)
+            if self.index.needs_snapshot(hb.worker):
+                self.spawn(self.sync(hb.worker))
 
     async def lapse_loop(self) -> None:
         while True:
@@ -97,17 +107,108 @@ class RouterService:
             self.drop_lapsed(time.time())
 
     def drop_lapsed(self, now: float) -> None:
-        for hb in list(self.registry.workers.values()):
-            if now - hb.ts >= subjects.WORKER_TTL:
-                self.leave(hb.worker, "heartbeat lapsed")
+        for w in list(self.registry.workers.values()):
+            if now - w.hb.ts >= subjects.WORKER_TTL:
+                self.leave(w.hb.worker, "heartbeat lapsed")
 
     def leave(self, worker: str, why: str) -> None:
         if worker in self.registry.workers:
             self.registry.remove(worker)
             self.log.warning("worker left", worker=worker, why=why)
-            task = asyncio.create_task(self.reroute(worker))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self.spawn(self.reroute(worker))
+
+    # -- the prefix index -------------------------------------------------------------------------
+
+    async def on_kv(self, msg) -> None:
+        try:
+            ev = decode(msg.data, KvEvent)
+        except WireError as e:
+            self.log.error("bad kv event dropped", error=str(e), subject=msg.subject)
+            return
+        gaps = self.index.gaps
+        if self.index.apply(ev):
+            if self.index.gaps > gaps:
+                self.stats.gaps += 1
+                self.log.warning("kv event gap", worker=ev.worker, seq=ev.seq)
+            self.spawn(self.sync(ev.worker))
+
+    async def sync(self, worker: str) -> None:
+        """Asks the worker for a snapshot and loads it, again while the held events do not follow on."""
+        if worker in self.syncing or worker not in self.index.workers:
+            return
+        self.syncing.add(worker)
+        try:
+            again = True
+            while again and worker in self.index.workers:
+                self.index.expect_snapshot(worker)
+                self.stats.snapshots += 1
+                snap = await self.snapshot(worker)
+                if snap is None:
+                    self.index.snapshot_failed(worker)
+                    self.log.warning("kv snapshot not answered", worker=worker)
+                    return
+                seq, hashes = snap
+                again = self.index.load_snapshot(worker, seq, hashes)
+                self.log.info("kv snapshot loaded", worker=worker, seq=seq, blocks=len(hashes))
+        finally:
+            self.syncing.discard(worker)
+
+    async def snapshot(self, worker: str) -> tuple[int, list[int]] | None:
+        """(seq, hashes) from the worker's KvSnapshot parts; None if they do not all come in time."""
+        inbox, queue = self.nc.new_inbox(), asyncio.Queue()
+        sub = await self.nc.subscribe(inbox, cb=queue.put)
+        parts: dict[int, KvSnapshot] = {}
+        try:
+            await self.nc.publish(subjects.kv_snapshot(worker), b"", reply=inbox)
+            async with asyncio.timeout(subjects.KV_SNAPSHOT_TIMEOUT):
+                while True:
+                    snap = decode((await queue.get()).data, KvSnapshot)
+                    parts[snap.part] = snap
+                    if len(parts) == snap.parts:
+                        break
+        except (TimeoutError, WireError, nats.errors.Error):
+            return None
+        finally:
+            await sub.unsubscribe()
+        seqs = {p.seq for p in parts.values()}
+        if len(seqs) != 1:
+            return None
+        return seqs.pop(), [h for i in sorted(parts) for h in parts[i].hashes]
+
+    # -- predicted vs actual ----------------------------------------------------------------------
+
+    async def on_completion(self, msg) -> None:
+        try:
+            done = decode(msg.data, Completion)
+        except WireError as e:
+            self.log.error("bad completion dropped", error=str(e), subject=msg.subject)
+            return
+        mine = self.pending.pop(done.id, None)
+        if mine is None:                          # routed by another replica (or forgotten)
+            return
+        choice, prompt = mine
+        self.registry.finished(choice)
+        predicted, actual = choice.hit_tokens, done.usage.get("cached_tokens", 0)
+        s = self.stats
+        s.completed += 1
+        s.prompt_tokens += prompt
+        s.predicted_hit_tokens += predicted
+        s.actual_hit_tokens += actual
+        s.exact += predicted == actual
+
+    async def stats_loop(self) -> None:
+        logged = 0.0
+        while True:
+            await asyncio.sleep(subjects.ROUTER_STATS_SECONDS)
+            s = self.stats
+            s.ts, s.index_blocks = time.time(), self.index.sizes()
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(subjects.router_stats(self.id), encode(s))
+            if s.ts - logged >= STATS_LOG_SECONDS:
+                logged = s.ts
+                self.log.info("router stats", **{k: getattr(s, k) for k in s.__slots__ if k not in ("router", "ts")})
+
+    # -- routing ----------------------------------------------------------------------------------
 
     async def reroute(self, worker: str) -> None:
         """Moves what a departed worker still held (queued for it, or taken and never acked) to live
@@ -145,7 +246,7 @@ class RouterService:
             self.log.error("bad work item dropped", error=str(e), subject=msg.subject)
             await msg.term()
             return 0
-        worker = await self.pick(msg)
+        worker = await self.pick(msg, item.request)
         if worker == departed:
             await msg.nak()
             return -1
@@ -164,39 +265,66 @@ class RouterService:
             self.log.error("bad tokenized request dropped", error=str(e), subject=msg.subject)
             await msg.term()
             return
-        worker = await self.pick(msg)
+        worker = await self.pick(msg, req)
         try:
             await self.send(WorkItem(req, worker, time.time()))
         except nats.errors.Error as e:              # not acked: JetStream redelivers it
             self.log.error("work publish failed", request_id=req.id, worker=worker, error=str(e))
             return
         await msg.ack()
-        self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=worker)
 
-    async def pick(self, msg) -> str:
+    async def pick(self, msg, req: TokenizedRequest) -> str:
         """A worker for the request; with none alive, waits (the request stays in TB_ROUTE, kept alive)."""
         waited = 0.0
         while True:
             now = time.time()
             self.drop_lapsed(now)
-            worker = self.registry.pick(now)
-            if worker is not None:
-                return worker
+            choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt)
+            if choice is not None:
+                self.decided(req, choice)
+                return choice.worker
             await asyncio.sleep(NO_WORKER_POLL)
             waited += NO_WORKER_POLL
             if waited >= subjects.IN_PROGRESS_SECONDS:
                 await msg.in_progress()
                 waited = 0.0
 
+    def decided(self, req: TokenizedRequest, choice: Choice) -> None:
+        s, n = self.stats, len(req.prompt_token_ids)
+        s.routed += 1
+        s.guarded += choice.guarded
+        s.routed_to[choice.worker] = s.routed_to.get(choice.worker, 0) + 1
+        self.pending[req.id] = (choice, n)
+        if len(self.pending) > MAX_PENDING:
+            self.pending.popitem(last=False)
+        self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=choice.worker, prompt_tokens=n,
+                      predicted_hit_tokens=choice.hit_tokens, best_hit_tokens=choice.best_hit_tokens,
+                      cost=round(choice.cost, 2), guarded=choice.guarded,
+                      costs={w: round(c, 2) for w, c in choice.costs.items()})
+        choice.costs = {}                           # it waits for its completion: keep it small
+
 
 def parser() -> argparse.ArgumentParser:
+    d = Options()
     p = argparse.ArgumentParser(prog="python -m services.router", description="The tokenbus router.")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--id", help="router id, a subject token (default r-<pid>)")
+    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--alpha", type=float, default=d.alpha,
+                   help=f"weight of a prompt block to prefill against a block of KV held (default {d.alpha})")
+    p.add_argument("--kv-watermark", type=float, default=d.kv_watermark,
+                   help=f"a worker with more of its KV blocks in use (or about to be) has no room (default "
+                        f"{d.kv_watermark})")
+    p.add_argument("--queue-watermark", type=float, default=d.queue_watermark,
+                   help=f"a worker with more queued requests per max_num_seqs has no room "
+                        f"(default {d.queue_watermark})")
+    p.add_argument("--index-cap", type=int, default=INDEX_CAP, help=f"hashes kept per worker (default {INDEX_CAP})")
     return p
 
 
 async def serve(args) -> None:
-    service = RouterService(await subjects.connect(args.nats_url, "router", LOG))
+    options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark)
+    service = RouterService(await subjects.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap)
     await subjects.run_until_signal(service.run, service.nc)
 
 

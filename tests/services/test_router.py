@@ -1,40 +1,188 @@
-from schemas.messages import Heartbeat
+"""The routing policies on hand-built worker states: heartbeats, and prefix indexes filled with events."""
+import pytest
+
+from schemas.hashing import hash_blocks
+from schemas.messages import Heartbeat, KvEvent
 from schemas.subjects import WORKER_TTL
-from services.router.service import Registry
+from services.router.policy import Options, Registry
+
+BS = 16
+NOW = 100.0
 
 
-def beat(worker: str, running: int = 0, waiting: int = 0, ts: float = 100.0, max_num_seqs: int = 8) -> Heartbeat:
-    return Heartbeat(worker, ts, "tiny", 16, max_num_seqs, running, waiting, 100, 100, 0, 0, 0)
+def beat(worker: str, running: int = 0, waiting: int = 0, ts: float = NOW, max_num_seqs: int = 8,
+         total: int = 100, free: int = 100, queued: int = 0) -> Heartbeat:
+    return Heartbeat(worker, ts, "tiny", BS, max_num_seqs, running, waiting, total, free, 0, 0, 0,
+                     kv_blocks_queued=queued)
 
 
-def test_equal_workers_are_taken_in_turn():
-    reg = Registry()
-    for w in ("w0", "w1", "w2"):
-        reg.update(beat(w))
-    assert [reg.pick(100.0) for _ in range(6)] == ["w0", "w1", "w2", "w0", "w1", "w2"]
+def registry(*beats: Heartbeat, **options) -> Registry:
+    reg = Registry(Options(**options))
+    for hb in beats:
+        reg.update(hb)
+    return reg
 
 
-def test_the_least_loaded_worker_wins_counting_what_was_routed_since_its_heartbeat():
-    reg = Registry()
-    reg.update(beat("w0", running=4))
-    reg.update(beat("w1", running=1, waiting=1))
-    assert [reg.pick(100.0) for _ in range(2)] == ["w1", "w1"]   # w1: 2 then 3, w0: 4
-    assert [reg.pick(100.0) for _ in range(4)] == ["w0", "w1", "w0", "w1"]   # equal: in turn
-    reg.update(beat("w1", running=8))                                    # a fresh heartbeat replaces the guess
-    assert reg.pick(100.0) == "w0"
+def holds(reg: Registry, worker: str, tokens: list[int], salt: str | None = None) -> None:
+    """The worker stored the full blocks of tokens (one KV event)."""
+    held = reg.index.workers[worker]
+    held.seq = max(held.seq, 0)
+    assert not reg.index.apply(KvEvent(worker, held.seq + 1, hash_blocks(tokens, BS, salt), []))
 
 
-def test_load_is_relative_to_capacity():
-    reg = Registry()
-    reg.update(beat("small", running=2, max_num_seqs=4))
-    reg.update(beat("big", running=4, max_num_seqs=64))
-    assert reg.pick(100.0) == "big"
+def picks(reg: Registry, n: int, prompt=(), salt=None) -> list[str]:
+    return [reg.pick(NOW, list(prompt), salt).worker for _ in range(n)]
+
+
+SYSTEM = list(range(1000, 1000 + 8 * BS))          # a hot system prompt: 8 blocks
+
+
+def prompt(i: int, extra: int = BS) -> list[int]:
+    return SYSTEM + [2000 + i] * extra
+
+
+# -- least-loaded and round-robin ----------------------------------------------------------------
+
+def test_equal_workers_are_taken_in_turn_under_every_policy():
+    for policy in ("prefix", "least-loaded", "round-robin"):
+        reg = registry(beat("w0"), beat("w1"), beat("w2"), policy=policy)
+        assert picks(reg, 3) == ["w0", "w1", "w2"], policy
+
+
+def test_least_loaded_counts_what_was_routed_since_the_heartbeat():
+    reg = registry(beat("w0", running=4), beat("w1", running=1, waiting=1), policy="least-loaded")
+    assert picks(reg, 2) == ["w1", "w1"]                 # w1: 2 then 3, w0: 4
+    assert picks(reg, 4) == ["w0", "w1", "w0", "w1"]     # equal: in turn
+    reg.update(beat("w1", running=8))                    # a fresh heartbeat replaces the guess
+    assert picks(reg, 1) == ["w0"]
+
+
+def test_least_loaded_is_relative_to_capacity():
+    reg = registry(beat("small", running=2, max_num_seqs=4), beat("big", running=4, max_num_seqs=64),
+                   policy="least-loaded")
+    assert picks(reg, 1) == ["big"]
+
+
+def test_a_request_that_ends_before_the_next_heartbeat_stops_counting_as_load():
+    reg = registry(beat("w0"), beat("w1"))
+    first = reg.pick(NOW, prompt(0))
+    assert (reg.workers["w0"].routed, reg.workers["w0"].routed_blocks) == (1, 9)
+    reg.finished(first)
+    assert (reg.workers["w0"].routed, reg.workers["w0"].routed_blocks) == (0, 0)
+    second = reg.pick(NOW, prompt(1))
+    reg.update(beat("w1", running=1))                      # the heartbeat counts it from now on
+    reg.finished(second)
+    assert reg.workers["w1"].routed == 0 and reg.workers["w1"].hb.running == 1
+
+
+def test_round_robin_ignores_load_and_cache():
+    reg = registry(beat("w0", running=8), beat("w1"), beat("w2"), policy="round-robin")
+    holds(reg, "w1", prompt(0))
+    assert picks(reg, 4, prompt(0)) == ["w0", "w1", "w2", "w0"]
 
 
 def test_a_worker_whose_heartbeat_lapsed_is_never_picked():
-    reg = Registry()
-    reg.update(beat("old", ts=100.0))
-    reg.update(beat("new", running=7, ts=100.0 + WORKER_TTL))
-    assert reg.pick(100.0 + WORKER_TTL + 0.1) == "new"
+    reg = registry(beat("old"), beat("new", running=7, ts=NOW + WORKER_TTL))
+    assert reg.pick(NOW + WORKER_TTL + 0.1).worker == "new"
     reg.remove("new")
-    assert reg.pick(100.0 + WORKER_TTL + 0.1) is None
+    assert reg.pick(NOW + WORKER_TTL + 0.1) is None
+    assert "new" not in reg.index.workers
+
+
+def test_unknown_policy_and_bad_options_are_refused():
+    with pytest.raises(ValueError, match="policy 'random' is not one of prefix, least-loaded, round-robin"):
+        Options("random")
+    with pytest.raises(ValueError, match="alpha"):
+        Options(alpha=-1)
+
+
+# -- the prefix cost -----------------------------------------------------------------------------
+
+def test_cost_is_alpha_uncached_blocks_plus_active_plus_new_blocks():
+    reg = registry(beat("w0", free=60), beat("w1", free=90, queued=5), alpha=2.0)
+    p = list(range(10 * BS + 4))                           # 10 full blocks + 4 tokens: 11 blocks
+    holds(reg, "w0", p[:6 * BS])
+    choice = reg.pick(NOW, p)
+    # w0: 6 blocks cached: 2·(164 − 96)/16 + 40 active + 5 new = 53.5
+    # w1: nothing cached:  2·164/16 + (10 active + 5 queued) + 11 new = 46.5
+    assert choice.costs == {"w0": 53.5, "w1": 46.5}
+    assert (choice.worker, choice.hit_tokens, choice.cost) == ("w1", 0, 46.5)
+    assert reg.workers["w1"].routed_blocks == 11 and reg.workers["w1"].routed == 1
+
+
+def test_a_conversation_goes_back_to_the_worker_holding_its_history():
+    reg = registry(beat("w0", free=90), beat("w1"), beat("w2"))
+    history = list(range(12 * BS))
+    holds(reg, "w0", history)
+    choice = reg.pick(NOW, history + [7] * 20)
+    assert (choice.worker, choice.hit_tokens) == ("w0", 12 * BS)
+
+
+def test_the_prediction_leaves_the_last_prompt_token_to_compute_as_the_engine_does():
+    reg = registry(beat("w0"))
+    p = list(range(4 * BS))
+    holds(reg, "w0", p)
+    assert reg.pick(NOW, p).hit_tokens == 3 * BS          # the 4th block holds the last token
+    assert reg.pick(NOW, p + [1]).hit_tokens == 4 * BS
+
+
+def test_a_hit_needs_the_same_salt():
+    reg = registry(beat("w0"), beat("w1"))
+    holds(reg, "w0", prompt(0), salt="tenant-a")
+    assert reg.pick(NOW, prompt(0), "tenant-b").hit_tokens == 0
+    assert reg.pick(NOW, prompt(0), "tenant-a").hit_tokens == 8 * BS
+
+
+def test_a_hot_system_prompt_held_everywhere_spreads_requests_evenly():
+    reg = registry(beat("w0"), beat("w1"), beat("w2"))
+    for w in ("w0", "w1", "w2"):
+        holds(reg, w, SYSTEM)
+    got = [reg.pick(NOW, prompt(i)).worker for i in range(30)]
+    assert {w: got.count(w) for w in ("w0", "w1", "w2")} == {"w0": 10, "w1": 10, "w2": 10}
+    assert all(reg.pick(NOW, prompt(i)).hit_tokens == 8 * BS for i in range(3))
+
+
+def test_a_hot_system_prompt_held_by_one_worker_draws_requests_until_its_load_outweighs_the_prefill():
+    reg = registry(beat("w0", total=1000, free=1000), beat("w1", total=1000, free=1000),
+                   beat("w2", total=1000, free=1000), alpha=1.0, queue_watermark=100)
+    holds(reg, "w0", SYSTEM)
+    got = []
+    for i in range(90):
+        got.append(reg.pick(NOW, prompt(i)).worker)
+        holds(reg, got[-1], prompt(i))                    # the worker caches what it computed
+    # w0 saves 8 prefill blocks and 8 new blocks per request (16); each adds 1 block to its load
+    assert got[:16] == ["w0"] * 16 and got[16] == "w1"
+    counts = [got.count(w) for w in ("w0", "w1", "w2")]
+    assert max(counts) <= 1.5 * min(counts), counts
+
+
+def test_a_hot_system_prompt_on_a_worker_over_its_queue_watermark_goes_elsewhere():
+    reg = registry(beat("w0", running=8, waiting=5), beat("w1"), beat("w2"))  # w0 queues 5 of 8: over 0.5
+    holds(reg, "w0", SYSTEM)
+    choice = reg.pick(NOW, prompt(0))
+    assert (choice.worker, choice.guarded, choice.hit_tokens, choice.best_hit_tokens) == ("w1", True, 0, 8 * BS)
+    assert choice.costs["w0"] < choice.costs["w1"]
+
+
+def test_the_guard_rules_out_a_worker_above_its_kv_watermark_while_another_has_room():
+    reg = registry(beat("w0", total=100, free=12), beat("w1", total=100, free=100), alpha=10.0)
+    holds(reg, "w0", prompt(0, extra=4 * BS))
+    p = prompt(0, extra=5 * BS)                            # w0 holds 12 of its 13 blocks
+    choice = reg.pick(NOW, p)                              # w0: 88 + 1 new = 89% of its pool: room
+    assert (choice.worker, choice.guarded) == ("w0", False)
+    reg.update(beat("w0", total=100, free=10))             # 90 + 1 = 91% > 90%, though still the cheapest
+    choice = reg.pick(NOW, p)
+    assert (choice.worker, choice.guarded) == ("w1", True)
+
+
+def test_when_every_worker_is_over_a_watermark_the_cheapest_still_gets_it():
+    reg = registry(beat("w0", running=8, waiting=6), beat("w1", running=8, waiting=8))
+    holds(reg, "w1", prompt(0))
+    choice = reg.pick(NOW, prompt(0))
+    assert (choice.worker, choice.guarded) == ("w1", False)
+
+
+def test_equal_costs_go_to_the_least_loaded():
+    reg = registry(beat("w0", running=3, total=100, free=90), beat("w1", running=1, total=100, free=90),
+                   beat("w2", running=2, total=100, free=90))
+    assert picks(reg, 1, prompt(0)) == ["w1"]

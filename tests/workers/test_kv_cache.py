@@ -160,3 +160,24 @@ def test_random_allocate_free_sequences_never_leak_or_double_free(ops):
         kv.free_request(req)
     check_invariants(kv)
     assert kv.num_free_blocks == 12
+
+
+def test_changes_are_recorded_only_when_asked_and_name_each_hash_by_its_last_change():
+    kv = KVCacheManager(4, BLOCK)
+    a = make_request("a", range(9))
+    compute(kv, a)
+    assert kv.changes is None
+    kv.free_request(a)
+    kv.record_changes()
+    b = make_request("b", range(100, 113))                # needs 4 blocks: evicts a's 2 hashed blocks
+    compute(kv, b)
+    stored, evicted = kv.take_changes()
+    assert sorted(stored) == sorted(b.block_hashes[:3]) and sorted(evicted) == sorted(a.block_hashes[:2])
+    assert kv.take_changes() == ([], [])
+    kv.free_request(b)
+    c = make_request("c", range(9))                       # evicts b's blocks, stores a's hashes again
+    compute(kv, c)
+    kv.free_request(c)
+    kv.reset_prefix_cache()
+    stored, evicted = kv.take_changes()                   # stored then evicted in one take: evicted
+    assert stored == [] and set(evicted) == set(c.block_hashes[:2]) | set(b.block_hashes[:3])

@@ -4,6 +4,8 @@ Blocks are fixed-size (block_size tokens). A full block of final tokens is regis
 chained hash, so a later request whose prefix hashes the same reuses it. A freed block keeps its
 hash and waits in an LRU free list; it is evicted (its hash forgotten) only when popped for
 reuse. Requests free their blocks tail first, so a chain's tail is evicted before its parents.
+With record_changes() on, the hashes stored and evicted are kept until take_changes(): the worker
+publishes them once per step as a KV event, for the router's index.
 """
 from dataclasses import dataclass
 
@@ -61,6 +63,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}  # request id -> its block table
         self.num_hashed: dict[str, int] = {}          # request id -> how many of its blocks are registered
         self.prefix_queries = self.prefix_hits = 0    # in tokens
+        self.changes: dict[int, bool] | None = None   # hash -> stored / evicted since take_changes(); None: off
 
     @property
     def num_blocks(self) -> int:
@@ -113,6 +116,8 @@ class KVCacheManager:
         if block.hash is not None:  # lazy eviction: the cached KV is overwritten only now
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
+                if self.changes is not None:
+                    self.changes[block.hash] = False
             block.hash = None
         block.ref_cnt = 1
         return block
@@ -128,6 +133,8 @@ class KVCacheManager:
             if block.hash is None and h not in self.cached:
                 block.hash = h
                 self.cached[h] = block
+                if self.changes is not None:
+                    self.changes[h] = True
         self.num_hashed[req.request_id] = max(start, end)
 
     def free_request(self, req: Request) -> None:
@@ -144,7 +151,18 @@ class KVCacheManager:
         assert self.free.num_free == self.num_blocks, "reset_prefix_cache with requests running"
         for block in self.blocks:
             block.hash = None
+        if self.changes is not None:
+            self.changes.update(dict.fromkeys(self.cached, False))
         self.cached.clear()
+
+    def record_changes(self) -> None:
+        """From now on, remember which hashes are stored and evicted (the worker's KV events)."""
+        self.changes = {}
+
+    def take_changes(self) -> tuple[list[int], list[int]]:
+        """(stored, evicted) hashes since the last call; a hash changed twice counts as its last change."""
+        changes, self.changes = self.changes, {}
+        return [h for h, stored in changes.items() if stored], [h for h, stored in changes.items() if not stored]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

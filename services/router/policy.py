@@ -1,0 +1,160 @@
+"""Which worker gets a request: the live workers (heartbeats), what was routed to each since its
+heartbeat, and three policies.
+
+- prefix (default): per worker, cost = α · (prompt tokens not cached there) / block_size
+  + active blocks + new blocks; the lowest wins. A hard guard first rules out every worker above its
+  KV watermark or its queue watermark, unless all are. Equal costs go to the least loaded, then in turn.
+- least-loaded: (running + waiting + routed since the heartbeat) / max_num_seqs, in turn among equals.
+- round-robin: each live worker in turn.
+The prefix index is consulted under every policy, so each decision has a predicted hit to compare.
+"""
+from dataclasses import dataclass, field
+
+from schemas.hashing import hash_blocks
+from schemas.messages import Heartbeat
+from schemas.subjects import WORKER_TTL
+from services.router.index import KvIndex
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+
+
+@dataclass(slots=True)
+class Options:
+    policy: str = "prefix"
+    alpha: float = 4.0              # a block to prefill against a block of KV held (docs/decisions.md)
+    kv_watermark: float = 0.9       # (active + new blocks) / kv_blocks_total above this: no room
+    queue_watermark: float = 0.5    # queued requests / max_num_seqs above this: no room
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.alpha < 0 or self.kv_watermark <= 0 or self.queue_watermark < 0:
+            raise ValueError("alpha and queue_watermark must be at least 0, kv_watermark above 0")
+
+
+@dataclass(slots=True)
+class Worker:
+    """A worker's last heartbeat and what was routed to it since."""
+    hb: Heartbeat
+    routed: int = 0                 # requests
+    routed_blocks: int = 0          # the new blocks they need
+
+    @property
+    def active_blocks(self) -> int:
+        hb = self.hb
+        return hb.kv_blocks_total - hb.kv_blocks_free + hb.kv_blocks_queued + self.routed_blocks
+
+    @property
+    def load(self) -> float:
+        hb = self.hb
+        return (hb.running + hb.waiting + self.routed) / max(hb.max_num_seqs, 1)
+
+    @property
+    def queued(self) -> int:
+        hb = self.hb
+        return hb.waiting + max(0, hb.running + self.routed - hb.max_num_seqs)
+
+
+@dataclass(slots=True)
+class Choice:
+    worker: str
+    hit_tokens: int                 # the prefix the router predicts cached there
+    cost: float = 0.0
+    guarded: bool = False           # the guard ruled out a worker
+    costs: dict[str, float] = field(default_factory=dict)
+    new_blocks: int = 0             # what it adds to the worker's load until its next heartbeat
+    state: Worker | None = None     # the worker's state it was counted in
+    best_hit_tokens: int = 0        # the longest predicted hit on any live worker
+
+
+class Registry:
+    def __init__(self, options: Options | None = None, index: KvIndex | None = None):
+        self.options = options or Options()
+        self.index = index if index is not None else KvIndex()
+        self.workers: dict[str, Worker] = {}
+        self.last = ""
+
+    def update(self, hb: Heartbeat) -> None:
+        self.workers[hb.worker] = Worker(hb)
+        self.index.add(hb.worker)
+
+    def remove(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+        self.index.drop(worker)
+
+    def live(self, now: float) -> list[Worker]:
+        return sorted((w for w in self.workers.values() if now - w.hb.ts < WORKER_TTL), key=lambda w: w.hb.worker)
+
+    def pick(self, now: float, prompt: list[int] = (), salt: str | None = None) -> Choice | None:
+        live = self.live(now)
+        if not live:
+            return None
+        hits = self.hits(live, prompt, salt)
+        policy = self.options.policy
+        if policy == "round-robin":
+            choice = Choice(self.next_after([w.hb.worker for w in live]), 0)
+        elif policy == "least-loaded":
+            choice = Choice(self.in_turn(live, lambda w: w.load), 0)
+        else:
+            choice = self.cheapest(live, hits, len(prompt))
+        choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
+        choice.best_hit_tokens = max(hits.values())
+        choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens)
+        return choice
+
+    def hits(self, live: list[Worker], prompt: list[int], salt: str | None) -> dict[str, int]:
+        """Predicted prefix-cache hit tokens per worker: its cached blocks among the prompt's, from the
+        first, leaving the last prompt token to compute, exactly as the engine counts them."""
+        hashes: dict[int, list[int]] = {}
+        hits = {}
+        for w in live:
+            bs = w.hb.block_size
+            if bs not in hashes:
+                hashes[bs] = hash_blocks(prompt[:max(len(prompt) - 1, 0)], bs, salt)
+            hits[w.hb.worker] = self.index.overlap(w.hb.worker, hashes[bs]) * bs
+        return hits
+
+    def cheapest(self, live: list[Worker], hits: dict[str, int], n: int) -> Choice:
+        o = self.options
+        costs, room = {}, []
+        for w in live:
+            bs, hit = w.hb.block_size, hits[w.hb.worker]
+            new = -(-n // bs) - hit // bs
+            costs[w.hb.worker] = o.alpha * (n - hit) / bs + w.active_blocks + new
+            if not self.over(w, new):
+                room.append(w)
+        candidates = room or live
+        best = min(costs[w.hb.worker] for w in candidates)
+        ties = [w for w in candidates if costs[w.hb.worker] == best]
+        worker = self.in_turn(ties, lambda w: w.load)
+        return Choice(worker, 0, cost=best, guarded=len(candidates) < len(live), costs=costs)
+
+    def over(self, w: Worker, new_blocks: int) -> bool:
+        """Above the KV or the queue watermark: the hard guard against hot spots."""
+        hb, o = w.hb, self.options
+        return ((w.active_blocks + new_blocks) / max(hb.kv_blocks_total, 1) > o.kv_watermark
+                or w.queued / max(hb.max_num_seqs, 1) > o.queue_watermark)
+
+    def in_turn(self, workers: list[Worker], key) -> str:
+        """The lowest key, in turn among equals."""
+        least = min(key(w) for w in workers)
+        return self.next_after([w.hb.worker for w in workers if key(w) == least])
+
+    def next_after(self, names: list[str]) -> str:
+        """Round-robin over sorted names: the first after the last pick."""
+        name = next((n for n in names if n > self.last), names[0])
+        self.last = name
+        return name
+
+    def routed(self, w: Worker, n: int, hit: int) -> int:
+        new = -(-n // w.hb.block_size) - hit // w.hb.block_size
+        w.routed += 1
+        w.routed_blocks += new
+        return new
+
+    def finished(self, choice: Choice) -> None:
+        """A request ended before its worker's next heartbeat: it no longer loads the worker."""
+        w = choice.state
+        if w is not None and self.workers.get(w.hb.worker) is w:
+            w.routed -= 1
+            w.routed_blocks -= choice.new_blocks
