@@ -48,3 +48,20 @@ def test_bench_pipeline_runs_both_sides_and_reports_ratio_and_added_ttft(tiny_mo
     assert r["throughput_ratio"] == pytest.approx(r["pipeline_output_tokens_per_s"] / r["engine_output_tokens_per_s"],
                                                   abs=0.01)
     assert len(r["rounds"]["ttft_added"]) == 1 and r["pipeline_ttft_ms_median"] > 0
+
+
+@pytest.mark.slow
+def test_bench_routing_runs_each_policy_on_one_stack_and_reports_hits_ttft_load_and_the_ceiling(tiny_model):
+    out = run("bench-routing", "--model", tiny_model, "--policies", "round-robin", "prefix", "--conversations", "3",
+              "--turns", "2", "--system-len", "32", "--user-len", "16", "32", "--reply-len", "4", "--kv-blocks", "64",
+              "--shared-requests", "6", "--shared-clients", "2", "--think-ms", "0", "--json")
+    r = json.loads(out)
+    assert list(r["policies"]) == ["round-robin", "prefix"] and r["shared_prompt"]["requests"] == 6
+    for m in [*r["policies"].values(), r["shared_prompt"]]:
+        assert sum(m["requests_per_worker"].values()) == m["requests"] and m["ttft_ms_p99"] >= m["ttft_ms_p50"] > 0
+        assert m["hit_rate"] == pytest.approx(m["hit_tokens"] / m["prompt_tokens"], abs=1e-4)
+        assert m["actual_hit_tokens"] == m["hit_tokens"]            # the router saw every completion
+    prefix = r["policies"]["prefix"]
+    assert prefix["requests"] == 6 and prefix["hit_tokens"] > 0 and prefix["one_worker_hit_rate"] > 0
+    assert set(r["goals"]) == {"prefix_vs_round_robin", "prefix_vs_one_worker", "prefix_load_ratio",
+                               "shared_prompt_load_ratio"}
