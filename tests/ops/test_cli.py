@@ -61,3 +61,20 @@ def test_bench_tp_splits_each_step_into_compute_and_communication(tiny_model):
         assert 0 < two["transfer_ms"] <= two["comm_ms"]          # the wait for a slower rank taken out
         assert two["compute_ms"] + two["comm_ms"] == pytest.approx(two["step_ms"])
         assert one["steps"] == two["steps"]                      # the same schedule on both
+
+
+@pytest.mark.slow
+def test_bench_routing_runs_each_policy_on_one_stack_and_reports_hits_ttft_load_and_the_ceiling(tiny_model):
+    out = run("bench-routing", "--model", tiny_model, "--policies", "round-robin", "prefix", "--conversations", "3",
+              "--turns", "2", "--system-len", "32", "--user-len", "16", "32", "--reply-len", "4", "--kv-blocks", "64",
+              "--shared-requests", "6", "--shared-clients", "2", "--think-ms", "0", "--json")
+    r = json.loads(out)
+    assert list(r["policies"]) == ["round-robin", "prefix"] and r["shared_prompt"]["requests"] == 6
+    for m in [*r["policies"].values(), r["shared_prompt"]]:
+        assert sum(m["requests_per_worker"].values()) == m["requests"] and m["ttft_ms_p99"] >= m["ttft_ms_p50"] > 0
+        assert m["hit_rate"] == pytest.approx(m["hit_tokens"] / m["prompt_tokens"], abs=1e-4)
+        assert m["actual_hit_tokens"] == m["hit_tokens"]            # the router saw every completion
+    prefix = r["policies"]["prefix"]
+    assert prefix["requests"] == 6 and prefix["hit_tokens"] > 0 and prefix["one_worker_hit_rate"] > 0
+    assert set(r["goals"]) == {"prefix_vs_round_robin", "prefix_vs_one_worker", "prefix_load_ratio",
+                               "shared_prompt_load_ratio"}
