@@ -20,6 +20,7 @@ from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 RECENT_SECONDS = 10.0            # the time constant of a worker's count of recent requests
+LOAD_SLACK = 2.0                 # recent requests a worker may take beyond load_cap × the average
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class Options:
     alpha: float = 4.0              # a block to prefill against a block of KV held (docs/decisions.md)
     kv_watermark: float = 0.9       # (active + new blocks) / kv_blocks_total above this: no room
     queue_watermark: float = 0.5    # queued requests / max_num_seqs above this: no room
-    load_cap: float = 1.25          # recent requests above this × the average (+1): no room
+    load_cap: float = 1.25          # recent requests above this × the average (+ LOAD_SLACK): no room
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -124,7 +125,7 @@ class Registry:
     def cheapest(self, live: list[Worker], hits: dict[str, int], n: int, now: float) -> Choice:
         o = self.options
         costs, room = {}, []
-        share = o.load_cap * sum(self.taken(w.hb.worker, now) for w in live) / len(live) + 1
+        share = o.load_cap * sum(self.taken(w.hb.worker, now) for w in live) / len(live) + LOAD_SLACK
         for w in live:
             bs, hit = w.hb.block_size, hits[w.hb.worker]
             new = -(-n // bs) - hit // bs

@@ -217,7 +217,11 @@ class RouterService:
         and the gateway drops the ones its client already has."""
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(subjects.WORK_STREAM, f"worker-{worker}")
-        sub = await self.js.pull_subscribe(subjects.work(worker), stream=subjects.WORK_STREAM)
+        try:
+            sub = await self.js.pull_subscribe(subjects.work(worker), stream=subjects.WORK_STREAM)
+        except nats.js.errors.BadRequestError as e:  # it was alive after all and made its consumer again
+            self.log.warning("work not re-routed", worker=worker, error=str(e))
+            return
         moved = 0
         try:
             while True:
