@@ -191,7 +191,19 @@ def use_router(stack: Stack, policy: str, args) -> str:
     return name
 
 
-def measure(stack: Stack, router: str, run, count: int) -> dict:
+def same_worker(recs: list[Completion], key_len: int) -> float:
+    """Of the turns after a conversation's first, the fraction served where its previous turn was
+    (a conversation is known by its first key_len prompt tokens: its system prompt and first message)."""
+    last, same, turns = {}, 0, 0
+    for r in sorted(recs, key=lambda r: r.created):
+        key = tuple(r.prompt_token_ids[:key_len])
+        if key in last:
+            same, turns = same + (last[key] == r.worker), turns + 1
+        last[key] = r.worker
+    return round(same / max(turns, 1), 3)
+
+
+def measure(stack: Stack, router: str, run, count: int, key_len: int = 0) -> dict:
     after = asyncio.run(results_seq(stack.nats_url))
     start = time.perf_counter()
     ttfts = asyncio.run(run())
@@ -210,7 +222,8 @@ def measure(stack: Stack, router: str, run, count: int) -> dict:
             "load_ratio": round(max(per_worker.values()) / max(min(per_worker.values()), 1), 2),
             "predicted_hit_tokens": stats.predicted_hit_tokens, "actual_hit_tokens": stats.actual_hit_tokens,
             "exact_predictions": round(stats.exact / max(stats.completed, 1), 4), "guarded": stats.guarded,
-            "one_worker_hit_rate": one["hit_rate"]}
+            "one_worker_hit_rate": one["hit_rate"],
+            "same_worker_turns": same_worker(recs, key_len) if key_len else None}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -261,7 +274,7 @@ def main(args) -> dict:
                 convs = chats(args.seed + 1 + k, args, vocab)
                 n = len(convs) * args.turns
                 run = lambda convs=convs: chat_run(stack.url, convs, args.reply_len, args.think_ms, args.seed)  # noqa: E731
-                report["policies"][policy] = measure(stack, router, run, n)
+                report["policies"][policy] = measure(stack, router, run, n, args.system_len + args.user_len[0])
             if args.shared_requests:
                 router = use_router(stack, "prefix", args)
                 prompts = shared(args.seed + 100, args, vocab)
@@ -304,17 +317,19 @@ def table(r: dict) -> str:
              f"system prompts of {w['system_len']} tokens, user turns {w['user_len'][0]}-{w['user_len'][1]}, "
              f"replies {w['reply_len']}; {w['workers']} workers × {w['kv_blocks_per_worker']} KV blocks",
              f"{'policy':14}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'req/worker':>16}{'max/min':>9}"
-             f"{'predicted/actual hits':>24}{'s':>7}"]
+             f"{'same worker':>13}{'predicted/actual hits':>24}{'s':>7}"]
     rows = [(name, m) for name, m in r["policies"].items()]
     if "shared_prompt" in r:
         rows.append(("prefix, 1 hot", r["shared_prompt"]))
     for name, m in rows:
         per = "/".join(str(v) for v in m["requests_per_worker"].values())
+        same = f"{m['same_worker_turns']:.0%}" if m["same_worker_turns"] is not None else "-"
         lines.append(f"{name:14}{m['hit_rate']:>10.1%}{m['ttft_ms_p50']:>10.1f}{m['ttft_ms_p99']:>10.1f}{per:>16}"
-                     f"{m['load_ratio']:>9.2f}{m['predicted_hit_tokens']:>12}/{m['actual_hit_tokens']:<11}"
+                     f"{m['load_ratio']:>9.2f}{same:>13}{m['predicted_hit_tokens']:>12}/{m['actual_hit_tokens']:<11}"
                      f"{m['seconds']:>7.1f}")
     ceilings = ", ".join(f"{m['one_worker_hit_rate']:.1%}" for m in r["policies"].values())
     lines.append(f"{'one worker':14}{ceilings:>10}   (the same requests on one worker that holds everything)")
+    lines.append("same worker: turns served where the conversation's previous turn was (random: 33%)")
     if "shared_prompt" in r:
         lines.append(f"'prefix, 1 hot': {w['shared_requests']} requests sharing one {w['shared_system_len']}-token "
                      f"system prompt, {w['shared_clients']} clients in a closed loop")

@@ -179,14 +179,15 @@ def parser() -> argparse.ArgumentParser:
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"])
-    br.add_argument("--conversations", type=int, default=12)
+    br.add_argument("--conversations", type=int, default=15)
     br.add_argument("--turns", type=int, default=8)
     br.add_argument("--system-prompts", type=int, default=4)
     br.add_argument("--system-len", type=int, default=96, help="tokens in each system prompt")
     br.add_argument("--user-len", type=int, nargs=2, default=[128, 192], metavar=("MIN", "MAX"))
     br.add_argument("--reply-len", type=int, default=32, help="tokens the model replies each turn")
-    br.add_argument("--think-ms", type=float, default=100.0, help="a user's pause before each turn: up to this")
-    br.add_argument("--kv-blocks", type=int, default=416, help="KV blocks of 16 tokens per worker")
+    br.add_argument("--think-ms", type=float, default=1000.0,
+                    help="a user's pause before each turn, uniform up to this: turns of conversations interleave")
+    br.add_argument("--kv-blocks", type=int, default=544, help="KV blocks of 16 tokens per worker")
     br.add_argument("--max-num-seqs", type=int, default=16)
     br.add_argument("--max-num-batched-tokens", type=int, default=512, help="per worker step (short steps keep "
                     "heartbeats on time on a busy CPU)")

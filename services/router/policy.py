@@ -3,11 +3,14 @@ heartbeat, and three policies.
 
 - prefix (default): per worker, cost = α · (prompt tokens not cached there) / block_size
   + active blocks + new blocks; the lowest wins. A hard guard first rules out every worker above its
-  KV watermark or its queue watermark, unless all are. Equal costs go to the least loaded, then in turn.
+  KV watermark or its queue watermark, or that took more than load_cap × the average share of recent
+  requests, unless all are. Equal costs go to the least loaded, then the one that took fewer recent
+  requests, then in turn.
 - least-loaded: (running + waiting + routed since the heartbeat) / max_num_seqs, in turn among equals.
 - round-robin: each live worker in turn.
 The prefix index is consulted under every policy, so each decision has a predicted hit to compare.
 """
+import math
 from dataclasses import dataclass, field
 
 from schemas.hashing import hash_blocks
@@ -16,6 +19,8 @@ from schemas.subjects import WORKER_TTL
 from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
+RECENT_SECONDS = 10.0            # the time constant of a worker's count of recent requests
+LOAD_SLACK = 2.0                 # recent requests a worker may take beyond load_cap × the average
 
 
 @dataclass(slots=True)
@@ -24,12 +29,13 @@ class Options:
     alpha: float = 4.0              # a block to prefill against a block of KV held (docs/decisions.md)
     kv_watermark: float = 0.9       # (active + new blocks) / kv_blocks_total above this: no room
     queue_watermark: float = 0.5    # queued requests / max_num_seqs above this: no room
+    load_cap: float = 1.25          # recent requests above this × the average (+ LOAD_SLACK): no room
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
-        if self.alpha < 0 or self.kv_watermark <= 0 or self.queue_watermark < 0:
-            raise ValueError("alpha and queue_watermark must be at least 0, kv_watermark above 0")
+        if self.alpha < 0 or self.kv_watermark <= 0 or self.queue_watermark < 0 or self.load_cap < 1:
+            raise ValueError("alpha and queue_watermark must be at least 0, kv_watermark above 0, load_cap at least 1")
 
 
 @dataclass(slots=True)
@@ -72,6 +78,7 @@ class Registry:
         self.options = options or Options()
         self.index = index if index is not None else KvIndex()
         self.workers: dict[str, Worker] = {}
+        self.recent: dict[str, tuple[float, float]] = {}     # worker -> (decayed count of requests, as of)
         self.last = ""
 
     def update(self, hb: Heartbeat) -> None:
@@ -80,6 +87,7 @@ class Registry:
 
     def remove(self, worker: str) -> None:
         self.workers.pop(worker, None)
+        self.recent.pop(worker, None)
         self.index.drop(worker)
 
     def live(self, now: float) -> list[Worker]:
@@ -96,10 +104,10 @@ class Registry:
         elif policy == "least-loaded":
             choice = Choice(self.in_turn(live, lambda w: w.load), 0)
         else:
-            choice = self.cheapest(live, hits, len(prompt))
+            choice = self.cheapest(live, hits, len(prompt), now)
         choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
         choice.best_hit_tokens = max(hits.values())
-        choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens)
+        choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens, now)
         return choice
 
     def hits(self, live: list[Worker], prompt: list[int], salt: str | None) -> dict[str, int]:
@@ -114,19 +122,20 @@ class Registry:
             hits[w.hb.worker] = self.index.overlap(w.hb.worker, hashes[bs]) * bs
         return hits
 
-    def cheapest(self, live: list[Worker], hits: dict[str, int], n: int) -> Choice:
+    def cheapest(self, live: list[Worker], hits: dict[str, int], n: int, now: float) -> Choice:
         o = self.options
         costs, room = {}, []
+        share = o.load_cap * sum(self.taken(w.hb.worker, now) for w in live) / len(live) + LOAD_SLACK
         for w in live:
             bs, hit = w.hb.block_size, hits[w.hb.worker]
             new = -(-n // bs) - hit // bs
             costs[w.hb.worker] = o.alpha * (n - hit) / bs + w.active_blocks + new
-            if not self.over(w, new):
+            if not self.over(w, new) and self.taken(w.hb.worker, now) <= share:
                 room.append(w)
         candidates = room or live
         best = min(costs[w.hb.worker] for w in candidates)
         ties = [w for w in candidates if costs[w.hb.worker] == best]
-        worker = self.in_turn(ties, lambda w: w.load)
+        worker = self.in_turn(ties, lambda w: (w.load, round(self.taken(w.hb.worker, now), 6)))
         return Choice(worker, 0, cost=best, guarded=len(candidates) < len(live), costs=costs)
 
     def over(self, w: Worker, new_blocks: int) -> bool:
@@ -146,10 +155,17 @@ class Registry:
         self.last = name
         return name
 
-    def routed(self, w: Worker, n: int, hit: int) -> int:
+    def taken(self, worker: str, now: float) -> float:
+        """Requests routed to the worker lately, each counting less as it ages (e^(-age/RECENT_SECONDS)).
+        Sticky conversations are invisible to the load between their turns; this sees them."""
+        count, at = self.recent.get(worker, (0.0, now))
+        return count * math.exp((at - now) / RECENT_SECONDS)
+
+    def routed(self, w: Worker, n: int, hit: int, now: float) -> int:
         new = -(-n // w.hb.block_size) - hit // w.hb.block_size
         w.routed += 1
         w.routed_blocks += new
+        self.recent[w.hb.worker] = (self.taken(w.hb.worker, now) + 1, now)
         return new
 
     def finished(self, choice: Choice) -> None:

@@ -74,7 +74,7 @@ class RouterService:
     def options_log(self) -> dict:
         o = self.options
         return {"policy": o.policy, "alpha": o.alpha, "kv_watermark": o.kv_watermark,
-                "queue_watermark": o.queue_watermark, "index_cap": self.index.cap}
+                "queue_watermark": o.queue_watermark, "load_cap": o.load_cap, "index_cap": self.index.cap}
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -217,7 +217,11 @@ class RouterService:
         and the gateway drops the ones its client already has."""
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(subjects.WORK_STREAM, f"worker-{worker}")
-        sub = await self.js.pull_subscribe(subjects.work(worker), stream=subjects.WORK_STREAM)
+        try:
+            sub = await self.js.pull_subscribe(subjects.work(worker), stream=subjects.WORK_STREAM)
+        except nats.js.errors.BadRequestError as e:  # it was alive after all and made its consumer again
+            self.log.warning("work not re-routed", worker=worker, error=str(e))
+            return
         moved = 0
         try:
             while True:
@@ -318,12 +322,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-watermark", type=float, default=d.queue_watermark,
                    help=f"a worker with more queued requests per max_num_seqs has no room "
                         f"(default {d.queue_watermark})")
+    p.add_argument("--load-cap", type=float, default=d.load_cap,
+                   help=f"a worker that took more than this times the average of recent requests has no room "
+                        f"(default {d.load_cap})")
     p.add_argument("--index-cap", type=int, default=INDEX_CAP, help=f"hashes kept per worker (default {INDEX_CAP})")
     return p
 
 
 async def serve(args) -> None:
-    options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark)
+    options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark, args.load_cap)
     service = RouterService(await subjects.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap)
     await subjects.run_until_signal(service.run, service.nc)
 

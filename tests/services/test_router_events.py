@@ -25,8 +25,8 @@ async def until(check, timeout: float = 5.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def router(nats_url: str, name: str):
-    service = RouterService(await nats.connect(nats_url), Options(), name)
+async def router(nats_url: str, name: str, **options):
+    service = RouterService(await nats.connect(nats_url), Options(**options), name)
     task = asyncio.create_task(service.run())
     try:
         yield service
@@ -143,7 +143,8 @@ def test_two_router_replicas_send_every_turn_of_a_conversation_to_the_worker_hol
                 got.append(done[rid])
             return got
 
-        async with router(nats_url, "r0") as r0, router(nats_url, "r1") as r1:
+        # each replica balances its own recent requests (load_cap); off here: this is about the shared index
+        async with router(nats_url, "r0", load_cap=100) as r0, router(nats_url, "r1", load_cap=100) as r1:
             for r in (r0, r1):
                 await until(lambda r=r: all(follows(r, w) for w in workers))
             convs = await asyncio.gather(*(conversation(c) for c in range(9)))
