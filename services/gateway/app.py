@@ -55,6 +55,7 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             await subjects.ensure_streams(js)
             gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log, model,
                                              config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table)
+            await nc.subscribe(subjects.ROUTER_STATS_ALL, cb=gw.metrics.on_router_stats)
             known = asyncio.Event()
             watcher = asyncio.create_task(watch(gw, known))
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers

@@ -4,9 +4,12 @@
   so it counts every queue on the way (JetStream, tokenizer, router, the worker's waiting list);
 - what every worker pushes over NATS in its heartbeat (per worker, read from the tb_workers
   bucket at scrape time): running and waiting requests, KV blocks, prefix-cache tokens,
-  preemptions, tokens and finished requests, counted since the worker started.
-With several gateways, sum the per-tenant series over them; the per-worker series are the same on
-every gateway."""
+  preemptions, tokens and finished requests, counted since the worker started;
+- what every router pushes on tb.router.stats.<router> each second (per router, the latest record
+  kept by a core subscription): its decisions per worker, the guard's interventions, and the
+  predicted vs actual prefix-hit tokens of the requests it routed, counted since it started.
+With several gateways, sum the per-tenant series over them; the per-worker and per-router series
+are the same on every gateway."""
 import asyncio
 import contextlib
 import time
@@ -15,8 +18,8 @@ import nats.errors
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from schemas.messages import Heartbeat, WireError, decode
-from schemas.subjects import WORKER_TTL
+from schemas.messages import Heartbeat, RouterStats, WireError, decode
+from schemas.subjects import ROUTER_STATS_SECONDS, WORKER_TTL
 
 disable_created_metrics()                  # no *_created series: counters start at the process's start
 
@@ -26,6 +29,7 @@ LATENCY = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 PER_TOKEN = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
              0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 READ_TIMEOUT = 2.0
+ROUTER_TTL = 3 * ROUTER_STATS_SECONDS      # a router silent for this long has left
 
 # heartbeat field -> (metric name, kind, help); labelled by worker
 WORKER_METRICS = {
@@ -59,6 +63,57 @@ class Workers:
         return families
 
 
+# RouterStats field -> (metric name, help); counters labelled by router
+ROUTER_COUNTERS = {
+    "routed": ("tokenbus_router_decisions", "Routing decisions, re-routes included."),
+    "guarded": ("tokenbus_router_guarded", "Decisions where the load guard ruled out a worker."),
+    "completed": ("tokenbus_router_completed", "Routed requests whose completion the router has seen."),
+    "prompt_tokens": ("tokenbus_router_prompt_tokens", "Prompt tokens of the completed routed requests."),
+    "predicted_hit_tokens": ("tokenbus_router_predicted_hit_tokens",
+                             "Prefix-cache hit tokens the router predicted for the completed requests."),
+    "actual_hit_tokens": ("tokenbus_router_actual_hit_tokens",
+                          "Prefix-cache hit tokens the workers reported for the same requests."),
+    "exact": ("tokenbus_router_exact_predictions", "Completed requests whose actual hit equalled the prediction."),
+    "snapshots": ("tokenbus_router_snapshot_requests", "KV snapshots the router asked workers for."),
+    "gaps": ("tokenbus_router_kv_event_gaps", "Gaps seen in the workers' KV event sequence numbers."),
+}
+
+
+class Routers:
+    """A collector of the latest RouterStats of every router (fed by a core subscription)."""
+
+    def __init__(self):
+        self.latest: dict[str, RouterStats] = {}
+
+    def seen(self, stats: RouterStats) -> None:
+        self.latest[stats.router] = stats
+
+    def live(self) -> list[RouterStats]:
+        now = time.time()
+        for name in [n for n, s in self.latest.items() if now - s.ts >= ROUTER_TTL]:
+            del self.latest[name]
+        return sorted(self.latest.values(), key=lambda s: s.router)
+
+    def collect(self):
+        routers = self.live()
+        families = [GaugeMetricFamily("tokenbus_routers", "Routers publishing their stats.", value=len(routers))]
+        for field, (name, doc) in ROUTER_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["router", "policy"])
+            for s in routers:
+                family.add_metric([s.router, s.policy], getattr(s, field))
+            families.append(family)
+        routed = CounterMetricFamily("tokenbus_router_routed", "Decisions per chosen worker.",
+                                     labels=["router", "worker"])
+        index = GaugeMetricFamily("tokenbus_router_index_blocks", "Block hashes in the router's index of "
+                                  "a worker's prefix cache.", labels=["router", "worker"])
+        for s in routers:
+            for worker, n in sorted(s.routed_to.items()):
+                routed.add_metric([s.router, worker], n)
+            for worker, n in sorted(s.index_blocks.items()):
+                index.add_metric([s.router, worker], n)
+        return [*families, routed, index]
+
+
 def value(hb: Heartbeat, field: str) -> float:
     return hb.kv_blocks_total - hb.kv_blocks_free if field == "kv_blocks_used" else getattr(hb, field)
 
@@ -83,6 +138,12 @@ class Metrics:
                                          ["tenant"], registry=r)
         self.workers = Workers()
         r.register(self.workers)
+        self.routers = Routers()
+        r.register(self.routers)
+
+    async def on_router_stats(self, msg) -> None:
+        with contextlib.suppress(WireError):               # a bad record is not worth a log line a second
+            self.routers.seen(decode(msg.data, RouterStats))
 
     def observe(self, tenant: str, frame: dict, queue_ms: float | None = None) -> None:
         """Counts a request's last frame: a done frame (its timing in ms, its usage) or an error frame."""

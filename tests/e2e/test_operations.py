@@ -97,7 +97,8 @@ def test_bench_writes_json_and_png_and_agrees_with_the_gateway_histograms(stack,
                                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"),
                                 "--no-progress"])
     bench.main(args)
-    time.sleep(2 * subjects.HEARTBEAT_SECONDS)                    # the worker's counters reach its heartbeat
+    # the worker's counters reach its heartbeat, the router's its stats record
+    time.sleep(max(2 * subjects.HEARTBEAT_SECONDS, subjects.ROUTER_STATS_SECONDS) + 0.5)
     after = scrape(stack)
     r = json.loads((tmp_path / "b.json").read_text())
     assert r["requests"] == {"completed": 24, "failed": 0, "total": 24} and r["output_tokens"] == 24 * 16
@@ -113,6 +114,13 @@ def test_bench_writes_json_and_png_and_agrees_with_the_gateway_histograms(stack,
     assert moved("tokenbus_worker_requests_finished_total", (("worker", "w0"),)) == 24
     assert moved("tokenbus_prefix_cache_queries_total", (("worker", "w0"),)) > 0
     assert after[("tokenbus_kv_blocks_total", (("worker", "w0"),))] == 512
+
+    def routers(name):                                          # summed over the routers (one, named by its pid)
+        return sum(v for (n, _), v in after.items() if n == name) - sum(v for (n, _), v in before.items() if n == name)
+
+    assert routers("tokenbus_router_decisions_total") == 24 and routers("tokenbus_router_completed_total") == 24
+    assert routers("tokenbus_router_prompt_tokens_total") == moved("tokenbus_prompt_tokens_total")
+    assert after[("tokenbus_routers", ())] == 1
     for name, key in (("tokenbus_time_to_first_token_seconds", "ttft_ms"),
                       ("tokenbus_e2e_request_latency_seconds", "e2e_ms"),
                       ("tokenbus_time_per_output_token_seconds", "tpot_ms")):

@@ -1,5 +1,6 @@
 """The gateway's /metrics: Prometheus text that the official parser reads, per-tenant request metrics that
-move as requests run through the gateway (fake downstream), per-worker metrics from the heartbeats."""
+move as requests run through the gateway (fake downstream), per-worker metrics from the heartbeats,
+per-router metrics from the routers' stats records."""
 import asyncio
 import time
 import urllib.request
@@ -10,7 +11,7 @@ from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
-from schemas.messages import Heartbeat, encode
+from schemas.messages import Heartbeat, RouterStats, encode
 from tests.services.fake_pipeline import Downstream, gateway
 
 HISTOGRAMS = ("tokenbus_time_to_first_token_seconds", "tokenbus_time_per_output_token_seconds",
@@ -94,3 +95,34 @@ def test_worker_metrics_come_from_the_heartbeats_of_live_workers(nats_url, tiny_
     assert m[("tokenbus_worker_prompt_tokens_total", w1)] == 300
     assert m[("tokenbus_worker_generation_tokens_total", w1)] == 90
     assert ("tokenbus_num_requests_running", (("worker", "w0"),)) not in m
+
+
+def test_router_metrics_come_from_the_stats_of_live_routers(nats_url, tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok) as down:
+            empty = await asyncio.to_thread(scrape, down.http)
+            now = time.time()
+            live = RouterStats("r1", now, "prefix", routed=10, guarded=2, completed=8, prompt_tokens=800,
+                               predicted_hit_tokens=480, actual_hit_tokens=512, exact=6, snapshots=3, gaps=1,
+                               routed_to={"w0": 7, "w1": 3}, index_blocks={"w0": 40, "w1": 12})
+            gone = RouterStats("r0", now - 60, "round-robin", 9, 9, 9, 9, 9, 9, 9, 9, 9)
+            for stats in (live, gone):
+                await down.nc.publish(subjects.router_stats(stats.router), encode(stats))
+            await down.nc.publish(subjects.router_stats("r2"), b"garbage")
+            await down.nc.flush()
+            await asyncio.sleep(0.2)
+            return empty, await asyncio.to_thread(scrape, down.http)
+
+    empty, m = asyncio.run(asyncio.wait_for(body(), 30))
+    assert empty[("tokenbus_routers", ())] == 0
+    assert m[("tokenbus_routers", ())] == 1                                   # r0's record is stale, r2's garbage
+    r1 = (("policy", "prefix"), ("router", "r1"))
+    expected = {"decisions": 10, "guarded": 2, "completed": 8, "prompt_tokens": 800, "predicted_hit_tokens": 480,
+                "actual_hit_tokens": 512, "exact_predictions": 6, "snapshot_requests": 3, "kv_event_gaps": 1}
+    assert {k: m[(f"tokenbus_router_{k}_total", r1)] for k in expected} == expected
+    assert m[("tokenbus_router_routed_total", (("router", "r1"), ("worker", "w0")))] == 7
+    assert m[("tokenbus_router_routed_total", (("router", "r1"), ("worker", "w1")))] == 3
+    assert m[("tokenbus_router_index_blocks", (("router", "r1"), ("worker", "w0")))] == 40
+    assert not any(dict(labels).get("router") in ("r0", "r2") for _, labels in m)
