@@ -17,6 +17,7 @@ from ops.procs import free_port, python_module
 from schemas import subjects
 from schemas.messages import Cancel, ErrorChunk, GenerateRequest, Heartbeat, decode, encode
 from schemas.subjects import MAX_INFLIGHT_PER_CONNECTION, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
+from services.gateway.app import Ws
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
 
 
@@ -105,6 +106,41 @@ def test_concurrent_generates_on_one_connection_each_stream_their_text_and_done(
             assert by_said["3 tokens"].sampling.stop_token_ids == (9,)
             assert len({r.id for r in down.requests}) == 3
     run(body())
+
+
+def test_a_burst_of_frames_goes_out_in_few_socket_writes_whole_and_in_order(nats_url, tiny_model, tok, monkeypatch):
+    """A worker step publishes a chunk of every stream at once: the gateway writes such a burst in one
+    socket write (Ws), and a plain websockets client still reads every frame, in order."""
+    writes: list[int] = []                                      # frames per socket write
+    flush = Ws.flush
+
+    def counting(self):
+        if self.outbox:
+            writes.append(len(self.outbox))
+        flush(self)
+    monkeypatch.setattr(Ws, "flush", counting)
+    n, streams = 30, 4
+
+    async def burst(down, req):
+        ids = (down.ids(" one two three four five six seven eight nine ten") * 3)[:n]
+        for i in range(n - 1):
+            await down.publish(req.id, down.chunk(req.id, i, [ids[i]]))      # no pause: one burst
+        await down.publish(req.id, down.final(req.id, n - 1, ids[-1:]))
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, script=burst) as down, connect(down.ws) as ws:
+            for i in range(streams):
+                await send(ws, generate(str(i), max_tokens=n))
+            got = await collect(ws, *map(str, range(streams)))
+            expected = (down.ids(" one two three four five six seven eight nine ten") * 3)[:n]
+            for frames in got.values():
+                assert tokens(frames) == expected and frames[-1]["type"] == "done"
+                assert [f["type"] for f in frames[:-1]] == ["delta"] * (len(frames) - 1)
+            return sum(len(f) for f in got.values())
+
+    frames = asyncio.run(asyncio.wait_for(body(), 20))
+    assert sum(writes) == frames                                # every frame was written, once
+    assert len(writes) < frames / 3 and max(writes) >= n / 2, writes
 
 
 def test_duplicate_and_overlapping_chunks_are_dropped(nats_url, tiny_model, tok):
