@@ -3,9 +3,9 @@ heartbeat, and three policies.
 
 - prefix (default): per worker, cost = α · (prompt tokens not cached there) / block_size
   + active blocks + new blocks; the lowest wins. A hard guard first rules out every worker above its
-  KV watermark or its queue watermark, or that took more than load_cap × the average share of recent
-  requests, unless all are. Equal costs go to the least loaded, then the one that took fewer recent
-  requests, then in turn.
+  KV watermark or its queue watermark, or that took more than load_cap × (the recent requests of
+  the live worker that took fewest + LOAD_SLACK), unless all are. Equal costs go to the least
+  loaded, then the one that took fewer recent requests, then in turn.
 - least-loaded: (running + waiting + routed since the heartbeat) / max_num_seqs, in turn among equals.
 - round-robin: each live worker in turn.
 The prefix index is consulted under every policy, so each decision has a predicted hit to compare.
@@ -20,7 +20,7 @@ from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 RECENT_SECONDS = 10.0            # the time constant of a worker's count of recent requests
-LOAD_SLACK = 2.0                 # recent requests a worker may take beyond load_cap × the average
+LOAD_SLACK = 2.0                 # added to the fewest recent requests before load_cap multiplies it
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class Options:
     alpha: float = 4.0              # a block to prefill against a block of KV held (docs/decisions.md)
     kv_watermark: float = 0.9       # (active + new blocks) / kv_blocks_total above this: no room
     queue_watermark: float = 0.5    # queued requests / max_num_seqs above this: no room
-    load_cap: float = 1.25          # recent requests above this × the average (+ LOAD_SLACK): no room
+    load_cap: float = 1.25          # recent requests above this × (the fewest + LOAD_SLACK): no room
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -125,7 +125,7 @@ class Registry:
     def cheapest(self, live: list[Worker], hits: dict[str, int], n: int, now: float) -> Choice:
         o = self.options
         costs, room = {}, []
-        share = o.load_cap * sum(self.taken(w.hb.worker, now) for w in live) / len(live) + LOAD_SLACK
+        share = o.load_cap * (min(self.taken(w.hb.worker, now) for w in live) + LOAD_SLACK)
         for w in live:
             bs, hit = w.hb.block_size, hits[w.hb.worker]
             new = -(-n // bs) - hit // bs

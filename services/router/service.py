@@ -35,7 +35,7 @@ from schemas.messages import (
     encode,
 )
 from services.router.index import INDEX_CAP, KvIndex
-from services.router.policy import POLICIES, Choice, Options, Registry
+from services.router.policy import LOAD_SLACK, POLICIES, Choice, Options, Registry
 
 NO_WORKER_POLL = 0.1
 MAX_PENDING = 100_000        # decisions awaiting their completion; past this the oldest is forgotten
@@ -323,8 +323,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"a worker with more queued requests per max_num_seqs has no room "
                         f"(default {d.queue_watermark})")
     p.add_argument("--load-cap", type=float, default=d.load_cap,
-                   help=f"a worker that took more than this times the average of recent requests has no room "
-                        f"(default {d.load_cap})")
+                   help=f"a worker that took more than this times (the recent requests of the one that took "
+                        f"fewest + {LOAD_SLACK:g}) has no room (default {d.load_cap})")
     p.add_argument("--index-cap", type=int, default=INDEX_CAP, help=f"hashes kept per worker (default {INDEX_CAP})")
     return p
 
