@@ -91,14 +91,15 @@ def quantile(q: float, bs: list[tuple[float, float]]) -> tuple[float, int]:
 
 
 def test_bench_writes_json_and_png_and_agrees_with_the_gateway_histograms(stack, tiny_model, tmp_path):
+    settle = max(2 * subjects.HEARTBEAT_SECONDS, subjects.ROUTER_STATS_SECONDS) + 0.5
+    time.sleep(settle)               # earlier tests' requests reach the workers' heartbeats and the router's stats
     before = scrape(stack)
     args = parser().parse_args(["bench", "--url", stack.url, "--model", tiny_model, "--num-requests", "24",
                                 "--concurrency", "4", "--input-len", "48", "--output-len", "16", "--range-ratio", "0",
                                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"),
                                 "--no-progress"])
     bench.main(args)
-    # the worker's counters reach its heartbeat, the router's its stats record
-    time.sleep(max(2 * subjects.HEARTBEAT_SECONDS, subjects.ROUTER_STATS_SECONDS) + 0.5)
+    time.sleep(settle)
     after = scrape(stack)
     r = json.loads((tmp_path / "b.json").read_text())
     assert r["requests"] == {"completed": 24, "failed": 0, "total": 24} and r["output_tokens"] == 24 * 16
