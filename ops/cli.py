@@ -1,9 +1,20 @@
 """The `tokenbus` command line."""
 import argparse
+import importlib
 import os
 import sys
 
 from services.router.policy import POLICIES
+
+
+def delegate(module: str, exits: bool = False):
+    """A subcommand that is `module`.main(args), imported only when chosen (torch is slow to import);
+    exits: main returns the exit status."""
+    def run(args) -> None:
+        status = importlib.import_module(module).main(args)
+        if exits:
+            sys.exit(status)
+    return run
 
 
 def cmd_model(args) -> None:
@@ -26,83 +37,11 @@ def cmd_generate(args) -> None:
     print(f"--- stats: {llm.stats()}")
 
 
-def cmd_bench_engine(args) -> None:
-    from workers.bench import main
-
-    main(args)
-
-
-def cmd_bench_tp(args) -> None:
-    from workers.bench_tp import main
-
-    main(args)
-
-
-def cmd_bench_pipeline(args) -> None:
-    from ops.bench_pipeline import main
-
-    main(args)
-
-
-def cmd_bench_routing(args) -> None:
-    from ops.bench_routing import main
-
-    main(args)
-
-
-def cmd_up(args) -> None:
-    from ops.up import main
-
-    main(args)
-
-
 def cmd_chat(args) -> None:
     from ops.chat import run
 
     sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system,
                  api_key=args.api_key))
-
-
-def cmd_status(args) -> None:
-    from ops.status import main
-
-    main(args)
-
-
-def cmd_usage(args) -> None:
-    from ops.usage import main
-
-    main(args)
-
-
-def cmd_inspect(args) -> None:
-    from ops.inspector import main
-
-    main(args)
-
-
-def cmd_bench_gateway(args) -> None:
-    from ops.bench_gateway import main
-
-    main(args)
-
-
-def cmd_replay(args) -> None:
-    from ops.replay import main
-
-    sys.exit(main(args))
-
-
-def cmd_log(args) -> None:
-    from ops.records import main
-
-    main(args)
-
-
-def cmd_bench(args) -> None:
-    from ops.bench import main
-
-    main(args)
 
 
 def window(p: argparse.ArgumentParser, file: bool = False) -> None:
@@ -149,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true", help="also print where a decode step's time goes")
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    b.set_defaults(func=cmd_bench_engine)
+    b.set_defaults(func=delegate("workers.bench"))
 
     t = sub.add_parser("bench-tp", help="a tensor-parallel step split into compute and communication, per size")
     t.add_argument("--model", help="HF checkpoint directory (default: the built-in model of --size)")
@@ -161,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-kv-blocks", type=int, default=1024)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    t.set_defaults(func=cmd_bench_tp)
+    t.set_defaults(func=delegate("workers.bench_tp"))
 
     bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
     bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
@@ -174,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--seed", type=int, default=0)
     bp.add_argument("--repeat", type=int, default=5, help="rounds per side; the best counts")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bp.set_defaults(func=cmd_bench_pipeline)
+    bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
@@ -199,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--seed", type=int, default=0)
     br.add_argument("--data-dir", help="keep the stack's logs and JetStream here (default: a temporary directory)")
     br.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    br.set_defaults(func=cmd_bench_routing)
+    br.set_defaults(func=delegate("ops.bench_routing"))
 
     u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
@@ -214,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")
     u.add_argument("--host", default="127.0.0.1", help="the gateway's address (not loopback: --api-keys needed)")
-    u.set_defaults(func=cmd_up)
+    u.set_defaults(func=delegate("ops.up"))
 
     c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
     c.add_argument("--url", default="ws://127.0.0.1:8000/ws")
@@ -228,14 +167,14 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
     s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    s.set_defaults(func=cmd_status)
+    s.set_defaults(func=delegate("ops.status"))
 
     us = sub.add_parser("usage", help="the metering log summed per tenant, key and model")
     us.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     us.add_argument("--tenant", help="only this tenant")
     us.add_argument("--since", help="only requests since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")
     us.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    us.set_defaults(func=cmd_usage)
+    us.set_defaults(func=delegate("ops.usage"))
 
     bg = sub.add_parser("bench-gateway", help="the gateway's overhead: refused, accepted, streamed")
     bg.add_argument("--model", help="HF checkpoint directory, for its tokenizer (default: the tiny model)")
@@ -244,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     bg.add_argument("--streams", type=int, default=64, help="concurrent streams for the tokens/s measurement")
     bg.add_argument("--tokens", type=int, default=1000, help="tokens per stream")
     bg.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    bg.set_defaults(func=cmd_bench_gateway)
+    bg.set_defaults(func=delegate("ops.bench_gateway"))
     i = sub.add_parser("inspect", help="watch a subject, or read a stream, with every payload decoded")
     i.add_argument("subject", help="a subject, wildcards allowed (tb.out.*, tb.>, $KV.tb_workers.>)")
     i.add_argument("--count", type=int, metavar="N", help="stop after N messages")
@@ -255,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--follow", action="store_true", help="with --stream: keep reading new messages")
     i.add_argument("--model", help="checkpoint whose tokenizer shows chunks as text (default: the tiny model if built)")
     i.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    i.set_defaults(func=cmd_inspect)
+    i.set_defaults(func=delegate("ops.inspector"))
 
     r = sub.add_parser("replay", help="re-run logged requests through the live stack and diff the outputs")
     window(r, file=True)
@@ -264,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each replayed request")
     r.add_argument("--concurrency", type=int, default=16, help="replayed requests in flight at once")
     r.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    r.set_defaults(func=cmd_replay)
+    r.set_defaults(func=delegate("ops.replay", exits=True))
 
     lg = sub.add_parser("log", help="move a window of the completions log between stacks (JSON lines)")
     lsub = lg.add_subparsers(dest="action", required=True)
@@ -275,7 +214,7 @@ def parser() -> argparse.ArgumentParser:
     im = lsub.add_parser("import", help="store the records of FILE in TB_RESULTS")
     im.add_argument("file")
     im.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    lg.set_defaults(func=cmd_log)
+    lg.set_defaults(func=delegate("ops.records"))
 
     bn = sub.add_parser("bench", help="load generator over the websocket protocol or the OpenAI HTTP API")
     bn.add_argument("--url", default="ws://127.0.0.1:8000/ws",
@@ -310,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     bn.add_argument("--seed", type=int, default=0)
     bn.add_argument("--no-progress", action="store_true")
-    bn.set_defaults(func=cmd_bench)
+    bn.set_defaults(func=delegate("ops.bench"))
     return p
 
 

@@ -1,12 +1,10 @@
 """`tokenbus status`: the worker registry (KV bucket tb_workers) as a table or as JSON."""
 import asyncio
-import contextlib
-import time
 
 import orjson
 
 from schemas import subjects
-from schemas.messages import Heartbeat, WireError, decode
+from schemas.messages import Heartbeat
 
 FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
           "prefix_cache_hits", "requests_finished")
@@ -22,17 +20,7 @@ async def read_registry(nats_url: str) -> list[Heartbeat]:
 
 async def heartbeats(js) -> list[Heartbeat]:
     """The live workers' latest heartbeats, by worker id."""
-    watcher = await (await subjects.registry(js)).watchall()
-    beats = []
-    async for entry in watcher:
-        if entry is None:
-            break
-        if entry.value and entry.operation is None:
-            with contextlib.suppress(WireError):
-                beats.append(decode(entry.value, Heartbeat))
-    await watcher.stop()
-    now = time.time()
-    return sorted((b for b in beats if now - b.ts < subjects.WORKER_TTL), key=lambda b: b.worker)
+    return await subjects.live_workers(await subjects.registry(js))
 
 
 def as_json(beats: list[Heartbeat]) -> dict:

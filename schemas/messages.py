@@ -245,6 +245,15 @@ def decode(data: bytes, *expected: type):
     return from_obj(obj, *expected)
 
 
+def received(msg, expected: type, log, what: str):
+    """The message in a NATS message, or None once "bad <what> dropped" is logged with the subject."""
+    try:
+        return decode(msg.data, expected)
+    except WireError as e:
+        log.error(f"bad {what} dropped", error=str(e), subject=msg.subject)
+        return None
+
+
 def from_obj(obj, *expected: type):
     """The message in an unpacked map (msgpack, or JSON lines of an exported log), checked like decode."""
     if not isinstance(obj, dict):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import time
 
 import nats
 import nats.errors
@@ -13,6 +14,8 @@ import nats.js.errors
 import orjson
 import uvloop
 from nats.js import api
+
+from schemas.messages import Heartbeat, WireError, decode
 
 # -- subjects ------------------------------------------------------------------------------------
 
@@ -188,6 +191,24 @@ async def registry(js):
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(api.KeyValueConfig(bucket=WORKERS_BUCKET, ttl=WORKER_TTL, history=1,
                                                             storage=api.StorageType.MEMORY))
+
+
+async def live_workers(kv) -> list[Heartbeat]:
+    """The latest heartbeat of every live worker in the registry bucket, by worker id: one older than
+    WORKER_TTL is gone, whether or not the bucket has expired its entry yet."""
+    beats = []
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is None:                # the end of the current values
+                break
+            if entry.value and entry.operation is None:
+                with contextlib.suppress(WireError):
+                    beats.append(decode(entry.value, Heartbeat))
+    finally:
+        await watcher.stop()
+    now = time.time()
+    return sorted((b for b in beats if now - b.ts < WORKER_TTL), key=lambda b: b.worker)
 
 
 PULL_EXPIRES = 5.0                       # seconds a pull request waits on the server

@@ -29,10 +29,9 @@ from schemas.messages import (
     KvSnapshot,
     Logprobs,
     TokenChunk,
-    WireError,
     WorkItem,
-    decode,
     encode,
+    received,
 )
 from schemas.sampling import SamplingParams
 from workers.distributed import WorkerFailure
@@ -197,10 +196,7 @@ class WorkerService:
                                FETCH_BATCH, room=lambda: limit - len(self.running))
 
     async def take(self, msg) -> None:
-        try:
-            item = decode(msg.data, WorkItem)
-        except WireError as e:
-            self.log.error("bad work item dropped", error=str(e), subject=msg.subject)
+        if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return
         r = item.request
@@ -223,10 +219,7 @@ class WorkerService:
         self.wake.set()
 
     async def on_cancel(self, msg) -> None:
-        try:
-            cancel = decode(msg.data, Cancel)
-        except WireError as e:
-            self.log.error("bad cancel dropped", error=str(e), subject=msg.subject)
+        if (cancel := received(msg, Cancel, self.log, "cancel")) is None:
             return
         if cancel.id in self.running:
             await self.abort(cancel.id)

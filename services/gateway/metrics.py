@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from schemas.messages import Heartbeat, RouterStats, WireError, decode
-from schemas.subjects import ROUTER_STATS_SECONDS, WORKER_TTL
+from schemas.subjects import ROUTER_STATS_SECONDS, live_workers
 
 disable_created_metrics()                  # no *_created series: counters start at the process's start
 
@@ -172,19 +172,10 @@ class Metrics:
 
 
 async def heartbeats(kv, log) -> list[Heartbeat]:
-    """The latest heartbeat of every worker in the registry bucket (expired entries are gone)."""
-    beats = []
+    """The latest heartbeat of every live worker in the registry bucket; none if it cannot be read."""
     try:
         async with asyncio.timeout(READ_TIMEOUT):
-            watcher = await kv.watchall()
-            async for entry in watcher:
-                if entry is None:                # the end of the current values
-                    break
-                if entry.value and entry.operation is None:
-                    with contextlib.suppress(WireError):
-                        beats.append(decode(entry.value, Heartbeat))
-            await watcher.stop()
+            return await live_workers(kv)
     except (nats.errors.Error, TimeoutError) as e:
         log.warning("registry read failed", error=str(e) or type(e).__name__)
-    now = time.time()
-    return sorted((b for b in beats if now - b.ts < WORKER_TTL), key=lambda b: b.worker)
+        return []

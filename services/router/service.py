@@ -33,6 +33,7 @@ from schemas.messages import (
     WorkItem,
     decode,
     encode,
+    received,
 )
 from services.router.index import INDEX_CAP, KvIndex
 from services.router.policy import LOAD_SLACK, POLICIES, Choice, Options, Registry
@@ -120,10 +121,7 @@ class RouterService:
     # -- the prefix index -------------------------------------------------------------------------
 
     async def on_kv(self, msg) -> None:
-        try:
-            ev = decode(msg.data, KvEvent)
-        except WireError as e:
-            self.log.error("bad kv event dropped", error=str(e), subject=msg.subject)
+        if (ev := received(msg, KvEvent, self.log, "kv event")) is None:
             return
         gaps = self.index.gaps
         if self.index.apply(ev):
@@ -178,10 +176,7 @@ class RouterService:
     # -- predicted vs actual ----------------------------------------------------------------------
 
     async def on_completion(self, msg) -> None:
-        try:
-            done = decode(msg.data, Completion)
-        except WireError as e:
-            self.log.error("bad completion dropped", error=str(e), subject=msg.subject)
+        if (done := received(msg, Completion, self.log, "completion")) is None:
             return
         mine = self.pending.pop(done.id, None)
         if mine is None:                          # routed by another replica (or forgotten)
@@ -244,10 +239,7 @@ class RouterService:
     async def move(self, msg, departed: str) -> int:
         """1 when the item moved to a live worker, 0 when it was dropped, -1 when the only pick is the
         departed worker itself (re-publishing to its subject would feed this very loop)."""
-        try:
-            item = decode(msg.data, WorkItem)
-        except WireError as e:
-            self.log.error("bad work item dropped", error=str(e), subject=msg.subject)
+        if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return 0
         worker = await self.pick(msg, item.request)
@@ -263,10 +255,7 @@ class RouterService:
         await self.js.publish(subjects.work(item.worker), encode(item), headers=headers)
 
     async def handle(self, msg) -> None:
-        try:
-            req = decode(msg.data, TokenizedRequest)
-        except WireError as e:
-            self.log.error("bad tokenized request dropped", error=str(e), subject=msg.subject)
+        if (req := received(msg, TokenizedRequest, self.log, "tokenized request")) is None:
             await msg.term()
             return
         worker = await self.pick(msg, req)
