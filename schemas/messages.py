@@ -57,6 +57,7 @@ class WorkItem:
     worker: str
     routed: float = 0.0
     attempt: int = 0                              # re-routes after a worker left; part of the Nats-Msg-Id
+    strikes: int = 0                              # workers it failed or crashed so far (follows the request id)
 
     @property
     def msg_id(self) -> str:
@@ -113,6 +114,56 @@ class ErrorChunk:
     id: str
     code: str
     message: str
+
+
+@dataclass(slots=True)
+class Resend:
+    """gateway → tb.resend.<id> (request-reply): the output tokens from `offset` on, for a gateway that
+    saw a gap. The worker running the request answers with a TokenChunk (seq -1); nobody else answers."""
+    TYPE: typing.ClassVar[str] = "resend"
+    id: str
+    offset: int
+
+
+@dataclass(slots=True)
+class Progress:
+    """gateway → the reply subject of a request on tb.progress.<id>: the output tokens its client has
+    received, from the first on. A worker that takes a moved request asks, and continues from there."""
+    TYPE: typing.ClassVar[str] = "progress"
+    id: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """KV bucket tb_outcomes (key = request id), written once (create) when a request ends, done or
+    failed: a late redelivery finds it and neither runs nor records the request again; a gateway that
+    lost chunks or the final chunk reads the rest here. finish_reason "error" carries error_code/message."""
+    TYPE: typing.ClassVar[str] = "outcome"
+    id: str
+    tenant: str
+    worker: str
+    finish_reason: str                            # stop | length | abort | error
+    output_token_ids: list[int]
+    stop_reason: int | str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+    prompt_tail: list[int] = field(default_factory=list)     # the detokenizer's context
+    error_code: str = ""
+    error_message: str = ""
+    ts: float = 0.0
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """→ TB_DEAD (tb.dead.<tenant>): a request that failed or crashed workers MAX_STRIKES times, with why;
+    it is answered with an error and never delivered again."""
+    TYPE: typing.ClassVar[str] = "dead"
+    request: TokenizedRequest
+    reason: str
+    strikes: int
+    worker: str = ""                              # the last worker it failed on
+    ts: float = 0.0
 
 
 @dataclass(slots=True)
@@ -225,7 +276,8 @@ class Usage:
 
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
-           | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage)
+           | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
+           | DeadLetter)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 

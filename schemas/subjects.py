@@ -24,8 +24,12 @@ ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # tokenized r
 WORK_STREAM, WORK_SUBJECTS = "TB_WORK", "tb.work.>"                # one subject per worker, a work queue
 RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the completions log
 USAGE_STREAM, USAGE_SUBJECTS = "TB_USAGE", "tb.usage.>"            # the metering log: one record per request
+DEAD_STREAM, DEAD_SUBJECTS = "TB_DEAD", "tb.dead.>"                # dead-lettered requests, with the reason
 WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
+OUTCOMES_BUCKET = "tb_outcomes"                                    # how each request ended, key = request id
 CANCEL_ALL = "tb.cancel.*"
+RESEND_ALL = "tb.resend.*"
+PROGRESS_ALL = "tb.progress.*"
 
 TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -63,6 +67,20 @@ def out(request_id: str) -> str:
 
 def cancel(request_id: str) -> str:
     return f"tb.cancel.{token('request id', request_id)}"
+
+
+def resend(request_id: str) -> str:
+    """Request-reply: the worker running the request answers with the output tokens from an offset."""
+    return f"tb.resend.{token('request id', request_id)}"
+
+
+def progress(request_id: str) -> str:
+    """Request-reply: the gateway streaming the request answers with the tokens its client has."""
+    return f"tb.progress.{token('request id', request_id)}"
+
+
+def dead(tenant: str) -> str:
+    return f"tb.dead.{token('tenant', tenant)}"
 
 
 def kv_events(worker: str) -> str:
@@ -118,6 +136,9 @@ STREAMS = [
     api.StreamConfig(name=USAGE_STREAM, subjects=[USAGE_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
                      storage=api.StorageType.FILE, max_age=USAGE_MAX_AGE, max_bytes=LOG_MAX_BYTES,
                      duplicate_window=DUPLICATE_WINDOW, max_msg_size=MAX_MSG_SIZE),
+    api.StreamConfig(name=DEAD_STREAM, subjects=[DEAD_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=LOG_MAX_AGE, max_bytes=LOG_MAX_BYTES,
+                     duplicate_window=DUPLICATE_WINDOW, max_msg_size=MAX_MSG_SIZE),
 ]
 
 HEARTBEAT_SECONDS = 0.5
@@ -126,6 +147,10 @@ IN_PROGRESS_SECONDS = 2.0                # a worker touches the work items it ru
 ACK_WAIT = 10.0                          # after this an unacked message is redelivered
 WORK_ACK_WAIT = 4 * IN_PROGRESS_SECONDS
 MAX_DELIVER = 5
+MAX_STRIKES = 2                          # failures or crashes of workers before a request is dead-lettered
+OUTCOME_TTL = 2 * QUEUE_MAX_AGE          # outlives every work item that could still be redelivered
+REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)
+STALL_SECONDS = 5.0                      # a stream silent this long is checked (outcome, resend)
 KV_SNAPSHOT_PART = 1 << 15               # hashes per KvSnapshot message (about 300 kB, under the 1 MB payload)
 KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole snapshot before asking again
 ROUTER_STATS_SECONDS = 1.0
@@ -182,6 +207,7 @@ async def ensure_streams(js) -> None:
         except nats.js.errors.BadRequestError:      # exists with another config
             await js.update_stream(config)
     await registry(js)
+    await outcomes(js)
 
 
 async def registry(js):
@@ -191,6 +217,17 @@ async def registry(js):
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(api.KeyValueConfig(bucket=WORKERS_BUCKET, ttl=WORKER_TTL, history=1,
                                                             storage=api.StorageType.MEMORY))
+
+
+async def outcomes(js):
+    """The KV bucket of request outcomes (key = request id), on disk: one entry per request, kept
+    OUTCOME_TTL, written with create() so the first end of a request is the only one recorded."""
+    try:
+        return await js.key_value(OUTCOMES_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(api.KeyValueConfig(bucket=OUTCOMES_BUCKET, ttl=OUTCOME_TTL, history=1,
+                                                            storage=api.StorageType.FILE,
+                                                            max_value_size=MAX_MSG_SIZE))
 
 
 async def live_workers(kv) -> list[Heartbeat]:
