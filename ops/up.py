@@ -32,6 +32,8 @@ class Stack:
     api_keys: str | None = None                   # the gateway's keys file; without one it serves loopback only
     host: str = "127.0.0.1"                       # the gateway's address
     router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
+    gateway_args: list[str] = field(default_factory=list)    # e.g. ["--request-timeout", "30"]
+    worker_env: dict[str, str] = field(default_factory=dict)  # e.g. a test hook of the workers
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -58,13 +60,15 @@ class Stack:
         self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
         self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
-            self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args)
+            self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
+                       env=self.worker_env)
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
         self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--host", self.host,
-                   "--port", str(self.port), *keys_arg)
+                   "--port", str(self.port), *keys_arg, *self.gateway_args)
 
-    def spawn(self, name: str, module: str, *args: str) -> None:
-        self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log")
+    def spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
+        self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log",
+                                          env)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until the gateway answers /healthz, the tokenizer and router are pulling and every worker
@@ -92,6 +96,13 @@ class Stack:
     def kill(self, name: str) -> None:
         self.children[name].kill()
         self.children[name].wait()
+
+    def restart_nats(self, down: float = 0.0) -> None:
+        """SIGKILLs the embedded nats-server and starts it again `down` seconds later, on the same port and
+        store (what it had on disk is all it keeps); the services reconnect by themselves."""
+        self.kill("nats")
+        time.sleep(down)
+        self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.data_dir / "logs" / "nats.log")
 
     def restart(self, name: str) -> None:
         """Starts `name` again with the arguments it was started with."""

@@ -189,14 +189,66 @@ QUEUE_WATERMARK = 1.0                    # a worker with this × max_num_seqs qu
 # -- connecting -----------------------------------------------------------------------------------
 
 async def connect(url: str, name: str, log=None) -> nats.NATS:
-    """A connection that keeps reconnecting: a restarted nats-server must not end a service.
-    Connection errors are one log line each (nats-py's default prints a traceback)."""
+    """A connection that keeps reconnecting: a restarted nats-server must not end a service. After a
+    reconnect every stream and bucket is made again if the server lost it (a wiped store); core
+    subscriptions come back by themselves, watchers (watch()) and pull consumers (consume()) see the
+    reconnect count and start over. Connection errors are one log line each (nats-py's default prints
+    a traceback)."""
     async def error(e: Exception) -> None:
         if log is not None:
             log.warning("nats connection error", error=f"{type(e).__name__}: {e}")
 
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                              connect_timeout=2, allow_reconnect=True, error_cb=error)
+    async def reconnected() -> None:               # a task of its own: nats-py awaits this inside its reconnect
+        task = asyncio.get_running_loop().create_task(check())
+        checks.add(task)
+        task.add_done_callback(checks.discard)
+
+    async def check() -> None:
+        if log is not None:
+            log.warning("nats reconnected", reconnects=nc.stats["reconnects"])
+        try:
+            await ensure_streams(nc.jetstream())
+        except (nats.errors.Error, asyncio.TimeoutError) as e:   # the next publish that finds one gone retries
+            if log is not None:
+                log.warning("streams not checked after reconnect", error=str(e) or type(e).__name__)
+
+    checks: set[asyncio.Task] = set()
+    nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                            connect_timeout=2, allow_reconnect=True, error_cb=error, reconnected_cb=reconnected)
+    return nc
+
+
+PUBLISH_ATTEMPT = 2.0                    # seconds one JetStream publish waits for its ack
+PUBLISH_DEADLINE = 60.0                  # seconds a publish is retried, under the same Nats-Msg-Id
+PUBLISH_RETRY = 0.25                     # between attempts
+
+
+class NotStored(Exception):
+    """A JetStream publish that no attempt got acknowledged within its deadline."""
+
+
+async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
+                  deadline: float = PUBLISH_DEADLINE) -> api.PubAck:
+    """Publishes to JetStream until the stream acknowledges it, retrying under the same headers (so the
+    same Nats-Msg-Id: the stream stores it once however many attempts arrive) for up to `deadline`
+    seconds, through a broker restart; a stream found missing is made again. NotStored names the
+    deadline."""
+    end, attempts = time.monotonic() + deadline, 0
+    while True:
+        attempts += 1
+        try:
+            return await js.publish(subject, data, headers=headers, timeout=PUBLISH_ATTEMPT)
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            reason = str(e) or type(e).__name__
+            if time.monotonic() + PUBLISH_RETRY >= end:
+                raise NotStored(f"{subject}: not stored after {attempts} attempts within PUBLISH_DEADLINE="
+                                f"{deadline:g} s: {reason}") from None
+            log.warning("publish not acknowledged; retrying", subject=subject, attempt=attempts,
+                        msg_id=headers.get("Nats-Msg-Id"), error=reason)
+            if isinstance(e, nats.js.errors.NoStreamResponseError):
+                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                    await ensure_streams(js)
+            await asyncio.sleep(PUBLISH_RETRY)
 
 
 async def ensure_streams(js) -> None:
@@ -211,12 +263,13 @@ async def ensure_streams(js) -> None:
 
 
 async def registry(js):
-    """The KV bucket of worker heartbeats; an entry not refreshed within WORKER_TTL expires."""
+    """The KV bucket of worker heartbeats; an entry not refreshed within WORKER_TTL expires. On disk, so
+    a restarted broker still has it (and its sequence: a watcher started before goes on)."""
     try:
         return await js.key_value(WORKERS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(api.KeyValueConfig(bucket=WORKERS_BUCKET, ttl=WORKER_TTL, history=1,
-                                                            storage=api.StorageType.MEMORY))
+                                                            storage=api.StorageType.FILE))
 
 
 async def outcomes(js):
@@ -248,6 +301,31 @@ async def live_workers(kv) -> list[Heartbeat]:
     return sorted((b for b in beats if now - b.ts < WORKER_TTL), key=lambda b: b.worker)
 
 
+WATCH_POLL = 0.5                         # seconds between looks at the reconnect count while a watch is idle
+
+
+async def watch(nc, handle, log) -> None:
+    """handle(entry) for every entry of the registry bucket, forever: its current values, None once they
+    are read, then every change. After a reconnect (a restarted broker forgets the watcher's consumer)
+    or a failure the bucket is found or made again and the watch starts over from the current values."""
+    while True:
+        reconnects = nc.stats["reconnects"]
+        try:
+            watcher = await (await registry(nc.jetstream())).watchall()
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            log.warning("registry watch not started; retrying", error=str(e) or type(e).__name__)
+            await asyncio.sleep(RECREATE_WAIT)
+            continue
+        try:
+            while nc.stats["reconnects"] == reconnects:
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    handle(await watcher.updates(WATCH_POLL))
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        log.warning("registry watch restarted after a reconnect")
+
+
 PULL_EXPIRES = 5.0                       # seconds a pull request waits on the server
 CONSUMER_RETRY = 0.5
 
@@ -264,19 +342,23 @@ async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batc
     inbox, queue = nc.new_inbox(), asyncio.Queue()
     sub = await nc.subscribe(inbox, cb=queue.put)
     next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
-    outstanding = 0
+    outstanding, reconnects, asked = 0, nc.stats["reconnects"], 0.0
     try:
         while True:
+            if nc.stats["reconnects"] != reconnects:  # a restarted server forgot the pulls (and maybe the consumer)
+                reconnects, outstanding = nc.stats["reconnects"], 0
+                await add_consumer(nc.jetstream(), stream, config, log)
             want = min(batch, room() if room else batch) - outstanding
             if want > 0 and outstanding <= batch // 2:
                 request = {"batch": want, "expires": int(PULL_EXPIRES * 1e9)}
                 await nc.publish(next_subject, orjson.dumps(request), reply=inbox)
-                outstanding += want
+                outstanding, asked = outstanding + want, time.monotonic()
             try:
-                async with asyncio.timeout(PULL_EXPIRES if outstanding else 0.01):
+                async with asyncio.timeout(WATCH_POLL if outstanding else 0.01):
                     msgs = [await queue.get()]
-            except TimeoutError:                 # expired, or lost in a reconnect: ask again
-                outstanding = 0
+            except TimeoutError:                 # nothing yet; pulls expired or lost in a reconnect: ask again
+                if time.monotonic() - asked >= PULL_EXPIRES:
+                    outstanding = 0
                 continue
             while not queue.empty():             # the whole burst in one turn of the event loop
                 msgs.append(queue.get_nowait())
@@ -324,8 +406,9 @@ async def add_consumer(js, stream: str, config: api.ConsumerConfig, log) -> None
         try:
             await js.add_consumer(stream, config)
             return
-        except nats.js.errors.Error as e:
-            log.warning("consumer not created; retrying", consumer=config.durable_name, error=str(e))
+        except (nats.errors.Error, asyncio.TimeoutError) as e:     # refused, or the server is not back yet
+            log.warning("consumer not created; retrying", consumer=config.durable_name,
+                        error=str(e) or type(e).__name__)
             await asyncio.sleep(CONSUMER_RETRY)
 
 

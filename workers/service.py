@@ -7,6 +7,7 @@ second Python thread for I/O fights the step for the GIL at every torch call (me
 throughput on CPU; docs/decisions.md)."""
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import nats
 import nats.errors
+import nats.js.errors
 
 from schemas import subjects
 from schemas.detokenizer import PROMPT_CONTEXT
@@ -28,8 +30,12 @@ from schemas.messages import (
     KvEvent,
     KvSnapshot,
     Logprobs,
+    Outcome,
+    Resend,
     TokenChunk,
+    WireError,
     WorkItem,
+    decode,
     encode,
     received,
 )
@@ -41,6 +47,13 @@ from workers.engine.request import Request
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
 INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
+DROP_CHUNKS = "TB_TEST_DROP_CHUNKS"   # test hook, off when unset: "2,final" drops chunk 2 and the final chunk
+                                      # of every request on tb.out (the gateway must recover them)
+
+
+def drops() -> set[str]:
+    """The chunks the DROP_CHUNKS test hook drops: chunk numbers, and "final"."""
+    return {p.strip() for p in os.environ.get(DROP_CHUNKS, "").split(",") if p.strip()}
 
 
 @dataclass(slots=True)
@@ -53,6 +66,7 @@ class Running:
     sent: int = 0                   # output tokens published
     seq: int = 0                    # chunks published
     subject: str = ""               # tb.out.<request id>
+    req: Request | None = None      # the engine's request, once it has produced tokens (for resends)
 
     @property
     def tail(self) -> list[int]:
@@ -73,11 +87,16 @@ class WorkerService:
         self.stop = asyncio.Event()
         self.failed = False
         self.kv_seq = 0                              # KV events published
+        self.drops = drops()                         # test hook only: chunks not published
+        if self.drops:
+            log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
+        self.outcomes = await subjects.outcomes(self.js)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
+        await self.nc.subscribe(subjects.RESEND_ALL, cb=self.on_resend)
         self.engine.kv.record_changes()
         await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
         await self.heartbeat()
@@ -120,7 +139,7 @@ class WorkerService:
         run = self.running.get(req.request_id)
         if run is None:
             return
-        out = req.output_token_ids
+        out, run.req = req.output_token_ids, req
         new = out[run.sent:]
         self.generation_tokens += len(new)
         if new and not run.first_token:
@@ -131,7 +150,8 @@ class WorkerService:
             chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail,
                                max(req.num_cached_tokens, 0) if run.seq == 0 else 0, logprobs(req, run.sent))
             run.seq, run.sent = run.seq + 1, len(out)
-            await self.nc.publish(run.subject, encode(chunk))
+            if str(chunk.seq) not in self.drops:
+                await self.nc.publish(run.subject, encode(chunk))
 
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         rid, r = req.request_id, run.item.request
@@ -144,21 +164,90 @@ class WorkerService:
         timing = {k: round(v, 3) for k, v in timing.items() if v is not None}
         final = FinalChunk(rid, run.seq, run.sent, new, req.finish_reason, req.stop_reason, usage, timing, self.id,
                            run.tail, logprobs(req, run.sent))
-        await self.nc.publish(run.subject, encode(final))
+        if "final" not in self.drops:
+            await self.nc.publish(run.subject, encode(final))
         record = Completion(rid, r.tenant, self.id, r.sampling, r.prompt_token_ids, req.output_token_ids,
                             req.finish_reason, req.stop_reason, usage, timing, r.created)
-        self.spawn(self.record(rid, r.tenant, record, run.msg))
+        outcome = Outcome(rid, r.tenant, self.id, req.finish_reason, list(req.output_token_ids), req.stop_reason,
+                          usage, timing, r.prompt_token_ids[-PROMPT_CONTEXT:], ts=time.time())
+        self.spawn(self.record(record, outcome, run.msg))
         self.finished += 1
         self.log.info("request finished", request_id=rid, tenant=r.tenant, finish_reason=req.finish_reason,
                       **usage, **timing)
 
-    async def record(self, rid: str, tenant: str, record: Completion, msg) -> None:
-        """Stores the completion record, then acks the work item (not acked: JetStream redelivers)."""
+    async def record(self, record: Completion, outcome: Outcome, msg) -> None:
+        """Creates the request's Outcome (the first end of a request id wins), stores the completion record
+        if this end won, then acks the work item (not acked: JetStream redelivers, and already_ended()
+        finds the Outcome). The publishes are retried under the request id through a broker restart."""
+        rid = record.id
         try:
-            await self.js.publish(subjects.done(tenant), encode(record), headers=subjects.msg_id(rid))
+            if await self.create_outcome(outcome):
+                await subjects.publish(self.js, subjects.done(record.tenant), encode(record), subjects.msg_id(rid),
+                                       self.log)
+            else:
+                self.log.warning("request ended before: completion not recorded again", request_id=rid)
             await msg.ack()
-        except nats.errors.Error as e:
-            self.log.error("completion not stored", request_id=rid, error=str(e))
+        except (nats.errors.Error, asyncio.TimeoutError, subjects.NotStored) as e:
+            self.log.error("completion not stored", request_id=rid, error=str(e) or type(e).__name__)
+
+    async def create_outcome(self, outcome: Outcome) -> bool:
+        """True if this end of the request is the first (created now, or by an earlier attempt of this
+        call whose ack was lost: same worker, same tokens)."""
+        deadline = time.monotonic() + subjects.PUBLISH_DEADLINE
+        while True:
+            try:
+                await self.outcomes.create(outcome.id, encode(outcome))
+                return True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                first = decode((await self.outcomes.get(outcome.id)).value, Outcome)
+                return first.worker == outcome.worker and first.output_token_ids == outcome.output_token_ids
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise
+                self.log.warning("outcome not stored; retrying", request_id=outcome.id,
+                                 error=str(e) or type(e).__name__)
+                if isinstance(e, nats.js.errors.NoStreamResponseError):
+                    self.outcomes = await subjects.outcomes(self.js)
+                await asyncio.sleep(subjects.PUBLISH_RETRY)
+
+    async def already_ended(self, item: WorkItem, msg) -> bool:
+        """A work item whose request has an Outcome (a redelivery after its ack was lost, however late):
+        not run again; its final chunk goes out again from the Outcome, for a gateway still waiting."""
+        rid = item.request.id
+        try:
+            entry = await self.outcomes.get(rid)
+        except nats.js.errors.KeyNotFoundError:
+            return False
+        except (nats.errors.Error, asyncio.TimeoutError) as e:   # run it: record() still writes one Outcome
+            self.log.warning("outcome not read", request_id=rid, error=str(e) or type(e).__name__)
+            return False
+        o = decode(entry.value, Outcome)
+        end = (ErrorChunk(rid, o.error_code, o.error_message) if o.finish_reason == "error" else
+               FinalChunk(rid, -1, 0, o.output_token_ids, o.finish_reason, o.stop_reason, o.usage, o.timing,
+                          o.worker, o.prompt_tail))
+        await self.nc.publish(subjects.out(rid), encode(end))
+        await msg.ack()
+        self.log.warning("redelivered request had ended: not run again", request_id=rid, tenant=item.request.tenant,
+                         attempt=item.attempt, finish_reason=o.finish_reason, ended_on=o.worker)
+        return True
+
+    async def on_resend(self, msg) -> None:
+        """A gateway missed chunks of a request running here: its output tokens from the asked offset, up
+        to those published so far (later ones come as chunks). Not running here: no answer."""
+        try:
+            ask = decode(msg.data, Resend)
+        except WireError as e:
+            self.log.error("bad resend dropped", error=str(e))
+            return
+        run = self.running.get(ask.id)
+        if run is None or not msg.reply:
+            return
+        r = run.item.request
+        out = run.req.output_token_ids[:run.sent] if run.req is not None else []
+        chunk = TokenChunk(ask.id, -1, ask.offset, out[ask.offset:], len(r.prompt_token_ids),
+                           r.prompt_token_ids[-PROMPT_CONTEXT:])
+        await self.nc.publish(msg.reply, encode(chunk))
+        self.log.info("tokens resent", request_id=ask.id, offset=ask.offset, tokens=len(chunk.token_ids))
 
     def fail(self, error: Exception) -> None:
         self.failed = True
@@ -198,6 +287,8 @@ class WorkerService:
     async def take(self, msg) -> None:
         if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
+            return
+        if await self.already_ended(item, msg):
             return
         r = item.request
         if r.id in self.running:                 # redelivered while it runs: keep the newest handle
@@ -247,8 +338,12 @@ class WorkerService:
                 return
             try:
                 await self.heartbeat()
-            except nats.errors.Error as e:
-                self.log.warning("heartbeat failed", error=str(e))
+            except nats.js.errors.NoStreamResponseError:     # the bucket is gone (a wiped store): make it again
+                self.log.warning("registry bucket missing; creating it")
+                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                    self.registry = await subjects.registry(self.js)
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
 
     async def heartbeat(self) -> None:
         s = self.engine.stats()

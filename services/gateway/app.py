@@ -41,7 +41,7 @@ SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish wh
 
 
 def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_tokens: int = subjects.MAX_TOKENS,
-               model_name: str | None = None) -> Starlette:
+               model_name: str | None = None, request_timeout: float = subjects.REQUEST_DEADLINE) -> Starlette:
     """The app; ValueError (naming the file and the key) for a bad keys file."""
     key_table = keys.load(api_keys) if api_keys else None
     model = model_name or os.path.basename(os.path.normpath(model_dir))
@@ -52,15 +52,17 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
         log = configure("gateway")
         tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
         nc = await subjects.connect(nats_url, "gateway", log)
-        watcher = None
+        loops = []
         try:
             js = nc.jetstream()
             await subjects.ensure_streams(js)
             gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log, model,
-                                             config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table)
+                                             config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table,
+                                             outcomes=await subjects.outcomes(js), request_timeout=request_timeout)
             await nc.subscribe(subjects.ROUTER_STATS_ALL, cb=gw.metrics.on_router_stats)
+            await nc.subscribe(subjects.PROGRESS_ALL, cb=gw.on_progress)
             known = asyncio.Event()
-            watcher = asyncio.create_task(watch(gw, known))
+            loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep())]
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
                 await asyncio.wait_for(known.wait(), 5)
             app.state.started, app.state.openapi = int(time.time()), orjson.dumps(openapi.document(model, max_tokens))
@@ -70,8 +72,8 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
                 log.warning("no API keys: one tenant, no authentication, loopback only")
             yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in loops:
+                task.cancel()
             await subjects.close(nc)
             log.info("gateway stopped")
 
@@ -84,20 +86,23 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
 
 
 async def watch(gw: Gateway, known: asyncio.Event) -> None:
-    """Keeps admission's view of the workers current, from the registry; `known` is set once the
-    entries there at the start have been read."""
+    """Keeps admission's view of the workers current, from the registry (the watch starts over after a
+    reconnect); `known` is set once the entries there at the start have been read."""
     cluster = gw.admission.cluster
-    async for entry in await gw.kv.watchall():
+
+    def seen(entry) -> None:
         if entry is None:                         # the end of the initial values
             known.set()
-            continue
+            return
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             cluster.remove(entry.key)
-            continue
+            return
         try:
             cluster.update(decode(entry.value, Heartbeat))
         except WireError as e:
             gw.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
+
+    await subjects.watch(gw.nc, seen, gw.log)
 
 
 async def chat(ws: WebSocket) -> None:
@@ -255,6 +260,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys", help="JSON file: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                       "max_concurrent_requests}; without it, loopback only")
     p.add_argument("--max-tokens", type=int, default=subjects.MAX_TOKENS, help="the cap on a request's max_tokens")
+    p.add_argument("--request-timeout", type=float, default=subjects.REQUEST_DEADLINE,
+                   help=f"seconds a request may take from arrival to its last frame; then it ends with a "
+                        f"timeout error (default {subjects.REQUEST_DEADLINE:g})")
     p.add_argument("--served-model-name", help="the model's name in the HTTP API (default: the checkpoint directory's)")
     return p
 
@@ -263,7 +271,8 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     try:
         keys.check_exposure(args.host, args.api_keys)
-        app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name)
+        app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
+                         args.request_timeout)
     except ValueError as e:
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))

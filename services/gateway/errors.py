@@ -8,7 +8,8 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invali
          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
          429: "rate_limit_error", 431: "invalid_request_error"}
 FRAME_CODES = {429: "too_many_requests", 503: "unavailable"}    # the websocket protocol's codes; else invalid_request
-STATUS = {"invalid_request": 400, "too_many_requests": 429, "unavailable": 503}  # pipeline error codes → HTTP
+# pipeline error codes → HTTP
+STATUS = {"invalid_request": 400, "too_many_requests": 429, "unavailable": 503, "timeout": 504}
 
 
 class ApiError(Exception):

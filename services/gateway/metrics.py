@@ -136,6 +136,11 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("tokenbus_generation_tokens", "Tokens generated for finished requests.",
                                          ["tenant"], registry=r)
+        self.recoveries = Counter("tokenbus_stream_checks", "Streams checked for missing tokens, by cause (gap: a "
+                                  "chunk came past missing ones; stall: silent for STALL_SECONDS) and by what "
+                                  "answered (outcome, resend: the worker, none).", ["cause", "source"], registry=r)
+        self.deadlines = Counter("tokenbus_request_timeouts", "Requests ended with a timeout error at the gateway's "
+                                 "--request-timeout.", ["tenant"], registry=r)
         self.workers = Workers()
         r.register(self.workers)
         self.routers = Routers()
@@ -165,6 +170,12 @@ class Metrics:
 
     def error(self, tenant: str, code: str) -> None:
         self.errors.labels(tenant, code).inc()
+
+    def recovered(self, cause: str, source: str) -> None:
+        self.recoveries.labels(cause, source).inc()
+
+    def deadline(self, tenant: str) -> None:
+        self.deadlines.labels(tenant).inc()
 
     async def render(self, kv, log) -> bytes:
         self.workers.beats = await heartbeats(kv, log)

@@ -2,7 +2,13 @@
 one HTTP request (Exchange) as the owner of its requests, and a request's stream (Request). Each
 request subscribes to tb.out.<request id> before it is published; the subscription's callback is the
 hot path (decode, drop duplicates, detokenize, send). When a request ends its admission ticket is
-settled and, if it ran, its usage record goes to TB_USAGE."""
+settled and, if it ran, its usage record goes to TB_USAGE.
+
+A stream is never silently incomplete: a chunk past a gap is held back until the gap is filled,
+from the request's Outcome (tb_outcomes) once it ended or else by the worker running it (Resend on
+tb.resend.<id>); a stream silent for STALL_SECONDS is checked the same way (its final chunk may be
+what was lost). Every request ends with a done or an error frame within the gateway's request
+timeout (code "timeout"), and the worker gets a cancel."""
 import asyncio
 import contextlib
 import time
@@ -10,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import nats.errors
+import nats.js.errors
 import orjson
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
@@ -24,6 +31,9 @@ from schemas.messages import (
     ErrorChunk,
     FinalChunk,
     GenerateRequest,
+    Outcome,
+    Progress,
+    Resend,
     TokenChunk,
     Usage,
     WireError,
@@ -37,7 +47,8 @@ from services.gateway.frames import FrameError
 from services.gateway.keys import Key
 from services.gateway.metrics import Metrics
 
-PUBLISH_TIMEOUT = 5.0
+SWEEP_SECONDS = 1.0                  # how often deadlines, stalls and unfilled gaps are looked at
+RESEND_TIMEOUT = 1.0                 # seconds the worker running a request has to answer a Resend
 
 
 @dataclass(slots=True)
@@ -55,6 +66,9 @@ class Gateway:
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)
     tasks: set = field(default_factory=set)
+    outcomes: KeyValue | None = None              # tb_outcomes: how each request ended
+    request_timeout: float = subjects.REQUEST_DEADLINE   # seconds from arrival to the last frame, at most
+    requests: dict[str, "Request"] = field(default_factory=dict)   # request id -> its stream, for checks
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:
@@ -84,7 +98,7 @@ class Gateway:
         except nats.errors.Error as e:
             self.admission.settle(ticket, 0)
             raise ApiError(503, f"NATS is not reachable: {e}", "unavailable") from None
-        owner.inflight[cid] = r
+        owner.inflight[cid] = self.requests[req.id] = r
         r.task = asyncio.create_task(r.submit(req))
         return r
 
@@ -96,9 +110,8 @@ class Gateway:
 
     async def meter(self, u: Usage) -> None:
         try:
-            await self.js.publish(subjects.usage(u.tenant), encode(u), headers=subjects.msg_id(u.id),
-                                  timeout=PUBLISH_TIMEOUT)
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            await subjects.publish(self.js, subjects.usage(u.tenant), encode(u), subjects.msg_id(u.id), self.log)
+        except subjects.NotStored as e:
             self.log.error("usage record not stored", request_id=u.id, tenant=u.tenant,
                            error=str(e) or type(e).__name__)
 
@@ -112,6 +125,49 @@ class Gateway:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    # -- recovery: deadlines, stalls, gaps ------------------------------------------------------
+
+    async def sweep(self) -> None:
+        """Forever, every SWEEP_SECONDS: ends requests past the request timeout, checks stalled streams
+        and streams with an unfilled gap."""
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            now = time.perf_counter()
+            for r in list(self.requests.values()):
+                if now - r.t0 >= self.request_timeout:
+                    self.spawn(r.expire())
+                elif not r.checking and (r.held or now - r.heard >= subjects.STALL_SECONDS):
+                    self.spawn(r.recover("gap" if r.held else "stall"))
+
+    async def outcome(self, rid: str) -> Outcome | None:
+        """The request's Outcome, if it ended (None also when the bucket cannot be read now)."""
+        if self.outcomes is None:
+            return None
+        try:
+            return decode((await self.outcomes.get(rid)).value, Outcome)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
+            self.log.warning("outcome not read", request_id=rid, error=str(e) or type(e).__name__)
+            return None
+
+    async def resend(self, rid: str, offset: int) -> TokenChunk | None:
+        """The output tokens from `offset` on, from the worker running the request; None if none answers."""
+        try:
+            msg = await self.nc.request(subjects.resend(rid), encode(Resend(rid, offset)), timeout=RESEND_TIMEOUT)
+            return decode(msg.data, TokenChunk)
+        except (nats.errors.Error, asyncio.TimeoutError, WireError):   # no worker runs it (now)
+            return None
+
+    async def on_progress(self, msg) -> None:
+        """tb.progress.<id>: the tokens the request's client has received, for a worker taking it over."""
+        rid = msg.subject.rsplit(".", 1)[-1]
+        r = self.requests.get(rid)
+        if r is None or not msg.reply:
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(msg.reply, encode(Progress(rid, list(r.tokens))))
 
 
 class Connection:
@@ -207,17 +263,23 @@ class Request:
     worker: str = ""
     ttft: float | None = None
     ended: bool = False
+    tokens: list[int] = field(default_factory=list)   # the output tokens its client has received
+    held: dict[int, TokenChunk | FinalChunk] = field(default_factory=dict)   # offset -> chunk past a gap
+    heard: float = field(default_factory=time.perf_counter)    # when the last chunk came (or a check)
+    checking: bool = False                        # a recovery is in flight
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one chunk at a time, in order
 
     @property
     def log(self) -> FilteringBoundLogger:
         return self.conn.log
 
     async def submit(self, req) -> None:
+        gw = self.conn.gw
         try:
-            await self.conn.gw.js.publish(subjects.request_new(req.tenant), encode(req),
-                                          headers=subjects.msg_id(req.id), timeout=PUBLISH_TIMEOUT)
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
-            reason = str(e) or type(e).__name__
+            await subjects.publish(gw.js, subjects.request_new(req.tenant), encode(req), subjects.msg_id(req.id),
+                                   self.log, min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
+        except subjects.NotStored as e:
+            reason = str(e)
             self.log.error("request publish failed", request_id=self.rid, error=reason)
             await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
             return
@@ -242,9 +304,69 @@ class Request:
         if chunk.id != self.rid:
             self.log.error("chunk of another request dropped", request_id=self.rid, chunk_id=chunk.id)
             return
-        if type(chunk) is ErrorChunk:
-            await self.end(error(self.cid, chunk.code, chunk.message))
+        await self.take(chunk)
+
+    async def take(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
+        """Delivers a chunk in order: one past a gap is held until the tokens before it came."""
+        async with self.lock:
+            if self.ended:
+                return
+            self.heard = time.perf_counter()
+            if type(chunk) is ErrorChunk:
+                await self.end(error(self.cid, chunk.code, chunk.message))
+                return
+            if chunk.offset > self.received:
+                self.hold(chunk)
+                return
+            await self.deliver(chunk)
+            while self.held and not self.ended and (first := min(self.held)) <= self.received:
+                await self.deliver(self.held.pop(first))
+
+    def hold(self, chunk: TokenChunk | FinalChunk) -> None:
+        if not self.held:
+            self.log.warning("token gap: holding later tokens", request_id=self.rid, seq=chunk.seq,
+                             offset=chunk.offset, expected=self.received)
+            self.conn.gw.spawn(self.recover("gap"))
+        kept = self.held.get(chunk.offset)
+        if kept is None or type(chunk) is FinalChunk or len(chunk.token_ids) > len(kept.token_ids):
+            self.held[chunk.offset] = chunk
+
+    async def recover(self, cause: str) -> None:
+        """Fills a gap or checks a stalled stream: from the Outcome if the request ended, else from the
+        worker running it; with neither, the stream waits (the request timeout bounds it)."""
+        if self.checking or self.ended:
             return
+        self.checking = True
+        gw = self.conn.gw
+        try:
+            outcome = await gw.outcome(self.rid)
+            chunk = from_outcome(outcome, self.received) if outcome else await gw.resend(self.rid, self.received)
+            source = "outcome" if outcome else "resend" if chunk else "none"
+            if source != "none" or cause == "gap":
+                self.log.warning("stream checked", request_id=self.rid, cause=cause, source=source,
+                                 offset=self.received, tokens=len(getattr(chunk, "token_ids", ())))
+            gw.metrics.recovered(cause, source)
+            if chunk is not None:
+                await self.take(chunk)
+            self.heard = time.perf_counter()
+        finally:
+            self.checking = False
+
+    async def expire(self) -> None:
+        """The request timeout passed: an error frame naming it, and a cancel to the worker."""
+        if self.ended:
+            return
+        gw, tenant = self.conn.gw, self.ticket.key.tenant
+        gw.metrics.deadline(tenant)
+        self.log.warning("request timed out", request_id=self.rid, tenant=tenant, timeout_s=gw.request_timeout,
+                         tokens=self.received, held=len(self.held))
+        if self.task is not None and not self.task.done():
+            self.task.cancel()                    # still retrying its publish
+        await gw.publish_cancel(self.rid, "abort")
+        await self.end(error(self.cid, "timeout", f"the request did not finish within the gateway's request "
+                                                  f"timeout --request-timeout={gw.request_timeout:g} s"))
+
+    async def deliver(self, chunk: TokenChunk | FinalChunk) -> None:
         final = type(chunk) is FinalChunk
         new, skip = self.accept(chunk)
         stop = self.detok.push(new) if new else None
@@ -271,13 +393,11 @@ class Request:
             self.prompt_tokens = getattr(chunk, "prompt_tokens", 0)
             self.cached_tokens = getattr(chunk, "cached_tokens", 0)
         skip = self.received - chunk.offset
-        if skip < 0:
-            self.log.warning("token gap", request_id=self.rid, seq=chunk.seq, offset=chunk.offset,
-                             expected=self.received)
-            skip = 0
+        assert skip >= 0, "a chunk past a gap is held, never accepted"
         new = chunk.token_ids[skip:]
         if new:
             self.received = chunk.offset + len(chunk.token_ids)
+            self.tokens += new
             if self.ttft is None:
                 self.ttft = time.perf_counter() - self.t0
         return new, skip
@@ -320,6 +440,7 @@ class Request:
             return False
         self.ended = True
         del self.conn.inflight[self.cid]
+        self.conn.gw.requests.pop(self.rid, None)
         self.conn.gw.close(self, reason)
         tenant = self.ticket.key.tenant
         self.conn.gw.metrics.observe(tenant, frame, self.worker_timing.get("queue_ms"))
@@ -330,6 +451,14 @@ class Request:
     async def unsubscribe(self) -> None:
         with contextlib.suppress(nats.errors.Error):
             await self.sub.unsubscribe()
+
+
+def from_outcome(o: Outcome, offset: int) -> FinalChunk | ErrorChunk:
+    """The end of a request as its Outcome has it: its tokens from `offset` on, or its error."""
+    if o.finish_reason == "error":
+        return ErrorChunk(o.id, o.error_code, o.error_message)
+    return FinalChunk(o.id, -1, offset, o.output_token_ids[offset:], o.finish_reason, o.stop_reason, o.usage,
+                      o.timing, o.worker, o.prompt_tail)
 
 
 def error(cid: str | None, code: str, message: str) -> dict:

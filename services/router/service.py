@@ -62,9 +62,8 @@ class RouterService:
         await subjects.ensure_streams(self.js)
         await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv)
         await self.nc.subscribe(subjects.RESULTS_SUBJECTS, cb=self.on_completion)
-        bucket = await subjects.registry(self.js)
-        watcher = await bucket.watchall()
-        loops = [asyncio.create_task(f) for f in (self.watch(watcher), self.lapse_loop(), self.stats_loop())]
+        watching = subjects.watch(self.nc, self.seen, self.log)      # starts over after a reconnect
+        loops = [asyncio.create_task(f) for f in (watching, self.lapse_loop(), self.stats_loop())]
         self.log.info("router ready", **self.options_log())
         try:
             await subjects.consume(self.nc, subjects.ROUTE_STREAM, subjects.ROUTER, self.handle, self.log)
@@ -86,21 +85,25 @@ class RouterService:
 
     async def watch(self, watcher) -> None:
         async for entry in watcher:
-            if entry is None:                       # the end of the initial values
-                continue
-            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                self.leave(entry.key, "deregistered")
-                continue
-            try:
-                hb = decode(entry.value, Heartbeat)
-            except WireError as e:
-                self.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
-                continue
-            if hb.worker not in self.registry.workers:
-                self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
-            self.registry.update(hb)
-            if self.index.needs_snapshot(hb.worker):
-                self.spawn(self.sync(hb.worker))
+            self.seen(entry)
+
+    def seen(self, entry) -> None:
+        """One registry entry: a worker's heartbeat, or its leaving; None marks the end of the initial values."""
+        if entry is None:
+            return
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self.leave(entry.key, "deregistered")
+            return
+        try:
+            hb = decode(entry.value, Heartbeat)
+        except WireError as e:
+            self.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
+            return
+        if hb.worker not in self.registry.workers:
+            self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
+        self.registry.update(hb)
+        if self.index.needs_snapshot(hb.worker):
+            self.spawn(self.sync(hb.worker))
 
     async def lapse_loop(self) -> None:
         while True:
@@ -251,8 +254,9 @@ class RouterService:
         return 1
 
     async def send(self, item: WorkItem) -> None:
+        """Publishes the work item, retried under its message id until stored (NotStored past the deadline)."""
         headers = subjects.msg_id(item.request.id, item.msg_id)
-        await self.js.publish(subjects.work(item.worker), encode(item), headers=headers)
+        await subjects.publish(self.js, subjects.work(item.worker), encode(item), headers, self.log)
 
     async def handle(self, msg) -> None:
         if (req := received(msg, TokenizedRequest, self.log, "tokenized request")) is None:
@@ -261,7 +265,7 @@ class RouterService:
         worker = await self.pick(msg, req)
         try:
             await self.send(WorkItem(req, worker, time.time()))
-        except nats.errors.Error as e:              # not acked: JetStream redelivers it
+        except subjects.NotStored as e:             # not acked: JetStream redelivers it
             self.log.error("work publish failed", request_id=req.id, worker=worker, error=str(e))
             return
         await msg.ack()

@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import msgpack
-import nats.errors
 
 from schemas import subjects
 from schemas.log import configure
@@ -82,8 +81,8 @@ class TokenizerService:
             req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
         out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created)
         try:
-            await self.js.publish(subjects.route(req.tenant), encode(out), headers=subjects.msg_id(req.id))
-        except nats.errors.Error as e:          # not acked: JetStream redelivers it
+            await subjects.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
+        except subjects.NotStored as e:          # not acked: JetStream redelivers it
             self.log.error("route publish failed", request_id=req.id, error=str(e))
             return
         await msg.ack()

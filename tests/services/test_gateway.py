@@ -160,21 +160,6 @@ def test_duplicate_and_overlapping_chunks_are_dropped(nats_url, tiny_model, tok)
     run(body())
 
 
-def test_a_gap_in_offsets_is_logged_and_the_stream_goes_on(nats_url, tiny_model, tok, capfd):
-    async def script(down, req):
-        ids = down.ids(" Hello world and more")
-        await down.publish(req.id, down.chunk(req.id, 0, ids[0:1]), down.final(req.id, 2, ids[2:]))
-
-    async def body():
-        async with gateway(nats_url, tiny_model, tok, script) as down, connect(down.ws) as ws:
-            await send(ws, generate("r"))
-            frames = (await collect(ws, "r"))["r"]
-            ids = down.ids(" Hello world and more")
-            assert tokens(frames) == ids[:1] + ids[2:] and frames[-1]["type"] == "done"
-    run(body())
-    assert '"token gap"' in capfd.readouterr().err
-
-
 def test_a_utf8_character_split_across_tokens_is_never_sent_half(nats_url, tiny_model, tok):
     reply = " café 😀 ok"
 
