@@ -232,7 +232,7 @@ async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
     """Publishes to JetStream until the stream acknowledges it, retrying under the same headers (so the
     same Nats-Msg-Id: the stream stores it once however many attempts arrive) for up to `deadline`
     seconds, through a broker restart; a stream found missing is made again. NotStored names the
-    deadline."""
+    deadline, or says the stream refused it."""
     end, attempts = time.monotonic() + deadline, 0
     while True:
         attempts += 1
@@ -240,6 +240,8 @@ async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
             return await js.publish(subject, data, headers=headers, timeout=PUBLISH_ATTEMPT)
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
+            if refused(e):
+                raise NotStored(f"{subject}: refused by the stream: {reason}") from None
             if time.monotonic() + PUBLISH_RETRY >= end:
                 raise NotStored(f"{subject}: not stored after {attempts} attempts within PUBLISH_DEADLINE="
                                 f"{deadline:g} s: {reason}") from None
@@ -299,6 +301,13 @@ async def live_workers(kv) -> list[Heartbeat]:
         await watcher.stop()
     now = time.time()
     return sorted((b for b in beats if now - b.ts < WORKER_TTL), key=lambda b: b.worker)
+
+
+def refused(e: Exception) -> bool:
+    """The stream answered and said no (e.g. a message over its size limit): another attempt is no better.
+    A server still starting (503) or not answering is worth retrying."""
+    retry = (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError)
+    return isinstance(e, nats.js.errors.APIError) and not isinstance(e, retry)
 
 
 WATCH_POLL = 0.5                         # seconds between looks at the reconnect count while a watch is idle

@@ -357,14 +357,32 @@ def test_generate_request_is_stored_in_tb_requests_with_the_request_id_as_msg_id
     run(body())
 
 
-def test_a_request_the_stream_cannot_store_gets_an_unavailable_error(nats_url, tiny_model, tok):
+def test_a_request_the_stream_refuses_gets_an_unavailable_error(nats_url, tiny_model, tok):
     async def body():
         async with gateway(nats_url, tiny_model, tok, requests=False) as down, connect(down.ws) as ws:
-            await down.nc.jetstream().delete_stream(subjects.REQUESTS_STREAM)
+            js = down.nc.jetstream()
+            await js.delete_stream(subjects.REQUESTS_STREAM)
+            await js.add_stream(name=subjects.REQUESTS_STREAM, subjects=[subjects.REQUESTS_SUBJECTS], max_msg_size=16)
             await send(ws, generate("r"))
             err = await recv(ws)
             assert err["type"] == "error" and err["id"] == "r" and err["code"] == "unavailable"
             assert "TB_REQUESTS" in err["message"]
+    run(body())
+
+
+def test_a_request_whose_stream_was_deleted_is_stored_in_the_stream_made_again(nats_url, tiny_model, tok):
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, requests=False) as down, connect(down.ws) as ws:
+            js = down.nc.jetstream()
+            await js.delete_stream(subjects.REQUESTS_STREAM)
+            await send(ws, generate("r"))
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(Exception):
+                    if (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 1:
+                        break
+                assert time.monotonic() < deadline, "the request was not stored"
+                await asyncio.sleep(0.1)
     run(body())
 
 
