@@ -3,6 +3,7 @@ again: a real stack whose worker drops chunk 2 and the final chunk of every requ
 TB_TEST_DROP_CHUNKS test hook); the gateway fills the gap from the worker (Resend) and the lost final
 chunk from the request's Outcome, on the websocket and on HTTP streaming."""
 import asyncio
+import os
 import time
 import urllib.request
 
@@ -58,8 +59,8 @@ def test_a_dropped_chunk_and_a_dropped_final_chunk_are_recovered_token_exact_on_
 
 
 def test_a_dropped_chunk_and_a_dropped_final_chunk_are_recovered_on_http_streaming(stack, tiny_model):
-    body = {"model": "m", "prompt": "dropped over http", "stream": True, "stream_options": {"include_usage": True},
-            **GREEDY}
+    body = {"model": os.path.basename(tiny_model), "prompt": "dropped over http", "stream": True,
+            "stream_options": {"include_usage": True}, **GREEDY}
     req = urllib.request.Request(stack.http + "/v1/completions", orjson.dumps(body),
                                  {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
