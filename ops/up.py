@@ -99,7 +99,8 @@ class Stack:
 
     def restart_nats(self, down: float = 0.0) -> None:
         """SIGKILLs the embedded nats-server and starts it again `down` seconds later, on the same port and
-        store (what it had on disk is all it keeps); the services reconnect by themselves."""
+        store (what it had on disk is all it keeps); the services reconnect by themselves. Call it from the
+        thread that runs the tests: a child dies with the thread that started it (PR_SET_PDEATHSIG)."""
         self.kill("nats")
         time.sleep(down)
         self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.data_dir / "logs" / "nats.log")
