@@ -406,7 +406,7 @@ class Request:
         usage = usage or {}
         return {"type": "done", "id": self.cid, "finish_reason": reason,
                 "usage": {"prompt_tokens": usage.get("prompt_tokens", self.prompt_tokens),
-                          "completion_tokens": usage.get("completion_tokens", self.received)},
+                          "completion_tokens": self.received},        # what its client got, never more
                 "timing": {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0)}}
 
     def usage(self, reason: str, model: str) -> Usage:
