@@ -91,6 +91,7 @@ class Client:
         self.ws = None
         self.mine: set[str] = set()
         self.reader: asyncio.Task | None = None
+        self.closing = False                     # we close it: what is unanswered then is lost, not cut
         self.may_read = asyncio.Event()
         if read:
             self.may_read.set()
@@ -133,11 +134,14 @@ class Client:
                     got.end = frame
         except websockets.ConnectionClosed:
             pass
+        if self.closing:
+            return
         for cid in self.mine:
             if self.outcomes[cid].end is None:
                 self.outcomes[cid].cut = True
 
     async def close(self) -> None:
+        self.closing = True
         if self.ws is not None:
             with contextlib.suppress(Exception):
                 await self.ws.close()
