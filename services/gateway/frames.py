@@ -10,9 +10,10 @@ from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_S
 
 
 class FrameError(ValueError):
-    def __init__(self, message: str, id: str | None = None, code: str = "invalid_request"):
+    def __init__(self, message: str, id: str | None = None, code: str = "invalid_request",
+                 retry_after: int | None = None):
         super().__init__(message)
-        self.id, self.code = id, code
+        self.id, self.code, self.retry_after = id, code, retry_after
 
 
 def is_str(v) -> bool:

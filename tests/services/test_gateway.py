@@ -383,6 +383,17 @@ def test_a_request_the_stream_cannot_store_gets_an_unavailable_error(nats_url, t
     run(body())
 
 
+def test_a_refusal_on_the_websocket_says_when_to_retry_like_http_retry_after(nats_url, tiny_model, tok):
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, workers=0) as down, connect(down.ws) as ws:
+            await send(ws, generate("r"))
+            err = await recv(ws)
+            assert (err["type"], err["id"], err["code"], err["retry_after"]) == ("error", "r", "unavailable", 1)
+            await send(ws, {"type": "generate", "id": "bad", "prompt": "x", "max_tokens": 0})
+            assert "retry_after" not in await recv(ws)          # a bad field: retrying will not help
+    run(body())
+
+
 def test_healthz_is_503_without_workers_and_200_once_a_heartbeat_is_registered(nats_url, tiny_model, tok):
     async def body():
         async with gateway(nats_url, tiny_model, tok, workers=0) as down:
