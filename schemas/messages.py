@@ -235,6 +235,7 @@ class Heartbeat:
     prompt_tokens: int = 0                        # of the requests it took
     generation_tokens: int = 0                    # it published
     kv_blocks_queued: int = 0                     # blocks the waiting requests will take (no prefix hits counted)
+    isolated: str = ""                            # a request running alone (it has a strike): a crash now is its
 
 
 @dataclass(slots=True)
