@@ -7,6 +7,7 @@ second Python thread for I/O fights the step for the GIL at every torch call (me
 throughput on CPU; docs/decisions.md)."""
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import nats
 import nats.errors
+import nats.js.errors
 
 from schemas import subjects
 from schemas.detokenizer import PROMPT_CONTEXT
@@ -22,14 +24,20 @@ from schemas.log import configure
 from schemas.messages import (
     Cancel,
     Completion,
+    DeadLetter,
     ErrorChunk,
     FinalChunk,
     Heartbeat,
     KvEvent,
     KvSnapshot,
     Logprobs,
+    Outcome,
+    Progress,
     TokenChunk,
+    TokenizedRequest,
+    WireError,
     WorkItem,
+    decode,
     encode,
     received,
 )
@@ -41,6 +49,7 @@ from workers.engine.request import Request
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
 INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
+PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
 
 
 @dataclass(slots=True)
@@ -53,6 +62,7 @@ class Running:
     sent: int = 0                   # output tokens published
     seq: int = 0                    # chunks published
     subject: str = ""               # tb.out.<request id>
+    strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
 
     @property
     def tail(self) -> list[int]:
@@ -73,10 +83,12 @@ class WorkerService:
         self.stop = asyncio.Event()
         self.failed = False
         self.kv_seq = 0                              # KV events published
+        self.suspect = ""                            # the request the last heartbeat said runs alone
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
+        self.outcomes = await subjects.outcomes(self.js)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         self.engine.kv.record_changes()
         await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
@@ -103,9 +115,10 @@ class WorkerService:
             if not self.engine.has_unfinished():
                 self.wake.clear()
                 await self.wake.wait()
+            await self.announce_suspect()
             try:
                 updated = self.engine.step()
-            except Exception as e:               # a bug in the engine: report it to every request and stop
+            except Exception as e:               # a failure no request could be blamed for: stop
                 self.fail(e)
                 return
             now = time.time()
@@ -133,8 +146,23 @@ class WorkerService:
             run.seq, run.sent = run.seq + 1, len(out)
             await self.nc.publish(run.subject, encode(chunk))
 
+    async def announce_suspect(self) -> None:
+        """Before a request with a strike runs alone, the heartbeat says so: if this worker dies now,
+        the router blames that request only, not the innocent ones it held."""
+        suspect = self.engine.scheduler.suspect()
+        rid = suspect.request_id if suspect is not None else ""
+        if rid != self.suspect:
+            self.suspect = rid
+            try:
+                await self.heartbeat()
+            except nats.errors.Error as e:
+                self.log.warning("heartbeat failed", error=str(e))
+
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         rid, r = req.request_id, run.item.request
+        if req.finish_reason == "error":
+            await self.failed_request(run, req)
+            return
         del self.running[rid]
         usage = {"prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
                  "cached_tokens": max(req.num_cached_tokens, 0)}
@@ -150,6 +178,7 @@ class WorkerService:
         self.spawn(self.record(rid, r.tenant, record, run.msg))
         self.finished += 1
         self.log.info("request finished", request_id=rid, tenant=r.tenant, finish_reason=req.finish_reason,
+                      resumed=req.num_resumed_tokens, generated=req.num_output_tokens - req.num_resumed_tokens,
                       **usage, **timing)
 
     async def record(self, rid: str, tenant: str, record: Completion, msg) -> None:
@@ -160,11 +189,47 @@ class WorkerService:
         except nats.errors.Error as e:
             self.log.error("completion not stored", request_id=rid, error=str(e))
 
+    # -- failures -------------------------------------------------------------------------------
+
+    async def failed_request(self, run: Running, req: Request) -> None:
+        """The engine failed this request alone: it is dead-lettered at once (error chunk, outcome,
+        dead letter) and its work item acked, so no worker runs it again."""
+        del self.running[req.request_id]
+        self.log.error("request failed", request_id=req.request_id, tenant=run.item.request.tenant,
+                       error=req.error, output_tokens=req.num_output_tokens)
+        await self.dead_letter(run.item, run.msg, "engine_error", req.error, run.strikes + 1, req.output_token_ids)
+
+    async def dead_letter(self, item: WorkItem, msg, code: str, reason: str, strikes: int,
+                          output: list[int] = ()) -> None:
+        """Ends a request with an error for good: ErrorChunk on tb.out, an Outcome "error" in
+        tb_outcomes, a DeadLetter in TB_DEAD with the reason, then the work item is acked."""
+        r = item.request
+        await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, code, reason)))
+        self.spawn(self.bury(r, msg, code, reason, strikes, list(output)))
+
+    async def bury(self, r: TokenizedRequest, msg, code: str, reason: str, strikes: int, output: list[int]) -> None:
+        now = time.time()
+        outcome = Outcome(r.id, r.tenant, self.id, "error", output, error_code=code, error_message=reason, ts=now)
+        try:
+            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):   # the first end is the one kept
+                await self.outcomes.create(r.id, encode(outcome))
+            await self.js.publish(subjects.dead(r.tenant), encode(DeadLetter(r, reason, strikes, self.id, now)),
+                                  headers=subjects.msg_id(r.id, f"{r.id}.dead"))
+            await msg.ack()
+        except nats.errors.Error as e:           # not acked: redelivered, and dead-lettered again
+            self.log.error("dead letter not stored", request_id=r.id, error=str(e))
+            return
+        self.log.warning("request dead-lettered", request_id=r.id, tenant=r.tenant, code=code, strikes=strikes,
+                         reason=reason)
+
     def fail(self, error: Exception) -> None:
+        """A failure no request can be blamed for (a dead tensor-parallel rank): the worker stops; what it
+        held is logged here and re-routed by the router, each taken item with a strike."""
         self.failed = True
         self.log.error("engine failed; stopping", error=str(error) if isinstance(error, WorkerFailure) else repr(error))
-        for rid in list(self.running):
-            self.spawn(self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, "worker_failed", repr(error)))))
+        for rid, run in self.running.items():
+            self.log.error("request held at failure", request_id=rid, tenant=run.item.request.tenant,
+                           attempt=run.item.attempt, strikes=run.strikes, sent=run.sent)
         self.stop.set()
 
     def spawn(self, coro) -> None:
@@ -203,20 +268,50 @@ class WorkerService:
         if r.id in self.running:                 # redelivered while it runs: keep the newest handle
             self.running[r.id].msg = msg
             return
+        delivered = num_delivered(msg)
+        strikes = item.strikes + delivered - 1   # a redelivery: this worker took it before and died
+        if strikes >= subjects.MAX_STRIKES:
+            await self.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} workers "
+                                   f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
+            return
+        output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         try:
-            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt)
+            self.add(r, output, strikes)
         except ValueError as e:
             self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
             await msg.term()
             return
-        self.running[r.id] = Running(item, msg, time.time(), subject=subjects.out(r.id))
+        self.running[r.id] = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id),
+                                     strikes=strikes)
         self.prompt_tokens += len(r.prompt_token_ids)
-        self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt,
-                      prompt_tokens=len(r.prompt_token_ids))
+        self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt, strikes=strikes,
+                      prompt_tokens=len(r.prompt_token_ids), resumed=len(output))
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
+
+    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> None:
+        """Into the engine, continuing after `output` (a moved request); a request with a strike runs
+        alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
+        request starts over from its prompt, and the gateway drops what its client has."""
+        try:
+            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0)
+        except ValueError:
+            if not output:
+                raise
+            del output[:]
+            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+
+    async def progress(self, rid: str) -> list[int]:
+        """The output tokens the client of a moved request has, as the gateway says; [] without an answer."""
+        try:
+            reply = await self.nc.request(subjects.progress(rid), b"", timeout=PROGRESS_TIMEOUT)
+            got = decode(reply.data, Progress)
+        except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
+            self.log.info("no progress; starting from the prompt", request_id=rid, error=str(e) or type(e).__name__)
+            return []
+        return list(got.token_ids) if got.id == rid else []
 
     async def on_cancel(self, msg) -> None:
         if (cancel := received(msg, Cancel, self.log, "cancel")) is None:
@@ -256,7 +351,7 @@ class WorkerService:
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.queued_blocks())))
+            self.queued_blocks(), self.suspect)))
 
     def queued_blocks(self) -> int:
         return sum(self.engine.kv.num_blocks_for(r.num_tokens) for r in self.engine.scheduler.waiting)
@@ -270,6 +365,14 @@ class WorkerService:
                     await run.msg.in_progress()
                 except nats.errors.Error as e:
                     self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
+
+
+def num_delivered(msg) -> int:
+    """How many times JetStream delivered this work item (1 the first time)."""
+    try:
+        return max(1, msg.metadata.num_delivered)
+    except Exception:                            # not a JetStream message, e.g. in a test
+        return 1
 
 
 def logprobs(req: Request, start: int) -> Logprobs | None:
@@ -297,6 +400,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="ranks of this replica: this process and tp-1 followers it starts")
+    p.add_argument("--test-hook-fault-token", type=int, help=argparse.SUPPRESS)     # TEST HOOK: see inject_fault
+    p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
     return p
 
 
@@ -313,6 +418,10 @@ async def serve(args) -> None:
     engine = LLMEngine(model, engine_config(args))
     try:
         warm_up(engine)
+        if args.test_hook_fault_token is not None:
+            engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
+            log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
+                        action=args.test_hook_fault_action)
         nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
         service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
         loop = asyncio.get_running_loop()
