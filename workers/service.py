@@ -276,7 +276,7 @@ class WorkerService:
             return
         output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         try:
-            self.add(r, output, strikes)
+            output = self.add(r, output, strikes)
         except ValueError as e:
             self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
@@ -291,17 +291,20 @@ class WorkerService:
             await self.abort(r.id)
         self.wake.set()
 
-    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> None:
+    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> list[int]:
         """Into the engine, continuing after `output` (a moved request); a request with a strike runs
         alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
-        request starts over from its prompt, and the gateway drops what its client has."""
+        request starts over from its prompt, and the gateway drops what its client has. Returns the
+        output it continues after."""
         try:
             self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0)
-        except ValueError:
+            return output
+        except ValueError as e:
             if not output:
                 raise
-            del output[:]
-            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+            self.log.warning("progress not resumable; starting from the prompt", request_id=r.id, error=str(e))
+        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+        return []
 
     async def progress(self, rid: str) -> list[int]:
         """The output tokens the client of a moved request has, as the gateway says; [] without an answer."""
@@ -379,7 +382,7 @@ def logprobs(req: Request, start: int) -> Logprobs | None:
     """The logprobs of output tokens from `start` on, for a request that asked for them."""
     if req.params.logprobs is None:
         return None
-    lps = req.logprobs[start:]
+    lps = req.logprobs[start - req.num_resumed_tokens:]    # tokens it resumed after came without theirs
     return Logprobs([t.logprob for t in lps], [[i for i, _ in t.top] for t in lps],
                     [[v for _, v in t.top] for t in lps])
 
