@@ -84,11 +84,13 @@ class WorkerService:
         self.failed = False
         self.kv_seq = 0                              # KV events published
         self.suspect = ""                            # the request the last heartbeat said runs alone
+        self.blamed = ""                             # the one this worker's previous life said so of, if any
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
         self.outcomes = await subjects.outcomes(self.js)
+        self.blamed = await self.last_suspect()
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         self.engine.kv.record_changes()
         await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
@@ -269,7 +271,7 @@ class WorkerService:
             self.running[r.id].msg = msg
             return
         delivered = num_delivered(msg)
-        strikes = item.strikes + delivered - 1   # a redelivery: this worker took it before and died
+        strikes = item.strikes + self.redelivery_strikes(r.id, delivered)
         if strikes >= subjects.MAX_STRIKES:
             await self.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} workers "
                                    f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
@@ -290,6 +292,22 @@ class WorkerService:
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
+
+    def redelivery_strikes(self, rid: str, delivered: int) -> int:
+        """A redelivered item: this worker took it before and died, once per redelivery; when its
+        previous life's heartbeat named a request running alone, only that one is to blame."""
+        if delivered <= 1 or (self.blamed and self.blamed != rid):
+            return 0
+        return delivered - 1
+
+    async def last_suspect(self) -> str:
+        """The request this worker's previous life (same id, restarted within WORKER_TTL) last said
+        ran alone, from its heartbeat still in the registry."""
+        try:
+            entry = await self.registry.get(self.id)
+            return decode(entry.value, Heartbeat).isolated if entry.value else ""
+        except (nats.errors.Error, WireError):
+            return ""
 
     def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> list[int]:
         """Into the engine, continuing after `output` (a moved request); a request with a strike runs

@@ -98,3 +98,17 @@ def test_a_failing_re_route_is_one_log_line_not_a_traceback_and_leaves_no_consum
     lines = asyncio.run(asyncio.wait_for(main(), 30))
     assert ("error", "re-route failed", {"worker": "gone", "error": "ConnectionClosedError: nats: connection closed"}
             ) in lines
+
+
+def test_a_worker_back_before_its_work_moved_keeps_it_with_the_strikes(nats_url):
+    async def main():
+        nc, js, router = await setup(nats_url, ["a", "b"], taken=1)
+        router.registry.remove("live")
+        router.registry.update(Heartbeat("gone", time.time(), "tiny", 16, 8, 0, 0, 100, 100, 0, 0, 0))
+        await router.reroute("gone")
+        assert await consumers(js) == []
+        sub = await js.pull_subscribe(subjects.work("gone"), stream=subjects.WORK_STREAM)
+        items = [decode(m.data, WorkItem) for m in await sub.fetch(10, timeout=2)]
+        assert sorted((w.request.id, w.strikes) for w in items) == [("a", 1), ("b", 0)]
+        await nc.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
