@@ -90,7 +90,6 @@ class WorkerService:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
         self.outcomes = await subjects.outcomes(self.js)
-        self.blamed = await self.last_suspect()
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         self.engine.kv.record_changes()
         await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
@@ -300,15 +299,6 @@ class WorkerService:
             return 0
         return delivered - 1
 
-    async def last_suspect(self) -> str:
-        """The request this worker's previous life (same id, restarted within WORKER_TTL) last said
-        ran alone, from its heartbeat still in the registry."""
-        try:
-            entry = await self.registry.get(self.id)
-            return decode(entry.value, Heartbeat).isolated if entry.value else ""
-        except (nats.errors.Error, WireError):
-            return ""
-
     def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> list[int]:
         """Into the engine, continuing after `output` (a moved request); a request with a strike runs
         alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
@@ -388,6 +378,16 @@ class WorkerService:
                     self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
 
 
+async def last_suspect(nc, worker: str) -> str:
+    """The request this worker's previous life (same id, restarted within WORKER_TTL) last said ran
+    alone, from its heartbeat still in the registry; read before the model loads, while it lasts."""
+    try:
+        entry = await (await subjects.registry(nc.jetstream())).get(worker)
+        return decode(entry.value, Heartbeat).isolated if entry.value else ""
+    except (nats.errors.Error, WireError):
+        return ""
+
+
 def num_delivered(msg) -> int:
     """How many times JetStream delivered this work item (1 the first time)."""
     try:
@@ -436,6 +436,8 @@ def engine_config(args) -> EngineConfig:
 async def serve(args) -> None:
     model = args.model
     log = configure("worker").bind(worker=args.id)
+    nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
+    blamed = await last_suspect(nc, args.id)
     engine = LLMEngine(model, engine_config(args))
     try:
         warm_up(engine)
@@ -443,8 +445,8 @@ async def serve(args) -> None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
-        nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
         service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
+        service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop.set)
