@@ -7,6 +7,7 @@ from schemas.sampling import (
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
     SEED_BOUND,
 )
 from schemas.subjects import MAX_MESSAGES, MAX_STOP
@@ -61,7 +62,7 @@ def sampling(max_tokens: int) -> dict:
         "ignore_eos": nullable({"type": "boolean", "description": "extension: generate until max_tokens"}),
         "top_k": integer(-1, MAX_TOP_K),
         "min_p": number(0, 1),
-        "repetition_penalty": number(0, MAX_REPETITION_PENALTY, exclusive_lo=True),
+        "repetition_penalty": number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
         "stop_token_ids": nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                                     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}),
     }

@@ -27,6 +27,7 @@ POISON = {                                      # client id -> (frame fields, wo
     "temperature": ({"prompt": "x", "temperature": 1e308}, "temperature must be 0 (greedy) or in"),
     "tiny-temperature": ({"prompt": "x", "temperature": 1e-300}, "temperature must be 0 (greedy) or in"),
     "penalty": ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty must be in"),
+    "denormal-penalty": ({"prompt": "x", "repetition_penalty": 1e-320}, "repetition_penalty must be in"),
     "stop-ids": ({"prompt": "x", "stop_token_ids": [U64]}, "stop_token_ids must be token ids"),
     "many-stop-ids": ({"prompt": "x", "stop_token_ids": list(range(5000))}, "MAX_STOP_TOKEN_IDS"),
     "long-stop": ({"prompt": "x", "stop": ["s" * 4000]}, "MAX_STOP_CHARS"),
