@@ -14,6 +14,7 @@ MAX_TOKEN_ID = (1 << 31) - 1     # any token id of any vocabulary
 SEED_BOUND = 1 << 64             # seeds are unsigned 64-bit
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5           # below this (but not 0) float32 logits / temperature overflow
+MIN_REPETITION_PENALTY = 0.01    # it divides positive logits: below this they overflow float32
 MAX_REPETITION_PENALTY = 100.0
 
 
@@ -50,8 +51,8 @@ class SamplingParams:
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [1, {MAX_TOP_K}], or 0 / -1 to disable", self.top_k)
         check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        check(0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
-              f"must be in (0, {MAX_REPETITION_PENALTY}]", self.repetition_penalty)
+        check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+              f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]", self.repetition_penalty)
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",

@@ -84,6 +84,7 @@ class WorkerService:
         self.failed = False
         self.kv_seq = 0                              # KV events published
         self.suspect = ""                            # the request the last heartbeat said runs alone
+        self.blamed = ""                             # the one this worker's previous life said so of, if any
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -269,14 +270,14 @@ class WorkerService:
             self.running[r.id].msg = msg
             return
         delivered = num_delivered(msg)
-        strikes = item.strikes + delivered - 1   # a redelivery: this worker took it before and died
+        strikes = item.strikes + self.redelivery_strikes(r.id, delivered)
         if strikes >= subjects.MAX_STRIKES:
             await self.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} workers "
                                    f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
             return
         output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         try:
-            self.add(r, output, strikes)
+            output = self.add(r, output, strikes)
         except ValueError as e:
             self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
@@ -291,17 +292,27 @@ class WorkerService:
             await self.abort(r.id)
         self.wake.set()
 
-    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> None:
+    def redelivery_strikes(self, rid: str, delivered: int) -> int:
+        """A redelivered item: this worker took it before and died, once per redelivery; when its
+        previous life's heartbeat named a request running alone, only that one is to blame."""
+        if delivered <= 1 or (self.blamed and self.blamed != rid):
+            return 0
+        return delivered - 1
+
+    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> list[int]:
         """Into the engine, continuing after `output` (a moved request); a request with a strike runs
         alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
-        request starts over from its prompt, and the gateway drops what its client has."""
+        request starts over from its prompt, and the gateway drops what its client has. Returns the
+        output it continues after."""
         try:
             self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0)
-        except ValueError:
+            return output
+        except ValueError as e:
             if not output:
                 raise
-            del output[:]
-            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+            self.log.warning("progress not resumable; starting from the prompt", request_id=r.id, error=str(e))
+        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+        return []
 
     async def progress(self, rid: str) -> list[int]:
         """The output tokens the client of a moved request has, as the gateway says; [] without an answer."""
@@ -367,6 +378,16 @@ class WorkerService:
                     self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
 
 
+async def last_suspect(nc, worker: str) -> str:
+    """The request this worker's previous life (same id, restarted within WORKER_TTL) last said ran
+    alone, from its heartbeat still in the registry; read before the model loads, while it lasts."""
+    try:
+        entry = await (await subjects.registry(nc.jetstream())).get(worker)
+        return decode(entry.value, Heartbeat).isolated if entry.value else ""
+    except (nats.errors.Error, WireError):
+        return ""
+
+
 def num_delivered(msg) -> int:
     """How many times JetStream delivered this work item (1 the first time)."""
     try:
@@ -379,7 +400,7 @@ def logprobs(req: Request, start: int) -> Logprobs | None:
     """The logprobs of output tokens from `start` on, for a request that asked for them."""
     if req.params.logprobs is None:
         return None
-    lps = req.logprobs[start:]
+    lps = req.logprobs[start - req.num_resumed_tokens:]    # tokens it resumed after came without theirs
     return Logprobs([t.logprob for t in lps], [[i for i, _ in t.top] for t in lps],
                     [[v for _, v in t.top] for t in lps])
 
@@ -415,6 +436,8 @@ def engine_config(args) -> EngineConfig:
 async def serve(args) -> None:
     model = args.model
     log = configure("worker").bind(worker=args.id)
+    nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
+    blamed = await last_suspect(nc, args.id)
     engine = LLMEngine(model, engine_config(args))
     try:
         warm_up(engine)
@@ -422,8 +445,8 @@ async def serve(args) -> None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
-        nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
         service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
+        service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop.set)

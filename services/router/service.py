@@ -270,21 +270,22 @@ class RouterService:
 
     async def move(self, msg, departed: str, taken: bool = False, suspect: str = "") -> int:
         """1 when the item moved to a live worker, 0 when it was dropped, -1 when the only pick is the
-        departed worker itself (re-publishing to its subject would feed this very loop)."""
+        departed worker itself, back already (re-publishing to its subject would feed this very loop:
+        the item stays for it, re-published with its strike if it had taken it)."""
         if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return 0
         worker = await self.pick(msg, item.request)
-        if worker == departed:
+        strike = taken and suspect in ("", item.request.id)
+        if worker == departed and not strike:
             await msg.nak()
             return -1
-        strike = taken and suspect in ("", item.request.id)
         strikes = item.strikes + strike
         if strike:
             self.log.warning("strike", request_id=item.request.id, worker=departed, strikes=strikes)
         await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1, strikes))
-        await msg.ack()
-        return 1
+        await msg.ack_sync()                        # before the consumer goes: a plain ack can be lost with it
+        return -1 if worker == departed else 1
 
     async def send(self, item: WorkItem) -> None:
         headers = subjects.msg_id(item.request.id, item.msg_id)

@@ -27,6 +27,7 @@ POISON = {                                      # client id -> (frame fields, wo
     "temperature": ({"prompt": "x", "temperature": 1e308}, "temperature must be 0 (greedy) or in"),
     "tiny-temperature": ({"prompt": "x", "temperature": 1e-300}, "temperature must be 0 (greedy) or in"),
     "penalty": ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty must be in"),
+    "denormal-penalty": ({"prompt": "x", "repetition_penalty": 1e-320}, "repetition_penalty must be in"),
     "stop-ids": ({"prompt": "x", "stop_token_ids": [U64]}, "stop_token_ids must be token ids"),
     "many-stop-ids": ({"prompt": "x", "stop_token_ids": list(range(5000))}, "MAX_STOP_TOKEN_IDS"),
     "long-stop": ({"prompt": "x", "stop": ["s" * 4000]}, "MAX_STOP_CHARS"),
@@ -75,12 +76,15 @@ def test_a_poison_that_kills_workers_is_dead_lettered_after_max_strikes_and_the_
         async def body():
             async with connect(stack) as ws:
                 await send(ws, {"type": "generate", "id": "poison", "prompt_token_ids": [5, FAULT], "max_tokens": 4})
+                for i in range(2):                # innocents beside it, wherever they land
+                    await send(ws, {"type": "generate", "id": f"bystander{i}", "prompt": f"by {i}", "max_tokens": 30,
+                                    "ignore_eos": True})
                 for _ in range(subjects.MAX_STRIKES):
                     await wait_for_a_death(stack)
                 for w in ("w0", "w1"):           # both died of it: bring them back
                     if stack.children[w].poll() is not None:
                         stack.restart(w)
-                got = await collect(ws, {"poison"}, timeout=150)
+                got = await collect(ws, {"poison", "bystander0", "bystander1"}, timeout=150)
                 for i in range(5):
                     await send(ws, {"type": "generate", "id": f"after{i}", "prompt": f"after {i}", "max_tokens": 5})
                 return got, await collect(ws, {f"after{i}" for i in range(5)}, timeout=120)
@@ -89,6 +93,8 @@ def test_a_poison_that_kills_workers_is_dead_lettered_after_max_strikes_and_the_
         end = got["poison"]["end"]
         assert end["type"] == "error" and end["code"] == "dead_lettered", end
         assert f"crashed or failed {subjects.MAX_STRIKES} workers" in end["message"]
+        for i in range(2):                        # a crash blamed on the suspect spares its neighbours
+            assert got[f"bystander{i}"]["end"]["type"] == "done" and len(got[f"bystander{i}"]["token_ids"]) == 30
         assert all(g["end"]["type"] == "done" for g in after.values())
         dead = asyncio.run(dead_letters(stack.nats_url))
         assert [d.request.prompt_token_ids for d in dead] == [[5, FAULT]]

@@ -34,7 +34,8 @@ POISON_SAMPLING = [
     ({"top_p": math.nan}, "top_p must be a finite number"),
     ({"min_p": -math.inf}, "min_p must be a finite number"),
     ({"repetition_penalty": math.inf}, "repetition_penalty must be a finite number"),
-    ({"repetition_penalty": 1e30}, "repetition_penalty must be in (0, 100.0]"),
+    ({"repetition_penalty": 1e30}, "repetition_penalty must be in [0.01, 100.0]"),
+    ({"repetition_penalty": 1e-320}, "repetition_penalty must be in [0.01, 100.0]"),
     ({"presence_penalty": math.nan}, "presence_penalty must be a finite number"),
     ({"frequency_penalty": -math.inf}, "frequency_penalty must be a finite number"),
     ({"stop": ["x"] * (MAX_STOP + 1)}, "stop has more than MAX_STOP=16"),
@@ -116,3 +117,7 @@ def tokenized_obj() -> dict:
 
 def pattern(message: str) -> str:
     return "".join("\\" + c if c in "[]()|*.+?" else c for c in message)
+
+
+def test_a_denormal_top_p_is_allowed_it_is_greedy_in_float32():
+    assert SamplingParams(top_p=1e-320).top_p == 1e-320

@@ -320,7 +320,7 @@ MALFORMED = [  # (frame, what the error message names, the id the error frame ca
     (generate("a", max_tokens=2**64 - 1), "max_tokens must be in [1, 1048576]", "a"),
     (generate("a", temperature=1e308), "temperature must be 0 (greedy) or in", "a"),
     (generate("a", temperature=1e-300), "temperature must be 0 (greedy) or in", "a"),
-    (generate("a", repetition_penalty=1e308), "repetition_penalty must be in (0, 100.0]", "a"),
+    (generate("a", repetition_penalty=1e308), "repetition_penalty must be in [0.01, 100.0]", "a"),
     (generate("a", stop_token_ids=[2**64 - 1]), "stop_token_ids must be token ids in [0, 2147483647]", "a"),
     (generate("a", stop_token_ids=list(range(300))), "MAX_STOP_TOKEN_IDS=256", "a"),
     (generate("a", stop=["x" * 2000]), "MAX_STOP_CHARS=1024", "a"),

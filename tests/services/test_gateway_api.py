@@ -200,7 +200,7 @@ BAD = [  # (path, body, status, words in the message, param)
     ("/v1/chat/completions", chat(top_k=2**64 - 1), 400, ["top_k must be in [1, 1048576]"], "top_k"),
     ("/v1/chat/completions", chat(seed=2**64 - 1, temperature=1e308), 400, ["temperature must be 0 (greedy) or in"],
      "temperature"),
-    ("/v1/chat/completions", chat(repetition_penalty=1e300), 400, ["repetition_penalty must be in (0, 100.0]"],
+    ("/v1/chat/completions", chat(repetition_penalty=1e300), 400, ["repetition_penalty must be in [0.01, 100.0]"],
      "repetition_penalty"),
     ("/v1/chat/completions", chat(stop_token_ids=[2**64 - 1]), 400, ["stop_token_ids must be token ids"],
      "stop_token_ids"),

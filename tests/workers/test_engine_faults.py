@@ -124,3 +124,11 @@ def test_a_moved_request_continues_from_its_tokens_as_if_it_never_moved(engine, 
 def test_resuming_past_max_tokens_is_refused(engine):
     with pytest.raises(ValueError, match="output_token_ids: 4 tokens leave no room"):
         engine.add_request("x", [1, 2], SamplingParams(max_tokens=4), output_token_ids=[1, 2, 3, 4])
+
+
+def test_a_step_where_every_request_fails_alone_is_nobodys_fault_and_raises(engine):
+    engine.inject_fault(POISON)
+    engine.add_request("p1", [1, POISON], params(0))
+    engine.add_request("p2", [2, POISON], params(0))
+    with pytest.raises(RuntimeError, match="fault injected"):
+        engine.step()

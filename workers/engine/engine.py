@@ -205,10 +205,12 @@ class LLMEngine:
     def isolate(self, batch: Batch, tables: list[list[int]], error: Exception) -> list[Request]:
         """After a failed step: runs halves of it again until each failure is one request that fails
         alone; those end with finish_reason "error", the others get their step's tokens. KV slots the
-        failed runs wrote are simply written again (same tokens, same positions)."""
+        failed runs wrote are simply written again (same tokens, same positions). When every request
+        of a step of several fails alone, no request is to blame (e.g. out of memory): it raises."""
         if self.followers is not None or isinstance(error, WorkerFailure):
             raise error                          # other ranks may be mid-step: nothing to attribute
         updated: list[Request] = []
+        failed: list[tuple[Request, Exception]] = []
         pending = [list(range(len(batch.requests)))]
         while pending:
             rows = pending.pop()
@@ -221,12 +223,16 @@ class LLMEngine:
                 raise
             except Exception as e:
                 if len(rows) == 1:
-                    self.scheduler.fail(sub.requests[0], f"the engine failed on this request: {e!r}"[:1000])
-                    updated.append(sub.requests[0])
+                    failed.append((sub.requests[0], e))
                 else:
                     pending += [rows[len(rows) // 2:], rows[:len(rows) // 2]]
             else:
                 updated += self.scheduler.update(sub, tokens, logprobs)
+        if len(failed) == len(batch.requests) > 1:
+            raise error
+        for req, e in failed:
+            self.scheduler.fail(req, f"the engine failed on this request: {e!r}"[:1000])
+            updated.append(req)
         return updated
 
     def inject_fault(self, token_id: int, action: str = "raise") -> None:
