@@ -140,6 +140,25 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     br.set_defaults(func=delegate("ops.bench_routing"))
 
+    ch = sub.add_parser("chaos", help="fault scenarios against a live stack under a verified load: lost, "
+                        "duplicated, wrong tokens, recovery time")
+    ch.add_argument("--scenarios", nargs="+", default=None, metavar="NAME",
+                    help="which scenarios (default: all): none, kill-/stop- worker|router|tokenizer|gateway, "
+                         "broker-restart, poison, slow-client, overload")
+    ch.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    ch.add_argument("--workers", type=int, default=2)
+    ch.add_argument("--requests", type=int, default=40, help="greedy requests per scenario (3x for overload)")
+    ch.add_argument("--max-tokens", type=int, default=48, help="output tokens of each request (EOS ignored)")
+    ch.add_argument("--clients", type=int, default=4, help="websocket connections the requests are spread over")
+    ch.add_argument("--interval", type=float, default=0.1, help="seconds between requests (default 0.1)")
+    ch.add_argument("--max-num-seqs", type=int, default=16, help="each worker's batch (default 16)")
+    ch.add_argument("--patience", type=float, default=90.0,
+                    help="seconds a client waits for its answers after the last request (default 90)")
+    ch.add_argument("--data-dir", help="keep each scenario's stack (logs, JetStream) under here "
+                                       "(default: a temporary directory)")
+    ch.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ch.set_defaults(func=delegate("ops.chaos", exits=True))
+
     u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
     u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")

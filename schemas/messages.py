@@ -3,15 +3,20 @@ and a version `v`. `decode` checks every field against its annotation, so a bad 
 WireError that names the field, never an exception deep inside a service."""
 import dataclasses
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 
 import msgpack
 
-from schemas.sampling import SamplingParams
+from schemas.sampling import MAX_TOKEN_ID, MAX_TOKENS_BOUND, SamplingParams
 
 VERSION = 1
+MAX_PROMPT_TOKENS = 1 << 20             # token ids of one prompt (the engine holds it to max_model_len)
+MAX_SALT_CHARS = 256
+MAX_ATTEMPTS = 1 << 10                  # re-routes of one request; strikes are far fewer (MAX_STRIKES)
+MAX_TEXT_CHARS = 1 << 16                # an error message or a dead letter's reason
 
 
 class WireError(ValueError):
@@ -35,6 +40,16 @@ class GenerateRequest:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
+        check_names(self.id, self.tenant, self.cache_salt, self.created)
+        from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
+        if self.messages is not None:
+            limit(len(self.messages), MAX_MESSAGES, "messages", "MAX_MESSAGES", "messages")
+            chars = sum(len(k) + len(v) for m in self.messages for k, v in m.items())
+            limit(chars, MAX_PROMPT_CHARS, "messages", "MAX_PROMPT_CHARS", "characters")
+        if self.prompt is not None:
+            limit(len(self.prompt), MAX_PROMPT_CHARS, "prompt", "MAX_PROMPT_CHARS", "characters")
+        if self.prompt_token_ids is not None:
+            check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
 
 
 @dataclass(slots=True)
@@ -48,6 +63,10 @@ class TokenizedRequest:
     cache_salt: str | None = None
     created: float = 0.0
 
+    def check(self) -> None:
+        check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
+
 
 @dataclass(slots=True)
 class WorkItem:
@@ -58,6 +77,12 @@ class WorkItem:
     routed: float = 0.0
     attempt: int = 0                              # re-routes after a worker left; part of the Nats-Msg-Id
     strikes: int = 0                              # workers it failed or crashed so far (follows the request id)
+
+    def check(self) -> None:
+        self.request.check()
+        check_name("worker", self.worker)
+        in_range("attempt", self.attempt, 0, MAX_ATTEMPTS)
+        in_range("strikes", self.strikes, 0, MAX_ATTEMPTS)
 
     @property
     def msg_id(self) -> str:
@@ -124,6 +149,10 @@ class Resend:
     id: str
     offset: int
 
+    def check(self) -> None:
+        check_name("request id", self.id)
+        in_range("offset", self.offset, 0, MAX_TOKENS_BOUND)
+
 
 @dataclass(slots=True)
 class Progress:
@@ -132,6 +161,10 @@ class Progress:
     TYPE: typing.ClassVar[str] = "progress"
     id: str
     token_ids: list[int]
+
+    def check(self) -> None:
+        check_name("request id", self.id)
+        check_token_ids("token_ids", self.token_ids, MAX_TOKENS_BOUND, "MAX_TOKENS_BOUND", empty=True)
 
 
 @dataclass(slots=True)
@@ -165,6 +198,11 @@ class DeadLetter:
     worker: str = ""                              # the last worker it failed on
     ts: float = 0.0
 
+    def check(self) -> None:
+        self.request.check()
+        in_range("strikes", self.strikes, 0, MAX_ATTEMPTS)
+        limit(len(self.reason), MAX_TEXT_CHARS, "reason", "MAX_TEXT_CHARS", "characters")
+
 
 @dataclass(slots=True)
 class Cancel:
@@ -172,6 +210,9 @@ class Cancel:
     TYPE: typing.ClassVar[str] = "cancel"
     id: str
     reason: str = "abort"
+
+    def check(self) -> None:
+        check_name("request id", self.id)
 
 
 @dataclass(slots=True)
@@ -194,6 +235,7 @@ class Heartbeat:
     prompt_tokens: int = 0                        # of the requests it took
     generation_tokens: int = 0                    # it published
     kv_blocks_queued: int = 0                     # blocks the waiting requests will take (no prefix hits counted)
+    isolated: str = ""                            # a request running alone (it has a strike): a crash now is its
 
 
 @dataclass(slots=True)
@@ -279,6 +321,43 @@ Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChu
            | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
            | DeadLetter)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
+
+
+def check_names(rid: str, tenant: str, salt: str | None, created: float) -> None:
+    check_name("request id", rid)
+    check_name("tenant", tenant)
+    if salt is not None:
+        limit(len(salt), MAX_SALT_CHARS, "cache_salt", "MAX_SALT_CHARS", "characters")
+    if not math.isfinite(created):
+        raise WireError(f"created: must be a finite number (got {created!r})")
+
+
+def check_name(kind: str, value: str) -> None:
+    """value is a subject token (a request id, tenant or worker): WireError naming `kind` if not."""
+    from schemas.subjects import token
+    try:
+        token(kind, value)
+    except ValueError as e:
+        raise WireError(str(e)[:200]) from None
+
+
+def check_token_ids(name: str, ids: list[int], most: int, limit_name: str, empty: bool = False) -> None:
+    if not ids and not empty:
+        raise WireError(f"{name}: at least one token id is needed")
+    limit(len(ids), most, name, limit_name, "token ids")
+    if ids and not (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID):
+        bad = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
+        raise WireError(f"{name}: token id {bad} is outside [0, {MAX_TOKEN_ID}]")
+
+
+def in_range(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise WireError(f"{name}: {value} is outside [{lo}, {hi}]")
+
+
+def limit(n: int, most: int, name: str, limit_name: str, unit: str) -> None:
+    if n > most:
+        raise WireError(f"{name}: {n} {unit} is more than {limit_name}={most}")
 
 
 SCALARS = frozenset({str, int, float, bool, type(None), list, dict})

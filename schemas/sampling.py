@@ -1,6 +1,21 @@
 """How to sample each output token and when to stop: validated where a request enters (the gateway)
-and again where it runs (the engine), so it is part of the wire format."""
+and again where it runs (the engine), so it is part of the wire format. Every field is bounded here:
+no value that passes reaches the engine as something it cannot take (an integer past int64, a NaN)."""
+import math
 from dataclasses import dataclass
+
+MAX_TOKENS_BOUND = 1 << 20       # max_tokens of any request (the gateway's own cap is lower)
+MAX_TOP_K = 1 << 20              # top_k; the engine and tokenizer also hold it to the vocabulary
+MAX_LOGPROBS = 20
+MAX_STOP = 16                    # stop strings
+MAX_STOP_CHARS = 1024            # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = (1 << 31) - 1     # any token id of any vocabulary
+SEED_BOUND = 1 << 64             # seeds are unsigned 64-bit
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5           # below this (but not 0) float32 logits / temperature overflow
+MIN_REPETITION_PENALTY = 0.01    # it divides positive logits: below this they overflow float32
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(slots=True)
@@ -26,19 +41,24 @@ class SamplingParams:
     def __post_init__(self):
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
+        check_types(self)
         if self.top_k == -1:
             self.top_k = 0
-        check(self.max_tokens >= 1, "max_tokens", "must be at least 1", self.max_tokens)
-        check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        check(1 <= self.max_tokens <= MAX_TOKENS_BOUND, "max_tokens", f"must be in [1, {MAX_TOKENS_BOUND}]",
+              self.max_tokens)
+        check(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE, "temperature",
+              f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]", self.temperature)
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        check(self.top_k >= 0, "top_k", "must be >= 1, or 0 / -1 to disable", self.top_k)
+        check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [1, {MAX_TOP_K}], or 0 / -1 to disable", self.top_k)
         check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+              f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]", self.repetition_penalty)
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]", self.logprobs)
-        check(all(s for s in self.stop), "stop", "must not contain an empty string", self.stop)
-        check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+              f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        check(self.seed is None or 0 <= self.seed < SEED_BOUND, "seed", "must be in [0, 2**64)", self.seed)
+        check_stops(self)
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +69,42 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+INTS = ("max_tokens", "top_k")
+FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def check_types(p: SamplingParams) -> None:
+    """Integers are ints (not bools), floats are finite numbers: NaN and ±inf pass no range check."""
+    for name in INTS + ("seed", "logprobs"):
+        v = getattr(p, name)
+        if not (v is None and name in ("seed", "logprobs")):
+            check(isinstance(v, int) and not isinstance(v, bool), name, "must be an integer", v)
+    for name in FLOATS:
+        v = getattr(p, name)
+        check(isinstance(v, int | float) and not isinstance(v, bool), name, "must be a number", v)
+        check(math.isfinite(v), name, "must be a finite number", v)
+    check(isinstance(p.ignore_eos, bool), "ignore_eos", "must be true or false", p.ignore_eos)
+
+
+def check_stops(p: SamplingParams) -> None:
+    check(len(p.stop) <= MAX_STOP, "stop", f"has more than MAX_STOP={MAX_STOP} strings", len(p.stop))
+    check(all(isinstance(s, str) for s in p.stop), "stop", "must be strings", p.stop)
+    check(all(s for s in p.stop), "stop", "must not contain an empty string", p.stop)
+    long = next((s for s in p.stop if len(s) > MAX_STOP_CHARS), None)
+    check(long is None, "stop", f"strings must be at most MAX_STOP_CHARS={MAX_STOP_CHARS} characters",
+          f"{len(long or '')} characters")
+    n = len(p.stop_token_ids)
+    check(n <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"has more than MAX_STOP_TOKEN_IDS={MAX_STOP_TOKEN_IDS} ids", n)
+    bad = next((t for t in p.stop_token_ids if not (isinstance(t, int) and not isinstance(t, bool)
+                                                     and 0 <= t <= MAX_TOKEN_ID)), None)
+    check(bad is None, "stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}]", bad)
+
+
 def check(ok: bool, field: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"{field} {rule} (got {value!r})")
+        raise ValueError(f"{field} {rule} (got {shown(value)})")
+
+
+def shown(value) -> str:
+    s = repr(value)
+    return s if len(s) <= 80 else s[:80] + "…"

@@ -24,6 +24,7 @@ from schemas.log import configure
 from schemas.messages import (
     Cancel,
     Completion,
+    DeadLetter,
     ErrorChunk,
     FinalChunk,
     Heartbeat,
@@ -31,8 +32,10 @@ from schemas.messages import (
     KvSnapshot,
     Logprobs,
     Outcome,
+    Progress,
     Resend,
     TokenChunk,
+    TokenizedRequest,
     WireError,
     WorkItem,
     decode,
@@ -47,6 +50,7 @@ from workers.engine.request import Request
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
 INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
+PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
 DROP_CHUNKS = "TB_TEST_DROP_CHUNKS"   # test hook, off when unset: "2,final" drops chunk 2 and the final chunk
                                       # of every request on tb.out (the gateway must recover them)
 
@@ -67,6 +71,7 @@ class Running:
     seq: int = 0                    # chunks published
     subject: str = ""               # tb.out.<request id>
     req: Request | None = None      # the engine's request, once it has produced tokens (for resends)
+    strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
 
     @property
     def tail(self) -> list[int]:
@@ -87,6 +92,8 @@ class WorkerService:
         self.stop = asyncio.Event()
         self.failed = False
         self.kv_seq = 0                              # KV events published
+        self.suspect = ""                            # the request the last heartbeat said runs alone
+        self.blamed = ""                             # the one this worker's previous life said so of, if any
         self.drops = drops()                         # test hook only: chunks not published
         if self.drops:
             log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
@@ -122,9 +129,10 @@ class WorkerService:
             if not self.engine.has_unfinished():
                 self.wake.clear()
                 await self.wake.wait()
+            await self.announce_suspect()
             try:
                 updated = self.engine.step()
-            except Exception as e:               # a bug in the engine: report it to every request and stop
+            except Exception as e:               # a failure no request could be blamed for: stop
                 self.fail(e)
                 return
             now = time.time()
@@ -153,8 +161,23 @@ class WorkerService:
             if str(chunk.seq) not in self.drops:
                 await self.nc.publish(run.subject, encode(chunk))
 
+    async def announce_suspect(self) -> None:
+        """Before a request with a strike runs alone, the heartbeat says so: if this worker dies now,
+        the router blames that request only, not the innocent ones it held."""
+        suspect = self.engine.scheduler.suspect()
+        rid = suspect.request_id if suspect is not None else ""
+        if rid != self.suspect:
+            self.suspect = rid
+            try:
+                await self.heartbeat()
+            except nats.errors.Error as e:
+                self.log.warning("heartbeat failed", error=str(e))
+
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         rid, r = req.request_id, run.item.request
+        if req.finish_reason == "error":
+            await self.failed_request(run, req)
+            return
         del self.running[rid]
         usage = {"prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
                  "cached_tokens": max(req.num_cached_tokens, 0)}
@@ -173,6 +196,7 @@ class WorkerService:
         self.spawn(self.record(record, outcome, run.msg))
         self.finished += 1
         self.log.info("request finished", request_id=rid, tenant=r.tenant, finish_reason=req.finish_reason,
+                      resumed=req.num_resumed_tokens, generated=req.num_output_tokens - req.num_resumed_tokens,
                       **usage, **timing)
 
     async def record(self, record: Completion, outcome: Outcome, msg) -> None:
@@ -249,11 +273,47 @@ class WorkerService:
         await self.nc.publish(msg.reply, encode(chunk))
         self.log.info("tokens resent", request_id=ask.id, offset=ask.offset, tokens=len(chunk.token_ids))
 
+    # -- failures -------------------------------------------------------------------------------
+
+    async def failed_request(self, run: Running, req: Request) -> None:
+        """The engine failed this request alone: it is dead-lettered at once (error chunk, outcome,
+        dead letter) and its work item acked, so no worker runs it again."""
+        del self.running[req.request_id]
+        self.log.error("request failed", request_id=req.request_id, tenant=run.item.request.tenant,
+                       error=req.error, output_tokens=req.num_output_tokens)
+        await self.dead_letter(run.item, run.msg, "engine_error", req.error, run.strikes + 1, req.output_token_ids)
+
+    async def dead_letter(self, item: WorkItem, msg, code: str, reason: str, strikes: int,
+                          output: list[int] = ()) -> None:
+        """Ends a request with an error for good: ErrorChunk on tb.out, an Outcome "error" in
+        tb_outcomes, a DeadLetter in TB_DEAD with the reason, then the work item is acked."""
+        r = item.request
+        await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, code, reason)))
+        self.spawn(self.bury(r, msg, code, reason, strikes, list(output)))
+
+    async def bury(self, r: TokenizedRequest, msg, code: str, reason: str, strikes: int, output: list[int]) -> None:
+        now = time.time()
+        outcome = Outcome(r.id, r.tenant, self.id, "error", output, error_code=code, error_message=reason, ts=now)
+        try:
+            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):   # the first end is the one kept
+                await self.outcomes.create(r.id, encode(outcome))
+            await self.js.publish(subjects.dead(r.tenant), encode(DeadLetter(r, reason, strikes, self.id, now)),
+                                  headers=subjects.msg_id(r.id, f"{r.id}.dead"))
+            await msg.ack()
+        except nats.errors.Error as e:           # not acked: redelivered, and dead-lettered again
+            self.log.error("dead letter not stored", request_id=r.id, error=str(e))
+            return
+        self.log.warning("request dead-lettered", request_id=r.id, tenant=r.tenant, code=code, strikes=strikes,
+                         reason=reason)
+
     def fail(self, error: Exception) -> None:
+        """A failure no request can be blamed for (a dead tensor-parallel rank): the worker stops; what it
+        held is logged here and re-routed by the router, each taken item with a strike."""
         self.failed = True
         self.log.error("engine failed; stopping", error=str(error) if isinstance(error, WorkerFailure) else repr(error))
-        for rid in list(self.running):
-            self.spawn(self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, "worker_failed", repr(error)))))
+        for rid, run in self.running.items():
+            self.log.error("request held at failure", request_id=rid, tenant=run.item.request.tenant,
+                           attempt=run.item.attempt, strikes=run.strikes, sent=run.sent)
         self.stop.set()
 
     def spawn(self, coro) -> None:
@@ -294,20 +354,60 @@ class WorkerService:
         if r.id in self.running:                 # redelivered while it runs: keep the newest handle
             self.running[r.id].msg = msg
             return
+        delivered = num_delivered(msg)
+        strikes = item.strikes + self.redelivery_strikes(r.id, delivered)
+        if strikes >= subjects.MAX_STRIKES:
+            await self.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} workers "
+                                   f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
+            return
+        output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         try:
-            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt)
+            output = self.add(r, output, strikes)
         except ValueError as e:
             self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
             await msg.term()
             return
-        self.running[r.id] = Running(item, msg, time.time(), subject=subjects.out(r.id))
+        self.running[r.id] = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id),
+                                     strikes=strikes)
         self.prompt_tokens += len(r.prompt_token_ids)
-        self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt,
-                      prompt_tokens=len(r.prompt_token_ids))
+        self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt, strikes=strikes,
+                      prompt_tokens=len(r.prompt_token_ids), resumed=len(output))
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
+
+    def redelivery_strikes(self, rid: str, delivered: int) -> int:
+        """A redelivered item: this worker took it before and died, once per redelivery; when its
+        previous life's heartbeat named a request running alone, only that one is to blame."""
+        if delivered <= 1 or (self.blamed and self.blamed != rid):
+            return 0
+        return delivered - 1
+
+    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> list[int]:
+        """Into the engine, continuing after `output` (a moved request); a request with a strike runs
+        alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
+        request starts over from its prompt, and the gateway drops what its client has. Returns the
+        output it continues after."""
+        try:
+            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0)
+            return output
+        except ValueError as e:
+            if not output:
+                raise
+            self.log.warning("progress not resumable; starting from the prompt", request_id=r.id, error=str(e))
+        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+        return []
+
+    async def progress(self, rid: str) -> list[int]:
+        """The output tokens the client of a moved request has, as the gateway says; [] without an answer."""
+        try:
+            reply = await self.nc.request(subjects.progress(rid), b"", timeout=PROGRESS_TIMEOUT)
+            got = decode(reply.data, Progress)
+        except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
+            self.log.info("no progress; starting from the prompt", request_id=rid, error=str(e) or type(e).__name__)
+            return []
+        return list(got.token_ids) if got.id == rid else []
 
     async def on_cancel(self, msg) -> None:
         if (cancel := received(msg, Cancel, self.log, "cancel")) is None:
@@ -351,7 +451,7 @@ class WorkerService:
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.queued_blocks())))
+            self.queued_blocks(), self.suspect)))
 
     def queued_blocks(self) -> int:
         return sum(self.engine.kv.num_blocks_for(r.num_tokens) for r in self.engine.scheduler.waiting)
@@ -367,11 +467,29 @@ class WorkerService:
                     self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
 
 
+async def last_suspect(nc, worker: str) -> str:
+    """The request this worker's previous life (same id, restarted within WORKER_TTL) last said ran
+    alone, from its heartbeat still in the registry; read before the model loads, while it lasts."""
+    try:
+        entry = await (await subjects.registry(nc.jetstream())).get(worker)
+        return decode(entry.value, Heartbeat).isolated if entry.value else ""
+    except (nats.errors.Error, WireError):
+        return ""
+
+
+def num_delivered(msg) -> int:
+    """How many times JetStream delivered this work item (1 the first time)."""
+    try:
+        return max(1, msg.metadata.num_delivered)
+    except Exception:                            # not a JetStream message, e.g. in a test
+        return 1
+
+
 def logprobs(req: Request, start: int) -> Logprobs | None:
     """The logprobs of output tokens from `start` on, for a request that asked for them."""
     if req.params.logprobs is None:
         return None
-    lps = req.logprobs[start:]
+    lps = req.logprobs[start - req.num_resumed_tokens:]    # tokens it resumed after came without theirs
     return Logprobs([t.logprob for t in lps], [[i for i, _ in t.top] for t in lps],
                     [[v for _, v in t.top] for t in lps])
 
@@ -392,6 +510,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="ranks of this replica: this process and tp-1 followers it starts")
+    p.add_argument("--test-hook-fault-token", type=int, help=argparse.SUPPRESS)     # TEST HOOK: see inject_fault
+    p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
     return p
 
 
@@ -405,11 +525,17 @@ def engine_config(args) -> EngineConfig:
 async def serve(args) -> None:
     model = args.model
     log = configure("worker").bind(worker=args.id)
+    nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
+    blamed = await last_suspect(nc, args.id)
     engine = LLMEngine(model, engine_config(args))
     try:
         warm_up(engine)
-        nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
+        if args.test_hook_fault_token is not None:
+            engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
+            log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
+                        action=args.test_hook_fault_action)
         service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
+        service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop.set)

@@ -33,8 +33,12 @@ class ApiError(Exception):
         return Response(orjson.dumps(self.body()), self.status, headers, media_type="application/json")
 
     def frame(self, cid: str | None) -> dict:
-        return {"type": "error", "id": cid, "code": FRAME_CODES.get(self.status, "invalid_request"),
-                "message": self.message}
+        """The websocket's error frame; retry_after (seconds, as Retry-After) when a retry will pass."""
+        frame = {"type": "error", "id": cid, "code": FRAME_CODES.get(self.status, "invalid_request"),
+                 "message": self.message}
+        if self.retry_after is not None:
+            frame["retry_after"] = seconds(self.retry_after)
+        return frame
 
 
 def seconds(s: float) -> int:

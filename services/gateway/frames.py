@@ -4,15 +4,16 @@ import time
 
 import orjson
 
-from schemas.messages import GenerateRequest
-from schemas.sampling import SamplingParams
+from schemas.messages import GenerateRequest, WireError
+from schemas.sampling import MAX_TOKEN_ID, SamplingParams
 from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
 
 
 class FrameError(ValueError):
-    def __init__(self, message: str, id: str | None = None, code: str = "invalid_request"):
+    def __init__(self, message: str, id: str | None = None, code: str = "invalid_request",
+                 retry_after: int | None = None):
         super().__init__(message)
-        self.id, self.code = id, code
+        self.id, self.code, self.retry_after = id, code, retry_after
 
 
 def is_str(v) -> bool:
@@ -101,7 +102,12 @@ def request(frame: dict, rid: str, tenant: str) -> GenerateRequest:
         raise FrameError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})", cid)
     name = given[0]
     prompt = {"messages": messages, "prompt": text, "prompt_token_ids": token_ids}[name](frame[name], cid)
-    return GenerateRequest(rid, tenant, sampling(frame, cid), **{name: prompt}, created=time.time())
+    req = GenerateRequest(rid, tenant, sampling(frame, cid), **{name: prompt}, created=time.time())
+    try:
+        req.check()                              # the bounds every stage checks when it decodes
+    except WireError as e:
+        raise FrameError(str(e), cid) from None
+    return req
 
 
 def messages(v, cid: str) -> list[dict[str, str]]:
@@ -135,6 +141,9 @@ def token_ids(v, cid: str) -> list[int]:
     if not is_ints(v):
         raise wrong("prompt_token_ids", v, "an array of integers", cid)
     too_long("prompt_token_ids", len(v), "tokens", cid)
+    bad = next((i for i, t in enumerate(v) if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise FrameError(f"prompt_token_ids[{bad}]: {v[bad]} is not a token id in [0, {MAX_TOKEN_ID}]", cid)
     return v
 
 

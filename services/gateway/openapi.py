@@ -1,5 +1,15 @@
 """The OpenAPI document of the HTTP API, served at /openapi.json: the bounds in it are the ones the
 gateway enforces (schemathesis generates requests from it)."""
+from schemas.sampling import (
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    SEED_BOUND,
+)
 from schemas.subjects import MAX_MESSAGES, MAX_STOP
 from services.gateway.api import MAX_LOGPROBS, ROLES
 
@@ -36,12 +46,12 @@ def obj(properties: dict, required=()) -> dict:
 
 
 def sampling(max_tokens: int) -> dict:
-    word = {"type": "string", "minLength": 1}
+    word = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     return {
         "max_tokens": integer(1, max_tokens),
-        "temperature": number(0),
+        "temperature": {**number(0, MAX_TEMPERATURE), "description": "0 (greedy) or at least 1e-05"},
         "top_p": number(0, 1, exclusive_lo=True),
-        "seed": integer(0, 2**63 - 1),
+        "seed": integer(0, SEED_BOUND - 1),
         "stop": nullable({"oneOf": [word, {"type": "array", "maxItems": MAX_STOP, "items": word}]}),
         "n": nullable({"type": "integer", "enum": [1]}),
         "presence_penalty": number(-2, 2),
@@ -50,10 +60,11 @@ def sampling(max_tokens: int) -> dict:
         "stream": nullable({"type": "boolean"}),
         "stream_options": nullable(obj({"include_usage": nullable({"type": "boolean"})})),
         "ignore_eos": nullable({"type": "boolean", "description": "extension: generate until max_tokens"}),
-        "top_k": integer(-1),
+        "top_k": integer(-1, MAX_TOP_K),
         "min_p": number(0, 1),
-        "repetition_penalty": number(0, exclusive_lo=True),
-        "stop_token_ids": nullable({"type": "array", "items": {"type": "integer"}}),
+        "repetition_penalty": number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+        "stop_token_ids": nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                    "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}),
     }
 
 

@@ -194,7 +194,7 @@ class Connection:
                 await self.cancel(cid)
         except FrameError as e:
             self.gw.metrics.error(self.key.tenant, e.code)
-            await self.send(error(e.id, e.code, str(e)))
+            await self.send(error(e.id, e.code, str(e), e.retry_after))
         except Exception as e:                    # a bug must not end the connection
             self.log.exception("frame failed")
             await self.send(error(None, "internal", f"the gateway failed on this frame: {type(e).__name__}"))
@@ -210,7 +210,8 @@ class Connection:
         try:
             await self.gw.start(self, cid, req, self.gw.admit(self.key, req), "ws", t0)
         except ApiError as e:                     # refused by a limit: an error frame with its code
-            raise FrameError(e.message, cid, e.frame(cid)["code"]) from None
+            frame = e.frame(cid)
+            raise FrameError(e.message, cid, frame["code"], frame.get("retry_after")) from None
 
     async def cancel(self, cid: str) -> None:
         r = self.inflight.get(cid)
@@ -461,8 +462,11 @@ def from_outcome(o: Outcome, offset: int) -> FinalChunk | ErrorChunk:
                       o.timing, o.worker, o.prompt_tail)
 
 
-def error(cid: str | None, code: str, message: str) -> dict:
-    return {"type": "error", "id": cid, "code": code, "message": message}
+def error(cid: str | None, code: str, message: str, retry_after: int | None = None) -> dict:
+    frame = {"type": "error", "id": cid, "code": code, "message": message}
+    if retry_after is not None:
+        frame["retry_after"] = retry_after
+    return frame
 
 
 def ms(seconds: float | None) -> float | None:

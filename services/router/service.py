@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 import os
 import time
+import uuid
 from collections import OrderedDict
 
 import nats.errors
 import nats.js.errors
+from nats.js import api
 from nats.js.kv import KV_DEL, KV_PURGE
 
 from schemas import subjects
@@ -41,6 +43,7 @@ from services.router.policy import LOAD_SLACK, POLICIES, Choice, Options, Regist
 NO_WORKER_POLL = 0.1
 MAX_PENDING = 100_000        # decisions awaiting their completion; past this the oldest is forgotten
 STATS_LOG_SECONDS = 10.0
+REROUTE_INACTIVE = 30.0      # seconds after which the server deletes a re-route consumer left behind
 
 LOG = configure("router")
 
@@ -117,9 +120,10 @@ class RouterService:
 
     def leave(self, worker: str, why: str) -> None:
         if worker in self.registry.workers:
+            suspect = self.registry.workers[worker].hb.isolated   # a request it ran alone: the crash is its
             self.registry.remove(worker)
             self.log.warning("worker left", worker=worker, why=why)
-            self.spawn(self.reroute(worker))
+            self.spawn(self.reroute(worker, suspect))
 
     # -- the prefix index -------------------------------------------------------------------------
 
@@ -208,50 +212,83 @@ class RouterService:
 
     # -- routing ----------------------------------------------------------------------------------
 
-    async def reroute(self, worker: str) -> None:
+    async def reroute(self, worker: str, suspect: str = "") -> None:
         """Moves what a departed worker still held (queued for it, or taken and never acked) to live
-        workers. Its consumer is deleted first, so it gets nothing more; a request starts over on
-        its new worker, which yields the same tokens (sampling is a function of seed and position)
-        and the gateway drops the ones its client already has."""
+        workers. Its consumer is deleted first, so it gets nothing more. Each item it had taken gets a
+        strike (the strikes follow the request id, across re-routes) — only the suspect, when its last
+        heartbeat said one request ran alone; items only queued for it get none. A moved request
+        continues on its new worker from the tokens its client has (the worker asks the gateway)."""
+        try:
+            await self.move_all(worker, suspect)
+        except asyncio.CancelledError:
+            self.log.warning("re-route interrupted", worker=worker)
+            raise
+        except Exception as e:                      # e.g. the connection closed at shutdown: a log line
+            self.log.error("re-route failed", worker=worker, error=f"{type(e).__name__}: {e}")
+
+    async def move_all(self, worker: str, suspect: str) -> None:
+        taken = await self.delivered(worker)
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(subjects.WORK_STREAM, f"worker-{worker}")
+        name = f"reroute-{worker}-{uuid.uuid4().hex[:12]}"
         try:
-            sub = await self.js.pull_subscribe(subjects.work(worker), stream=subjects.WORK_STREAM)
+            await self.js.add_consumer(subjects.WORK_STREAM, api.ConsumerConfig(
+                name=name, filter_subject=subjects.work(worker), ack_policy=api.AckPolicy.EXPLICIT,
+                inactive_threshold=REROUTE_INACTIVE))
         except nats.js.errors.BadRequestError as e:  # it was alive after all and made its consumer again
             self.log.warning("work not re-routed", worker=worker, error=str(e))
             return
+        try:
+            moved = await self.drain(worker, name, taken, suspect)
+        finally:                                    # at once, so the worker can recreate its consumer
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await self.js.delete_consumer(subjects.WORK_STREAM, name)
+        if moved:
+            self.log.warning("work re-routed", worker=worker, requests=moved, suspect=suspect or None)
+
+    async def delivered(self, worker: str) -> int:
+        """The last stream sequence the worker's consumer delivered: items up to it were taken."""
+        try:
+            info = await self.js.consumer_info(subjects.WORK_STREAM, f"worker-{worker}")
+        except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
+            return 0
+        return info.delivered.stream_seq if info.delivered else 0
+
+    async def drain(self, worker: str, name: str, taken: int, suspect: str) -> int:
+        sub = await self.js.pull_subscribe_bind(stream=subjects.WORK_STREAM, name=name)
         moved = 0
         try:
             while True:
                 try:
                     msgs = await sub.fetch(batch=64, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    break
+                    return moved
                 for msg in msgs:
-                    n = await self.move(msg, worker)
+                    n = await self.move(msg, worker, msg.metadata.sequence.stream <= taken, suspect)
                     if n < 0:                   # it came back (its heartbeat had only lapsed): the rest is its own
-                        return
+                        return moved
                     moved += n
         finally:
-            with contextlib.suppress(nats.errors.Error):  # at once, so the worker can recreate its consumer
-                await self.js.delete_consumer(subjects.WORK_STREAM, (await sub.consumer_info()).name)
             await sub.unsubscribe()
-        if moved:
-            self.log.warning("work re-routed", worker=worker, requests=moved)
 
-    async def move(self, msg, departed: str) -> int:
+    async def move(self, msg, departed: str, taken: bool = False, suspect: str = "") -> int:
         """1 when the item moved to a live worker, 0 when it was dropped, -1 when the only pick is the
-        departed worker itself (re-publishing to its subject would feed this very loop)."""
+        departed worker itself, back already (re-publishing to its subject would feed this very loop:
+        the item stays for it, re-published with its strike if it had taken it)."""
         if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return 0
         worker = await self.pick(msg, item.request)
-        if worker == departed:
+        strike = taken and suspect in ("", item.request.id)
+        if worker == departed and not strike:
             await msg.nak()
             return -1
-        await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1))
-        await msg.ack()
-        return 1
+        strikes = item.strikes + strike
+        if strike:
+            self.log.warning("strike", request_id=item.request.id, worker=departed, strikes=strikes)
+        await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1, strikes))
+        await msg.ack_sync()                        # before the consumer goes: a plain ack can be lost with it
+        return -1 if worker == departed else 1
 
     async def send(self, item: WorkItem) -> None:
         """Publishes the work item, retried under its message id until stored (NotStored past the deadline)."""

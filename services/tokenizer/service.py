@@ -29,6 +29,8 @@ class Tokenizer:
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids; ValueError naming the field or the limit."""
+        if req.sampling.top_k > self.vocab_size:
+            raise ValueError(f"top_k {req.sampling.top_k} is more than the vocabulary ({self.vocab_size} tokens)")
         if req.messages is not None:
             ids = self.chat(req.messages)
         elif req.prompt is not None:

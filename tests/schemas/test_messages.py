@@ -10,6 +10,7 @@ from schemas.messages import (
     TYPES,
     Cancel,
     Completion,
+    DeadLetter,
     ErrorChunk,
     FinalChunk,
     GenerateRequest,
@@ -17,6 +18,9 @@ from schemas.messages import (
     KvEvent,
     KvSnapshot,
     Logprobs,
+    Outcome,
+    Progress,
+    Resend,
     RouterStats,
     TokenChunk,
     TokenizedRequest,
@@ -49,6 +53,10 @@ EXAMPLES = [
     TokenChunk("r1", 0, 0, [9, 10], 2, [5, 6], 16,
                Logprobs([-0.5, -1.0], [[9, 3], [10, 4]], [[-0.5, -2.0], [-1.0, -3.0]])),
     Usage("r1", "t", "0123456789ab", "tiny", "chat", "stop", 9, 4, 7, {"ttft_ms": 1.5, "e2e_ms": 9.0}, 1.0, 2.0),
+    Resend("r1", 4),
+    Progress("r1", [9, 10]),
+    Outcome("r1", "t", "w0", "error", [9], error_code="engine_error", error_message="sampling failed"),
+    DeadLetter(TokenizedRequest("r1", "t", SAMPLING, [5, 6]), "crashed 2 workers", 2, "w1", 3.0),
 ]
 
 
@@ -77,15 +85,15 @@ def wire(msg, **changes) -> bytes:
     (wire(EXAMPLES[4], seq=True), "seq: expected int, got bool"),
     (wire(EXAMPLES[4], token_ids=[1, "x"]), "token_ids[1]: expected int"),
     (wire(EXAMPLES[4], id=...), "id: missing"),
-    (wire(EXAMPLES[0], sampling={"max_tokens": 0}), "sampling.max_tokens must be at least 1"),
+    (wire(EXAMPLES[0], sampling={"max_tokens": 0}), "sampling.max_tokens must be in [1, 1048576]"),
     (wire(EXAMPLES[0], sampling={"temperature": "hot"}), "sampling.temperature: expected float"),
     (wire(EXAMPLES[0], messages=None), "exactly one of messages, prompt, prompt_token_ids"),
     (wire(EXAMPLES[0], prompt="also"), "exactly one of messages, prompt, prompt_token_ids"),
     (wire(EXAMPLES[3], request={"id": "r"}), "request.tenant: missing"),
     (wire(EXAMPLES[5], stop_reason=[1]), "stop_reason: [1] is not int | str | NoneType"),
-    (wire(EXAMPLES[-2], logprobs={"logprob": [0.5], "top_ids": [["x"]], "top_logprobs": [[]]}),
+    (wire(EXAMPLES[15], logprobs={"logprob": [0.5], "top_ids": [["x"]], "top_logprobs": [[]]}),
      "logprobs.top_ids[0][0]: expected int"),
-    (wire(EXAMPLES[-1], prompt_tokens=1.5), "prompt_tokens: expected int, got float"),
+    (wire(EXAMPLES[16], prompt_tokens=1.5), "prompt_tokens: expected int, got float"),
 ])
 def test_bad_messages_are_wire_errors_that_name_the_field(data, message):
     with pytest.raises(WireError, match=message.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):

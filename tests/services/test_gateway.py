@@ -297,10 +297,20 @@ MALFORMED = [  # (frame, what the error message names, the id the error frame ca
     (generate("a", seed=7.0), "seed: expected an integer, got a float", "a"),
     ({"type": "generate", "id": "a", "prompt": "x", "messages": msgs(1)}, "exactly one of messages, prompt", "a"),
     ({"type": "generate", "id": "a"}, "exactly one of messages, prompt, prompt_token_ids is needed (got none)", "a"),
-    (generate("a", temperature=-1), "temperature must be >= 0", "a"),
+    (generate("a", temperature=-1), "temperature must be 0 (greedy) or in [1e-05, 100.0]", "a"),
     (generate("a", top_p=0), "top_p must be in (0, 1]", "a"),
-    (generate("a", max_tokens=0), "max_tokens must be at least 1", "a"),
-    (generate("a", seed=-1), "seed must be in [0, 2**63)", "a"),
+    (generate("a", max_tokens=0), "max_tokens must be in [1, 1048576]", "a"),
+    (generate("a", seed=-1), "seed must be in [0, 2**64)", "a"),
+    (generate("a", top_k=2**64 - 1), "top_k must be in [1, 1048576], or 0 / -1 to disable", "a"),
+    (generate("a", max_tokens=2**64 - 1), "max_tokens must be in [1, 1048576]", "a"),
+    (generate("a", temperature=1e308), "temperature must be 0 (greedy) or in", "a"),
+    (generate("a", temperature=1e-300), "temperature must be 0 (greedy) or in", "a"),
+    (generate("a", repetition_penalty=1e308), "repetition_penalty must be in [0.01, 100.0]", "a"),
+    (generate("a", stop_token_ids=[2**64 - 1]), "stop_token_ids must be token ids in [0, 2147483647]", "a"),
+    (generate("a", stop_token_ids=list(range(300))), "MAX_STOP_TOKEN_IDS=256", "a"),
+    (generate("a", stop=["x" * 2000]), "MAX_STOP_CHARS=1024", "a"),
+    ({"type": "generate", "id": "a", "prompt_token_ids": [1, 2**64 - 1]},
+     "prompt_token_ids[1]: 18446744073709551615 is not a token id in [0, 2147483647]", "a"),
     ({"type": "generate", "id": "a", "messages": msgs(MAX_MESSAGES + 1)},
      f"messages: {MAX_MESSAGES + 1} messages is more than MAX_MESSAGES={MAX_MESSAGES}", "a"),
     (generate("a", "x" * (MAX_PROMPT_CHARS + 1)),
@@ -383,6 +393,17 @@ def test_a_request_whose_stream_was_deleted_is_stored_in_the_stream_made_again(n
                         break
                 assert time.monotonic() < deadline, "the request was not stored"
                 await asyncio.sleep(0.1)
+    run(body())
+
+
+def test_a_refusal_on_the_websocket_says_when_to_retry_like_http_retry_after(nats_url, tiny_model, tok):
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, workers=0) as down, connect(down.ws) as ws:
+            await send(ws, generate("r"))
+            err = await recv(ws)
+            assert (err["type"], err["id"], err["code"], err["retry_after"]) == ("error", "r", "unavailable", 1)
+            await send(ws, {"type": "generate", "id": "bad", "prompt": "x", "max_tokens": 0})
+            assert "retry_after" not in await recv(ws)          # a bad field: retrying will not help
     run(body())
 
 

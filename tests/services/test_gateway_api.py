@@ -195,8 +195,19 @@ BAD = [  # (path, body, status, words in the message, param)
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, ["one prompt per request (got 2)"], "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": {"x": 1}}, 400, ["prompt: required"], "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, ["echo: unknown or unsupported"], "echo"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, ["max_tokens must be at least 1"],
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, ["max_tokens must be in [1, "],
      "max_tokens"),
+    ("/v1/chat/completions", chat(top_k=2**64 - 1), 400, ["top_k must be in [1, 1048576]"], "top_k"),
+    ("/v1/chat/completions", chat(seed=2**64 - 1, temperature=1e308), 400, ["temperature must be 0 (greedy) or in"],
+     "temperature"),
+    ("/v1/chat/completions", chat(repetition_penalty=1e300), 400, ["repetition_penalty must be in [0.01, 100.0]"],
+     "repetition_penalty"),
+    ("/v1/chat/completions", chat(stop_token_ids=[2**64 - 1]), 400, ["stop_token_ids must be token ids"],
+     "stop_token_ids"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=2**64 - 1), 400, ["[0, 20]"], "top_logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2**64 - 1]}, 400,
+     ["prompt_token_ids[1]: 18446744073709551615 is not a token id"], "prompt_token_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2**64 - 1}, 400, ["max_tokens"], "max_tokens"),
 ]
 
 

@@ -39,3 +39,9 @@ def test_requests_it_cannot_encode_are_errors_naming_the_field_or_limit(tok, pro
 
 def test_the_context_limit_defaults_to_the_models(tiny_model):
     assert Tokenizer(tiny_model).max_model_len == 4096
+
+
+def test_a_top_k_larger_than_the_vocabulary_is_refused_naming_it(tok):
+    with pytest.raises(ValueError, match=f"top_k 1048576 is more than the vocabulary \\({tok.vocab_size} tokens\\)"):
+        tok.encode(GenerateRequest("r1", "t", SamplingParams(top_k=1 << 20), prompt="x"))
+    assert tok.encode(GenerateRequest("r1", "t", SamplingParams(top_k=tok.vocab_size), prompt="x"))

@@ -92,8 +92,8 @@ def test_bad_requests_are_refused_with_the_field_and_limit_named_and_nothing_hal
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("max_tokens", 0, "max_tokens must be at least 1"),
-    ("temperature", -0.5, "temperature must be >= 0"),
+    ("max_tokens", 0, r"max_tokens must be in \[1, 1048576\]"),
+    ("temperature", -0.5, r"temperature must be 0 \(greedy\) or in \[1e-05, 100.0\]"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
     ("top_k", -2, "top_k"),

@@ -1,6 +1,7 @@
 """The engine: add requests, step (schedule, run, update), abort. Tokens in, tokens out; text
 and stop strings are the caller's (the offline LLM or the gateway)."""
 import json
+import os
 import random
 import time
 import weakref
@@ -9,11 +10,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from schemas.sampling import SamplingParams, check
-from workers.distributed import SINGLE, Followers, TPGroup, leave
+from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
 from workers.engine.runner import ModelRunner
-from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from workers.models.config import ModelConfig
 from workers.models.llama import CausalLM
 
@@ -106,6 +107,8 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k {params.top_k} is more than the vocabulary ({vocab} tokens)")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
                              "leaves no room for output")
@@ -119,14 +122,30 @@ class LLMEngine:
             raise ValueError(f"request needs {need} KV blocks for prompt + max_tokens, more than the whole pool "
                              f"(num_kv_blocks={self.kv.num_blocks}); lower max_tokens or grow the pool")
 
+    def check_resume(self, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for output tokens a moved request cannot continue from."""
+        vocab, n = self.model_cfg.vocab_size, len(output_token_ids)
+        bad = next((t for t in output_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"output_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n >= params.max_tokens or len(prompt_token_ids) + n >= self.max_model_len:
+            raise ValueError(f"output_token_ids: {n} tokens leave no room for more (max_tokens={params.max_tokens}, "
+                             f"max_model_len={self.max_model_len})")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False) -> Request:
+        """Queues a request. With output_token_ids (a request moved from another worker) it continues
+        after them: prompt + those tokens are computed as one prefill, and positions, penalties,
+        max_tokens and stop conditions go on as if it had never moved. `isolate`: its steps run
+        alone until its first token (a request suspected of crashing a worker)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         self.check_request(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
-        req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed,
-                      self.config.block_size, cache_salt)
+        if output_token_ids:
+            self.check_resume(prompt_token_ids, output_token_ids, params)
+        seed = as_int64(params.seed) if params.seed is not None else self.seeds.getrandbits(63)
+        req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
+                      self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -159,12 +178,11 @@ class LLMEngine:
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
         self.check_alive()
         try:
-            tokens, logprobs = self.runner.run(batch, tables)
-        except RuntimeError as e:                # a collective failed: name the rank that died
-            if self.followers is not None:
-                self.followers.explain(e)
-            raise
-        updated = self.scheduler.update(batch, tokens, logprobs)
+            tokens, logprobs = self.run(batch, tables)
+        except Exception as e:                   # one request's fault, most likely: find it, fail it alone
+            updated = self.isolate(batch, tables, e)
+        else:
+            updated = self.scheduler.update(batch, tokens, logprobs)
         for req in updated:
             if req.finished:
                 del self.requests[req.request_id]
@@ -175,6 +193,62 @@ class LLMEngine:
             self.trace.append(StepTrace(len(batch.requests), batch.num_tokens, time.perf_counter() - start,
                                         self.runner.forward_seconds - forward_before, waste))
         return updated
+
+    def run(self, batch: Batch, tables: list[list[int]]):
+        try:
+            return self.runner.run(batch, tables)
+        except RuntimeError as e:
+            if self.followers is not None:       # a collective failed: name the rank that died
+                self.followers.explain(e)
+            raise
+
+    def isolate(self, batch: Batch, tables: list[list[int]], error: Exception) -> list[Request]:
+        """After a failed step: runs halves of it again until each failure is one request that fails
+        alone; those end with finish_reason "error", the others get their step's tokens. KV slots the
+        failed runs wrote are simply written again (same tokens, same positions). When every request
+        of a step of several fails alone, no request is to blame (e.g. out of memory): it raises."""
+        if self.followers is not None or isinstance(error, WorkerFailure):
+            raise error                          # other ranks may be mid-step: nothing to attribute
+        updated: list[Request] = []
+        failed: list[tuple[Request, Exception]] = []
+        pending = [list(range(len(batch.requests)))]
+        while pending:
+            rows = pending.pop()
+            sub = sub_batch(batch, rows)
+            try:
+                if len(rows) == len(batch.requests):
+                    raise error                  # the whole step failed already: split it
+                tokens, logprobs = self.run(sub, [tables[i] for i in rows])
+            except WorkerFailure:
+                raise
+            except Exception as e:
+                if len(rows) == 1:
+                    failed.append((sub.requests[0], e))
+                else:
+                    pending += [rows[len(rows) // 2:], rows[:len(rows) // 2]]
+            else:
+                updated += self.scheduler.update(sub, tokens, logprobs)
+        if len(failed) == len(batch.requests) > 1:
+            raise error
+        for req, e in failed:
+            self.scheduler.fail(req, f"the engine failed on this request: {e!r}"[:1000])
+            updated.append(req)
+        return updated
+
+    def inject_fault(self, token_id: int, action: str = "raise") -> None:
+        """TEST HOOK, off unless called: the model forward of any step whose input holds token_id
+        raises (action "raise") or ends this process at once (action "exit"), as a poison request
+        would deep inside a kernel. For tests of fault isolation only."""
+        execute = self.runner.execute
+
+        def faulty(inputs):
+            if bool((inputs.input_ids == token_id).any()):
+                if action == "exit":
+                    os._exit(70)
+                raise RuntimeError(f"test hook: fault injected on token {token_id}")
+            return execute(inputs)
+
+        self.runner.execute = faulty
 
     def stats(self) -> dict:
         return {
@@ -187,6 +261,21 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "steps": self.num_steps,
         }
+
+
+def sub_batch(batch: Batch, rows: list[int]) -> Batch:
+    """The part of a step's batch with these rows (in order), as the scheduler planned them."""
+    sub = Batch()
+    for i in rows:
+        sub.requests.append(batch.requests[i])
+        sub.num_new_tokens.append(batch.num_new_tokens[i])
+        sub.samples.append(batch.samples[i])
+    return sub
+
+
+def as_int64(seed: int) -> int:
+    """An unsigned 64-bit seed as the int64 with the same bits (the sampler's hash runs in int64)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def build_runner(model_dir: str, model_cfg: ModelConfig, config: EngineConfig, tp: TPGroup) -> ModelRunner:

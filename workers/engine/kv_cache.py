@@ -137,6 +137,19 @@ class KVCacheManager:
                     self.changes[h] = True
         self.num_hashed[req.request_id] = max(start, end)
 
+    def uncache_uncomputed(self, req: Request) -> None:
+        """Forgets the hashes registered for req's blocks past its computed tokens: a step that failed
+        never wrote their KV, so no later request may hit them."""
+        start = req.num_computed_tokens // self.block_size
+        for block in self.req_blocks.get(req.request_id, [])[start:self.num_hashed.get(req.request_id, 0)]:
+            if block.hash is not None and block.ref_cnt == 1 and self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+                if self.changes is not None:
+                    self.changes[block.hash] = False
+                block.hash = None
+        if req.request_id in self.num_hashed:
+            self.num_hashed[req.request_id] = min(start, self.num_hashed[req.request_id])
+
     def free_request(self, req: Request) -> None:
         """Returns req's blocks, tail first, so the LRU evicts chain tails before their parents."""
         self.num_hashed.pop(req.request_id, None)

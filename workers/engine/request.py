@@ -34,8 +34,11 @@ class Request:
     num_cached_tokens: int = -1             # prefix-cache hit when first scheduled
     block_hashes: list[int] = field(default_factory=list)   # of the full blocks of token_ids
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
+    error: str = ""                         # what failed, for finish_reason "error"
+    isolate: bool = False                   # run alone until its first token (a suspect: it has a strike)
+    num_resumed_tokens: int = 0             # output tokens it came with (a migrated request)
 
     def __post_init__(self):
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt)

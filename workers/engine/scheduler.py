@@ -55,11 +55,38 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        alone = self.schedule_alone()
+        if alone is not None:
+            return alone
         batch = Batch()
         budget = self.schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
             self.schedule_waiting(batch, budget)
         return batch
+
+    def suspect(self) -> Request | None:
+        """The request to run alone next: one marked `isolate` that is running, or heads the queue."""
+        running = next((r for r in self.running if r.isolate), None)
+        if running is not None:
+            return running
+        if self.waiting and self.waiting[0].isolate and len(self.running) < self.config.max_num_seqs:
+            return self.waiting[0]
+        return None
+
+    def schedule_alone(self) -> Batch | None:
+        """A step of the suspect alone (the others wait one step), so a crash in it blames only it;
+        None to schedule as usual (no suspect, or no blocks for it alone)."""
+        req = self.suspect()
+        if req is None:
+            return None
+        batch, budget = Batch(), self.config.max_num_batched_tokens
+        if req.status == Status.RUNNING:
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate_slots(req, n):
+                batch.add(req, n)
+        else:
+            self.schedule_waiting(batch, budget, most=1)
+        return batch if batch.requests else None
 
     def schedule_running(self, batch: Batch, budget: int) -> int:
         i = 0
@@ -77,8 +104,9 @@ class Scheduler:
             i += 1
         return budget
 
-    def schedule_waiting(self, batch: Batch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def schedule_waiting(self, batch: Batch, budget: int, most: int | None = None) -> None:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and (most is None or len(batch.requests) < most)):
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
@@ -115,6 +143,7 @@ class Scheduler:
             if not samples:
                 continue
             token, lp = next(sampled)
+            req.isolate = False
             req.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
@@ -139,9 +168,16 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.kv.free_request(req)
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, reason: str = "abort") -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status in (Status.WAITING, Status.PREEMPTED):
             self.waiting.remove(req)
-        self.finish(req, "abort")
+        self.finish(req, reason)
+
+    def fail(self, req: Request, error: str) -> None:
+        """Ends req with finish_reason "error" after a step it was in failed: the blocks that step
+        registered in the prefix cache hold no KV, so they are forgotten before being freed."""
+        self.kv.uncache_uncomputed(req)
+        req.error = error
+        self.abort(req, "error")

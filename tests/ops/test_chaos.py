@@ -1,0 +1,61 @@
+"""tokenbus chaos: the scoring of what clients saw, the table, and a small run of real scenarios."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ops.chaos import SCENARIOS, Outcome, Result, Run, table
+
+
+def scored(outcomes: dict[str, Outcome], expected: dict[str, list[int]]) -> Result:
+    run = Run.__new__(Run)
+    run.outcomes, run.expected, run.result = outcomes, expected, Result("t")
+    run.probe_done, run.fault_at, run.fault_end = [], 0.0, 0.0
+    run.score()
+    return run.result
+
+
+def done(tokens: list[int]) -> Outcome:
+    return Outcome(tokens=tokens, end={"type": "done", "usage": {"completion_tokens": len(tokens)}})
+
+
+def test_scoring_tells_completed_wrong_refused_lost_and_cut_apart():
+    refused = Outcome(end={"type": "error", "code": "overloaded"})
+    failed = Outcome(end={"type": "error", "code": "timeout", "message": "deadline"})
+    claims_more = Outcome(tokens=[1, 2], end={"type": "done", "usage": {"completion_tokens": 3}})
+    r = scored({"a": done([1, 2, 3]), "b": done([1, 9, 3]), "c": refused, "d": Outcome(), "e": Outcome(cut=True),
+                "f": failed, "g": claims_more},
+               {k: [1, 2, 3] for k in "abcdefg"})
+    assert (r.accepted, r.completed, r.wrong, r.lost, r.cut, r.errors) == (6, 1, 2, 1, 1, 1)
+    assert not r.clean
+
+
+def test_the_table_has_a_row_per_scenario_under_the_issue_s_columns():
+    text = table([Result("none", sent=3, accepted=3, completed=3, recovery_s=0.4), Result("poison", poison_sent=2,
+                                                                                          poison_answered=2)])
+    head, _, none, poison = text.splitlines()
+    assert head.split()[:7] == ["scenario", "sent", "accepted", "completed", "lost", "duplicated", "wrong"]
+    assert none.split()[:4] == ["none", "3", "3", "3"] and "0.4" in none
+    assert "2/2" in poison
+
+
+def test_every_scenario_the_issue_names_is_there():
+    for name in ("kill-worker", "kill-router", "kill-tokenizer", "kill-gateway", "stop-worker", "stop-router",
+                 "stop-tokenizer", "stop-gateway", "broker-restart", "poison", "slow-client", "overload"):
+        assert name in SCENARIOS
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_chaos_poison_and_broker_restart_lose_nothing(tiny_model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "chaos", "--model", tiny_model, "--scenarios", "poison",
+                           "broker-restart", "--requests", "12", "--max-tokens", "24", "--patience", "60",
+                           "--data-dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=380)
+    results = {r["scenario"]: r for r in json.loads(proc.stdout)}
+    for r in results.values():
+        assert r["sent"] >= 12 and r["accepted"] == r["completed"], r
+        assert (r["lost"], r["duplicated"], r["wrong"], r["errors"]) == (0, 0, 0, 0), r
+        assert r["workers_registered"] == 2, r
+    assert results["poison"]["poison_answered"] == results["poison"]["poison_sent"] > 0
+    assert proc.returncode == 0, proc.stderr[-2000:]

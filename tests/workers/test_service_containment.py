@@ -1,0 +1,143 @@
+"""The worker service on a real nats-server with the tiny model, in-process: a request the engine
+fails is answered with engine_error, dead-lettered and acked while the worker keeps serving; an item
+with MAX_STRIKES strikes is dead-lettered without running; a moved item continues from the tokens
+the gateway says its client has."""
+import asyncio
+import contextlib
+import time
+
+import nats
+import pytest
+
+from schemas import subjects
+from schemas.log import configure
+from schemas.messages import (
+    DeadLetter,
+    ErrorChunk,
+    FinalChunk,
+    Outcome,
+    Progress,
+    TokenChunk,
+    TokenizedRequest,
+    WorkItem,
+    decode,
+    encode,
+)
+from schemas.sampling import SamplingParams
+from workers.engine.engine import EngineConfig, LLMEngine
+from workers.service import WorkerService
+
+FAULT = 4001
+PARAMS = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64, max_num_seqs=8))
+    engine.inject_fault(FAULT)
+    return engine
+
+
+@contextlib.asynccontextmanager
+async def worker(nats_url: str, engine: LLMEngine):
+    nc = await nats.connect(nats_url)
+    service = WorkerService(nc, engine, "w0", "tiny", configure("worker").bind(worker="w0"))
+    task = asyncio.create_task(service.run())
+    try:
+        yield service
+    finally:
+        service.stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+
+
+async def submit(js, rid: str, prompt: list[int], attempt: int = 0, strikes: int = 0) -> None:
+    item = WorkItem(TokenizedRequest(rid, "t", PARAMS, prompt), "w0", time.time(), attempt, strikes)
+    await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid, item.msg_id))
+
+
+async def stream(nc, rid: str) -> asyncio.Queue:
+    q = asyncio.Queue()
+    await nc.subscribe(subjects.out(rid), cb=q.put)
+    return q
+
+
+async def until_end(q: asyncio.Queue) -> list:
+    got = []
+    async with asyncio.timeout(30):
+        while not got or isinstance(got[-1], TokenChunk):
+            got.append(decode((await q.get()).data, TokenChunk, FinalChunk, ErrorChunk))
+    return got
+
+
+async def dead_letters(js) -> list[DeadLetter]:
+    sub = await js.subscribe(subjects.DEAD_SUBJECTS, ordered_consumer=True)
+    out = []
+    with contextlib.suppress(TimeoutError, asyncio.TimeoutError, nats.errors.TimeoutError):
+        while True:
+            out.append(decode((await sub.next_msg(timeout=0.5)).data, DeadLetter))
+    return out
+
+
+def test_an_engine_failure_is_dead_lettered_and_acked_and_the_worker_keeps_serving(nats_url, engine):
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        bad, good = await stream(nc, "bad"), await stream(nc, "good")
+        async with worker(nats_url, engine) as service:
+            await submit(js, "bad", [5, FAULT, 6])
+            await submit(js, "good", [5, 7, 6])
+            err, done = (await until_end(bad))[-1], (await until_end(good))[-1]
+            assert err.code == "engine_error" and "fault injected on token 4001" in err.message
+            assert done.finish_reason == "length" and done.usage["completion_tokens"] == 8
+            await asyncio.sleep(0.5)
+            assert not service.failed and not service.stop.is_set()
+        (dead,) = await dead_letters(js)
+        assert dead.request.id == "bad" and dead.strikes == 1 and dead.worker == "w0"
+        outcome = decode((await (await subjects.outcomes(js)).get("bad")).value, Outcome)
+        assert (outcome.finish_reason, outcome.error_code) == ("error", "engine_error")
+        assert (await js.stream_info(subjects.WORK_STREAM)).state.messages == 0    # acked: never again
+        await nc.close()
+    asyncio.run(main())
+
+
+def test_an_item_with_max_strikes_is_dead_lettered_without_running(nats_url, engine):
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        q = await stream(nc, "struck")
+        steps = engine.num_steps
+        async with worker(nats_url, engine):
+            await submit(js, "struck", [5, 6], attempt=2, strikes=subjects.MAX_STRIKES)
+            (err,) = await until_end(q)
+        assert err.code == "dead_lettered" and f"crashed or failed {subjects.MAX_STRIKES} workers" in err.message
+        assert engine.num_steps == steps
+        assert [d.request.id for d in await dead_letters(js)] == ["struck"]
+        await nc.close()
+    asyncio.run(main())
+
+
+def test_a_moved_item_continues_after_the_tokens_the_gateway_reports(nats_url, engine):
+    async def main():
+        ref = engine.add_request("ref", [9, 8, 7], PARAMS)
+        while engine.has_unfinished():
+            engine.step()
+        have = ref.output_token_ids[:3]
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+
+        async def answer(msg):
+            await nc.publish(msg.reply, encode(Progress("moved", have)))
+        await nc.subscribe(subjects.progress("moved"), cb=answer)
+        q = await stream(nc, "moved")
+        async with worker(nats_url, engine):
+            await submit(js, "moved", [9, 8, 7], attempt=1)
+            got = await until_end(q)
+        assert got[0].offset == 3                                  # its chunks go on where the client is
+        assert have + [t for c in got for t in c.token_ids] == ref.output_token_ids
+        assert got[-1].usage["completion_tokens"] == 8
+        await nc.close()
+    asyncio.run(main())
