@@ -187,6 +187,15 @@ class Outcome:
     ts: float = 0.0
 
 
+def ending(o: "Outcome", offset: int = 0) -> "FinalChunk | ErrorChunk":
+    """The last chunk of a request as its Outcome has it: its output tokens from `offset` on (seq -1:
+    not one of the stream's numbered chunks), or its error."""
+    if o.finish_reason == "error":
+        return ErrorChunk(o.id, o.error_code, o.error_message)
+    return FinalChunk(o.id, -1, offset, o.output_token_ids[offset:], o.finish_reason, o.stop_reason, o.usage,
+                      o.timing, o.worker, o.prompt_tail)
+
+
 @dataclass(slots=True)
 class DeadLetter:
     """→ TB_DEAD (tb.dead.<tenant>): a request that failed or crashed workers MAX_STRIKES times, with why;

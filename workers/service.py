@@ -40,6 +40,7 @@ from schemas.messages import (
     WorkItem,
     decode,
     encode,
+    ending,
     received,
 )
 from schemas.sampling import SamplingParams
@@ -246,10 +247,7 @@ class WorkerService:
             self.log.warning("outcome not read", request_id=rid, error=str(e) or type(e).__name__)
             return False
         o = decode(entry.value, Outcome)
-        end = (ErrorChunk(rid, o.error_code, o.error_message) if o.finish_reason == "error" else
-               FinalChunk(rid, -1, 0, o.output_token_ids, o.finish_reason, o.stop_reason, o.usage, o.timing,
-                          o.worker, o.prompt_tail))
-        await self.nc.publish(subjects.out(rid), encode(end))
+        await self.nc.publish(subjects.out(rid), encode(ending(o)))
         await msg.ack()
         self.log.warning("redelivered request had ended: not run again", request_id=rid, tenant=item.request.tenant,
                          attempt=item.attempt, finish_reason=o.finish_reason, ended_on=o.worker)

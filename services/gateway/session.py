@@ -39,6 +39,7 @@ from schemas.messages import (
     WireError,
     decode,
     encode,
+    ending,
 )
 from services.gateway import admission, frames, keys
 from services.gateway.admission import Admission, Ticket
@@ -341,7 +342,7 @@ class Request:
         gw = self.conn.gw
         try:
             outcome = await gw.outcome(self.rid)
-            chunk = from_outcome(outcome, self.received) if outcome else await gw.resend(self.rid, self.received)
+            chunk = ending(outcome, self.received) if outcome else await gw.resend(self.rid, self.received)
             source = "outcome" if outcome else "resend" if chunk else "none"
             if source != "none" or cause == "gap":
                 self.log.warning("stream checked", request_id=self.rid, cause=cause, source=source,
@@ -452,14 +453,6 @@ class Request:
     async def unsubscribe(self) -> None:
         with contextlib.suppress(nats.errors.Error):
             await self.sub.unsubscribe()
-
-
-def from_outcome(o: Outcome, offset: int) -> FinalChunk | ErrorChunk:
-    """The end of a request as its Outcome has it: its tokens from `offset` on, or its error."""
-    if o.finish_reason == "error":
-        return ErrorChunk(o.id, o.error_code, o.error_message)
-    return FinalChunk(o.id, -1, offset, o.output_token_ids[offset:], o.finish_reason, o.stop_reason, o.usage,
-                      o.timing, o.worker, o.prompt_tail)
 
 
 def error(cid: str | None, code: str, message: str, retry_after: int | None = None) -> dict:
