@@ -24,6 +24,21 @@ class WireError(ValueError):
 
 
 @dataclass(slots=True)
+class Meter:
+    """What a usage record needs beyond the tokens: the API key's id, the API, the served model's name.
+    The gateway sets it; the worker writes the usage record from it when the gateway cannot (it died)."""
+    key_id: str = ""
+    api: str = ""                                 # ws | chat | completions
+    model: str = ""
+
+
+def check_meter(meter: "Meter | None") -> None:
+    if meter is not None:
+        for name in ("key_id", "api", "model"):
+            limit(len(getattr(meter, name)), MAX_SALT_CHARS, f"meter.{name}", "MAX_SALT_CHARS", "characters")
+
+
+@dataclass(slots=True)
 class GenerateRequest:
     """gateway → TB_REQUESTS: what the client asked, exactly one of messages, prompt and prompt_token_ids."""
     TYPE: typing.ClassVar[str] = "request"
@@ -35,12 +50,14 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
     created: float = 0.0                          # unix time the gateway accepted it
+    meter: Meter | None = None                  # who to bill, carried to the worker
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
         check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_meter(self.meter)
         from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
         if self.messages is not None:
             limit(len(self.messages), MAX_MESSAGES, "messages", "MAX_MESSAGES", "messages")
@@ -62,9 +79,11 @@ class TokenizedRequest:
     prompt_token_ids: list[int]
     cache_salt: str | None = None
     created: float = 0.0
+    meter: Meter | None = None
 
     def check(self) -> None:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_meter(self.meter)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
 
 

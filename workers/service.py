@@ -36,6 +36,7 @@ from schemas.messages import (
     Resend,
     TokenChunk,
     TokenizedRequest,
+    Usage,
     WireError,
     WorkItem,
     decode,
@@ -50,6 +51,7 @@ from workers.engine.request import Request
 
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
+USAGE_BACKUP_SECONDS = 5.0     # the worker's usage record waits for the gateway's (same message id) to win
 INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
 PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
 DROP_CHUNKS = "TB_TEST_DROP_CHUNKS"   # test hook, off when unset: "2,final" drops chunk 2 and the final chunk
@@ -194,26 +196,38 @@ class WorkerService:
                             req.finish_reason, req.stop_reason, usage, timing, r.created)
         outcome = Outcome(rid, r.tenant, self.id, req.finish_reason, list(req.output_token_ids), req.stop_reason,
                           usage, timing, r.prompt_token_ids[-PROMPT_CONTEXT:], ts=time.time())
-        self.spawn(self.record(record, outcome, run.msg))
+        self.spawn(self.record(record, outcome, run.msg, metered(r, record, time.time())))
         self.finished += 1
         self.log.info("request finished", request_id=rid, tenant=r.tenant, finish_reason=req.finish_reason,
                       resumed=req.num_resumed_tokens, generated=req.num_output_tokens - req.num_resumed_tokens,
                       **usage, **timing)
 
-    async def record(self, record: Completion, outcome: Outcome, msg) -> None:
+    async def record(self, record: Completion, outcome: Outcome, msg, usage: Usage | None = None) -> None:
         """Creates the request's Outcome (the first end of a request id wins), stores the completion record
         if this end won, then acks the work item (not acked: JetStream redelivers, and already_ended()
-        finds the Outcome). The publishes are retried under the request id through a broker restart."""
+        finds the Outcome). The publishes are retried under the request id through a broker restart.
+        The usage record follows USAGE_BACKUP_SECONDS later: the gateway's, stored first under the same
+        message id, wins; the worker's counts only where the gateway died with the request."""
         rid = record.id
         try:
             if await self.create_outcome(outcome):
                 await subjects.publish(self.js, subjects.done(record.tenant), encode(record), subjects.msg_id(rid),
                                        self.log)
+                if usage is not None:
+                    self.spawn(self.meter_later(usage))
             else:
                 self.log.warning("request ended before: completion not recorded again", request_id=rid)
             await msg.ack()
         except (nats.errors.Error, asyncio.TimeoutError, subjects.NotStored) as e:
             self.log.error("completion not stored", request_id=rid, error=str(e) or type(e).__name__)
+
+    async def meter_later(self, usage: Usage) -> None:
+        await asyncio.sleep(USAGE_BACKUP_SECONDS)
+        try:
+            await subjects.publish(self.js, subjects.usage(usage.tenant), encode(usage), subjects.msg_id(usage.id),
+                                   self.log)
+        except (nats.errors.Error, asyncio.TimeoutError, subjects.NotStored) as e:
+            self.log.error("usage record not stored", request_id=usage.id, error=str(e) or type(e).__name__)
 
     async def create_outcome(self, outcome: Outcome) -> bool:
         """True if this end of the request is the first (created now, or by an earlier attempt of this
@@ -481,6 +495,16 @@ def num_delivered(msg) -> int:
         return max(1, msg.metadata.num_delivered)
     except Exception:                            # not a JetStream message, e.g. in a test
         return 1
+
+
+def metered(r: TokenizedRequest, done: Completion, now: float) -> Usage | None:
+    """The usage record of a request as the worker saw it; None for one that names no API (offline use)."""
+    m, u = r.meter, done.usage
+    if m is None or not m.api:
+        return None
+    timing = {"queue_ms": done.timing["queue_ms"]} if "queue_ms" in done.timing else {}
+    return Usage(r.id, r.tenant, m.key_id, m.model, m.api, done.finish_reason, u.get("prompt_tokens", 0),
+                 u.get("cached_tokens", 0), u.get("completion_tokens", 0), timing, r.created, now)
 
 
 def logprobs(req: Request, start: int) -> Logprobs | None:

@@ -31,6 +31,7 @@ from schemas.messages import (
     ErrorChunk,
     FinalChunk,
     GenerateRequest,
+    Meter,
     Outcome,
     Progress,
     Resend,
@@ -93,6 +94,7 @@ class Gateway:
     async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float) -> "Request":
         """Subscribes to the request's tokens, then publishes it (in a task); the tenant's salt goes in."""
         req.tenant = req.cache_salt = ticket.key.tenant          # the salt is the gateway's, never the client's
+        req.meter = Meter(ticket.key.id, api, self.model)
         r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created)
         try:
             r.sub = await self.nc.subscribe(subjects.out(req.id), cb=r.on_msg)  # before the publish

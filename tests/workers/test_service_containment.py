@@ -15,15 +15,18 @@ from schemas.messages import (
     DeadLetter,
     ErrorChunk,
     FinalChunk,
+    Meter,
     Outcome,
     Progress,
     TokenChunk,
     TokenizedRequest,
+    Usage,
     WorkItem,
     decode,
     encode,
 )
 from schemas.sampling import SamplingParams
+from workers import service as service_module
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.service import WorkerService
 
@@ -141,3 +144,40 @@ def test_a_moved_item_continues_after_the_tokens_the_gateway_reports(nats_url, e
         assert got[-1].usage["completion_tokens"] == 8
         await nc.close()
     asyncio.run(main())
+
+
+async def usage_records(js) -> list[Usage]:
+    sub = await js.subscribe(subjects.USAGE_SUBJECTS, ordered_consumer=True)
+    out = []
+    with contextlib.suppress(TimeoutError, asyncio.TimeoutError, nats.errors.TimeoutError):
+        while True:
+            out.append(decode((await sub.next_msg(timeout=0.5)).data, Usage))
+    return out
+
+
+def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_url, engine, monkeypatch):
+    monkeypatch.setattr(service_module, "USAGE_BACKUP_SECONDS", 0.2)
+
+    async def body():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        async with worker(nats_url, engine):
+            for rid, gateway_metered in (("orphan", False), ("metered", True)):
+                q = await stream(nc, rid)
+                item = WorkItem(TokenizedRequest(rid, "t", PARAMS, [5, 6, 7], meter=Meter("k1", "chat", "tiny")),
+                                "w0", time.time())
+                if gateway_metered:              # the gateway's own record, stored first
+                    gateway_usage = Usage(rid, "t", "k1", "tiny", "chat", "length", 3, 0, 8, {"ttft_ms": 1.0})
+                    await js.publish(subjects.usage("t"), encode(gateway_usage), headers=subjects.msg_id(rid))
+                await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
+                assert isinstance((await until_end(q))[-1], FinalChunk)
+            await asyncio.sleep(1.0)
+            records = {u.id: u for u in await usage_records(js)}
+        assert sorted(records) == ["metered", "orphan"]           # one each: the worker's copy of "metered" deduped
+        orphan = records["orphan"]
+        assert (orphan.key_id, orphan.api, orphan.model, orphan.prompt_tokens, orphan.completion_tokens) == (
+            "k1", "chat", "tiny", 3, 8)
+        assert records["metered"].timing == {"ttft_ms": 1.0}       # the gateway's record is the one kept
+        await nc.close()
+    asyncio.run(body())
