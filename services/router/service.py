@@ -336,7 +336,7 @@ class RouterService:
         waited = 0.0
         while True:
             now = time.time()
-            if expired(req, now):
+            if subjects.past_deadline(req.created, now):
                 return None
             self.drop_lapsed(now)
             choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt)
@@ -381,11 +381,6 @@ class RouterService:
                       cost=round(choice.cost, 2), guarded=choice.guarded,
                       costs={w: round(c, 2) for w, c in choice.costs.items()})
         choice.costs = {}                           # it waits for its completion: keep it small
-
-
-def expired(req: TokenizedRequest, now: float) -> bool:
-    """Older than REQUEST_DEADLINE: its client has had (or is about to have) a timeout."""
-    return req.created > 0 and now - req.created >= subjects.REQUEST_DEADLINE
 
 
 def parser() -> argparse.ArgumentParser:
