@@ -117,8 +117,8 @@ class WorkerService:
         await self.leave()
 
     async def leave(self) -> None:
-        """Deregisters, lets the ends being stored (outcomes, records, dead letters) finish for up to
-        LEAVE_WAIT seconds (what is left is redelivered, unacked), then closes."""
+        """Lets the ends being stored (outcomes, records, dead letters) finish for up to LEAVE_WAIT
+        seconds (what is left stays unacked and is redelivered), deregisters, closes."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=LEAVE_WAIT)
         try:
