@@ -156,6 +156,12 @@ KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole sn
 ROUTER_STATS_SECONDS = 1.0
 
 
+def past_deadline(created: float, now: float) -> bool:
+    """A request accepted at `created` (unix time; 0: unknown) whose REQUEST_DEADLINE has passed: its
+    client has had, or is about to have, its timeout; no stage should start it any more."""
+    return created > 0 and now - created >= REQUEST_DEADLINE
+
+
 def consumer(durable: str, filter_subject: str, ack_wait: float = ACK_WAIT) -> api.ConsumerConfig:
     """A durable pull consumer with explicit acks: any number of replicas fetch from it."""
     return api.ConsumerConfig(durable_name=durable, filter_subject=filter_subject, ack_policy=api.AckPolicy.EXPLICIT,
@@ -242,6 +248,8 @@ async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
             reason = str(e) or type(e).__name__
             if refused(e):
                 raise NotStored(f"{subject}: refused by the stream: {reason}") from None
+            if isinstance(e, nats.errors.ConnectionClosedError):     # closed for good: no attempt can succeed
+                raise NotStored(f"{subject}: not stored: {reason}") from None
             if time.monotonic() + PUBLISH_RETRY >= end:
                 raise NotStored(f"{subject}: not stored after {attempts} attempts within PUBLISH_DEADLINE="
                                 f"{deadline:g} s: {reason}") from None

@@ -49,6 +49,7 @@ from workers.distributed import WorkerFailure
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
 
+LEAVE_WAIT = 2.0               # seconds a stopping worker waits for the ends it is storing
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
 USAGE_BACKUP_SECONDS = 5.0     # the worker's usage record waits for the gateway's (same message id) to win
@@ -119,6 +120,10 @@ class WorkerService:
         await self.leave()
 
     async def leave(self) -> None:
+        """Lets the ends being stored (outcomes, records, dead letters) finish for up to LEAVE_WAIT
+        seconds (what is left stays unacked and is redelivered), deregisters, closes."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=LEAVE_WAIT)
         try:
             await self.registry.delete(self.id)
             await subjects.close(self.nc)
@@ -297,26 +302,35 @@ class WorkerService:
 
     async def dead_letter(self, item: WorkItem, msg, code: str, reason: str, strikes: int,
                           output: list[int] = ()) -> None:
-        """Ends a request with an error for good: ErrorChunk on tb.out, an Outcome "error" in
-        tb_outcomes, a DeadLetter in TB_DEAD with the reason, then the work item is acked."""
+        """Ends a request with an error for good, with a DeadLetter in TB_DEAD naming the reason."""
+        letter = DeadLetter(item.request, reason, strikes, self.id, time.time())
+        await self.give_up(item, msg, code, reason, output, letter)
+
+    async def give_up(self, item: WorkItem, msg, code: str, reason: str, output: list[int] = (),
+                      letter: DeadLetter | None = None) -> None:
+        """Ends a request with an error: ErrorChunk on tb.out, an Outcome "error" in tb_outcomes, the
+        dead letter if any, then the work item is acked."""
         r = item.request
         await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, code, reason)))
-        self.spawn(self.bury(r, msg, code, reason, strikes, list(output)))
+        self.spawn(self.bury(r, msg, code, reason, list(output), letter))
 
-    async def bury(self, r: TokenizedRequest, msg, code: str, reason: str, strikes: int, output: list[int]) -> None:
-        now = time.time()
-        outcome = Outcome(r.id, r.tenant, self.id, "error", output, error_code=code, error_message=reason, ts=now)
+    async def bury(self, r: TokenizedRequest, msg, code: str, reason: str, output: list[int],
+                   letter: DeadLetter | None) -> None:
+        """Stores the end (the first end of a request is the one kept) and the dead letter, each retried
+        through a broker restart, then acks; not stored: not acked, so it comes again and ends again."""
+        outcome = Outcome(r.id, r.tenant, self.id, "error", output, error_code=code, error_message=reason,
+                          ts=time.time())
         try:
-            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):   # the first end is the one kept
-                await self.outcomes.create(r.id, encode(outcome))
-            await self.js.publish(subjects.dead(r.tenant), encode(DeadLetter(r, reason, strikes, self.id, now)),
-                                  headers=subjects.msg_id(r.id, f"{r.id}.dead"))
+            await self.create_outcome(outcome)
+            if letter is not None:
+                await subjects.publish(self.js, subjects.dead(r.tenant), encode(letter),
+                                       subjects.msg_id(r.id, f"{r.id}.dead"), self.log)
             await msg.ack()
-        except nats.errors.Error as e:           # not acked: redelivered, and dead-lettered again
-            self.log.error("dead letter not stored", request_id=r.id, error=str(e))
+        except (nats.errors.Error, asyncio.TimeoutError, subjects.NotStored) as e:
+            self.log.error("request end not stored", request_id=r.id, code=code, error=str(e) or type(e).__name__)
             return
-        self.log.warning("request dead-lettered", request_id=r.id, tenant=r.tenant, code=code, strikes=strikes,
-                         reason=reason)
+        self.log.warning("request dead-lettered" if letter else "request given up", request_id=r.id,
+                         tenant=r.tenant, code=code, strikes=letter.strikes if letter else None, reason=reason)
 
     def fail(self, error: Exception) -> None:
         """A failure no request can be blamed for (a dead tensor-parallel rank): the worker stops; what it
@@ -365,6 +379,10 @@ class WorkerService:
         r = item.request
         if r.id in self.running:                 # redelivered while it runs: keep the newest handle
             self.running[r.id].msg = msg
+            return
+        if subjects.past_deadline(r.created, time.time()):
+            await self.give_up(item, msg, "timeout", f"the request reached a worker after its REQUEST_DEADLINE="
+                               f"{subjects.REQUEST_DEADLINE:g} s; it is not run")
             return
         delivered = num_delivered(msg)
         strikes = item.strikes + self.redelivery_strikes(r.id, delivered)

@@ -26,9 +26,11 @@ from schemas import subjects
 from schemas.log import configure
 from schemas.messages import (
     Completion,
+    ErrorChunk,
     Heartbeat,
     KvEvent,
     KvSnapshot,
+    Outcome,
     RouterStats,
     TokenizedRequest,
     WireError,
@@ -60,6 +62,7 @@ class RouterService:
         self.syncing: set[str] = set()              # workers whose snapshot is awaited
         self.pending: OrderedDict[str, tuple[Choice, int]] = OrderedDict()   # request id -> (decision, prompt)
         self.stats = RouterStats(self.id, 0.0, self.options.policy, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self.reconnects, self.up_since = nc.stats["reconnects"], 0.0    # the first connection needs no grace
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -114,9 +117,23 @@ class RouterService:
             self.drop_lapsed(time.time())
 
     def drop_lapsed(self, now: float) -> None:
+        if not self.settled(now):
+            return
         for w in list(self.registry.workers.values()):
             if now - w.hb.ts >= subjects.WORKER_TTL:
                 self.leave(w.hb.worker, "heartbeat lapsed")
+
+    def settled(self, now: float) -> bool:
+        """Whether a lapsed heartbeat means a departed worker: not while the connection is down, nor until
+        it has been up WORKER_TTL since its last reconnect (no worker could write one while the broker
+        was down, and the watch needs a moment to see the new ones)."""
+        reconnects = self.nc.stats["reconnects"]
+        if reconnects != self.reconnects:
+            self.log.info("heartbeat lapses not counted for WORKER_TTL after a reconnect", reconnects=reconnects,
+                          worker_ttl=subjects.WORKER_TTL)
+        if reconnects != self.reconnects or not self.nc.is_connected:
+            self.reconnects, self.up_since = reconnects, now
+        return now - self.up_since >= subjects.WORKER_TTL
 
     def leave(self, worker: str, why: str) -> None:
         if worker in self.registry.workers:
@@ -272,13 +289,16 @@ class RouterService:
             await sub.unsubscribe()
 
     async def move(self, msg, departed: str, taken: bool = False, suspect: str = "") -> int:
-        """1 when the item moved to a live worker, 0 when it was dropped, -1 when the only pick is the
-        departed worker itself, back already (re-publishing to its subject would feed this very loop:
-        the item stays for it, re-published with its strike if it had taken it)."""
+        """1 when the item moved to a live worker, 0 when it was dropped or given up (past its deadline),
+        -1 when the only pick is the departed worker itself, back already (re-publishing to its subject
+        would feed this very loop: the item stays for it, re-published with its strike if it had taken it)."""
         if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return 0
         worker = await self.pick(msg, item.request)
+        if worker is None:                          # past its deadline
+            await self.give_up(msg, item.request)
+            return 0
         strike = taken and suspect in ("", item.request.id)
         if worker == departed and not strike:
             await msg.nak()
@@ -300,6 +320,9 @@ class RouterService:
             await msg.term()
             return
         worker = await self.pick(msg, req)
+        if worker is None:
+            await self.give_up(msg, req)
+            return
         try:
             await self.send(WorkItem(req, worker, time.time()))
         except subjects.NotStored as e:             # not acked: JetStream redelivers it
@@ -307,11 +330,14 @@ class RouterService:
             return
         await msg.ack()
 
-    async def pick(self, msg, req: TokenizedRequest) -> str:
-        """A worker for the request; with none alive, waits (the request stays in TB_ROUTE, kept alive)."""
+    async def pick(self, msg, req: TokenizedRequest) -> str | None:
+        """A worker for the request; with none alive, waits (the request stays in TB_ROUTE, kept alive),
+        until REQUEST_DEADLINE after its creation: None, the request is to be given up."""
         waited = 0.0
         while True:
             now = time.time()
+            if subjects.past_deadline(req.created, now):
+                return None
             self.drop_lapsed(now)
             choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt)
             if choice is not None:
@@ -322,6 +348,25 @@ class RouterService:
             if waited >= subjects.IN_PROGRESS_SECONDS:
                 await msg.in_progress()
                 waited = 0.0
+
+    async def give_up(self, msg, req: TokenizedRequest) -> bool:
+        """Ends a request past its deadline: ErrorChunk "timeout" on tb.out, Outcome "error" in tb_outcomes
+        (the first end of a request is the one kept), then acked so no worker runs it after its client was
+        answered. False when the Outcome could not be written (not acked: it comes again)."""
+        reason = (f"no worker took the request within REQUEST_DEADLINE={subjects.REQUEST_DEADLINE:g} s "
+                  f"of its creation")
+        await self.nc.publish(subjects.out(req.id), encode(ErrorChunk(req.id, "timeout", reason)))
+        outcome = Outcome(req.id, req.tenant, self.id, "error", [], error_code="timeout", error_message=reason,
+                          ts=time.time())
+        try:
+            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                await (await subjects.outcomes(self.js)).create(req.id, encode(outcome))
+            await msg.ack()
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            self.log.error("timeout not stored", request_id=req.id, error=str(e) or type(e).__name__)
+            return False
+        self.log.warning("request given up", request_id=req.id, tenant=req.tenant, reason=reason)
+        return True
 
     def decided(self, req: TokenizedRequest, choice: Choice) -> None:
         s, n = self.stats, len(req.prompt_token_ids)

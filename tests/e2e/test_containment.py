@@ -4,7 +4,6 @@ follow the request id across re-routes) and the stack keeps serving; a request m
 worker continues from the tokens its client has instead of starting over."""
 import asyncio
 import contextlib
-import functools
 import json
 import time
 
@@ -12,7 +11,7 @@ import pytest
 
 from ops.status import read_registry
 from schemas import subjects
-from schemas.messages import DeadLetter, FinalChunk, Outcome, Progress, TokenChunk, decode, encode
+from schemas.messages import DeadLetter, Outcome, decode
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import collect, connect, receive, send, start_stack
 from workers import LLM
@@ -116,28 +115,20 @@ LONG = {"max_tokens": 120, "temperature": 0.8, "ignore_eos": True}
 
 
 def test_a_request_moved_from_a_killed_worker_continues_from_the_tokens_its_client_has(tiny_model, tmp_path):
-    """The gateway's progress responder is another branch's: until it is merged, a stand-in here
-    answers tb.progress.<id> with the tokens published on tb.out.<id> (what the gateway received)."""
+    """The real gateway answers tb.progress.<id> with the tokens its client has received."""
     stack = start_stack(tiny_model, tmp_path)
     try:
         async def body():
-            nc = await subjects.connect(stack.nats_url, "test-progress")
-            seen: dict[str, list[int]] = {}
-            await nc.subscribe("tb.out.*", cb=functools.partial(watch_chunk, seen=seen))
-            await nc.subscribe(subjects.PROGRESS_ALL, cb=functools.partial(answer_progress, nc, seen=seen))
-            try:
-                async with connect(stack) as ws:
-                    for i in range(2):            # round-robin: one on each worker
-                        await send(ws, {"type": "generate", "id": f"long{i}", "prompt": f"long {i}", "seed": i, **LONG})
-                    before = {"long0": [], "long1": []}
-                    while not all(len(v) >= 20 for v in before.values()):
-                        frame = await receive(ws)
-                        before[frame["id"]] += frame["token_ids"]
-                    stack.kill("w1")
-                    got = await collect(ws, {"long0", "long1"}, timeout=150)
-                    return {i: before[i] + g["token_ids"] for i, g in got.items()}, got
-            finally:
-                await nc.close()
+            async with connect(stack) as ws:
+                for i in range(2):            # round-robin: one on each worker
+                    await send(ws, {"type": "generate", "id": f"long{i}", "prompt": f"long {i}", "seed": i, **LONG})
+                before = {"long0": [], "long1": []}
+                while not all(len(v) >= 20 for v in before.values()):
+                    frame = await receive(ws)
+                    before[frame["id"]] += frame["token_ids"]
+                stack.kill("w1")
+                got = await collect(ws, {"long0", "long1"}, timeout=150)
+                return {i: before[i] + g["token_ids"] for i, g in got.items()}, got
 
         tokens, got = asyncio.run(body())
         llm = LLM(tiny_model)
@@ -157,19 +148,6 @@ def test_a_request_moved_from_a_killed_worker_continues_from_the_tokens_its_clie
         assert started[0]["strikes"] == 1                                # it was on the killed worker
     finally:
         stack.stop()
-
-
-async def watch_chunk(msg, seen: dict[str, list[int]]) -> None:
-    with contextlib.suppress(Exception):
-        chunk = decode(msg.data, TokenChunk, FinalChunk)
-        have = seen.setdefault(chunk.id, [])
-        if chunk.offset <= len(have):
-            have[chunk.offset:] = chunk.token_ids
-
-
-async def answer_progress(nc, msg, seen: dict[str, list[int]]) -> None:
-    rid = msg.subject.rsplit(".", 1)[1]
-    await nc.publish(msg.reply, encode(Progress(rid, seen.get(rid, []))))
 
 
 def log_events(path, event: str) -> list[dict]:

@@ -181,3 +181,58 @@ def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_u
         assert records["metered"].timing == {"ttft_ms": 1.0}       # the gateway's record is the one kept
         await nc.close()
     asyncio.run(body())
+
+
+def test_an_item_reaching_the_worker_past_its_deadline_is_answered_timeout_recorded_and_acked_unrun(
+        nats_url, engine, monkeypatch):
+    monkeypatch.setattr(subjects, "REQUEST_DEADLINE", 0.5)
+
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        q = await stream(nc, "late")
+        steps = engine.num_steps
+        item = WorkItem(TokenizedRequest("late", "t", PARAMS, [5, 6], created=time.time() - 1), "w0", time.time())
+        await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id("late", item.msg_id))
+        async with worker(nats_url, engine):
+            (err,) = await until_end(q)
+            await asyncio.sleep(0.5)                                   # the Outcome is stored, the item acked
+        assert err.code == "timeout" and "REQUEST_DEADLINE=0.5 s" in err.message
+        assert engine.num_steps == steps
+        outcome = decode((await (await subjects.outcomes(js)).get("late")).value, Outcome)
+        assert (outcome.finish_reason, outcome.error_code) == ("error", "timeout")
+        assert (await js.stream_info(subjects.WORK_STREAM)).state.messages == 0
+        assert await dead_letters(js) == []                            # a timeout is no dead letter
+        await nc.close()
+    asyncio.run(main())
+
+
+def test_a_dead_lettered_request_that_had_ended_keeps_its_first_outcome(nats_url, engine):
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        first = Outcome("struck", "t", "w9", "error", [], error_code="timeout", error_message="late")
+        await (await subjects.outcomes(js)).create("struck", encode(first))
+        item = WorkItem(TokenizedRequest("struck", "t", PARAMS, [5, 6]), "w0", time.time())
+        q = await stream(nc, "struck")
+        async with worker(nats_url, engine) as service:
+            while not hasattr(service, "outcomes"):                         # the worker is up
+                await asyncio.sleep(0.05)
+            msg = _Acked()
+            await service.dead_letter(item, msg, "dead_lettered", "twice", subjects.MAX_STRIKES)
+            (err,) = await until_end(q)
+            await asyncio.sleep(0.5)
+        assert err.code == "dead_lettered" and msg.acked
+        assert decode((await (await subjects.outcomes(js)).get("struck")).value, Outcome) == first
+        assert [d.request.id for d in await dead_letters(js)] == ["struck"]
+        await nc.close()
+    asyncio.run(main())
+
+
+class _Acked:
+    acked = False
+
+    async def ack(self):
+        self.acked = True
