@@ -158,7 +158,7 @@ class Run:
                            worker_args=["--max-num-seqs", str(args.max_num_seqs)])
         self.outcomes: dict[str, Outcome] = {}
         self.result = Result(scenario)
-        self.fault_at = self.fault_end = 0.0
+        self.fault_at = 0.0
         self.probe_done: list[float] = []
 
     def run(self) -> Result:
@@ -224,7 +224,6 @@ class Run:
             await self.poison()
         elif self.scenario == "slow-client":
             await self.slow_client()
-        self.fault_end = time.monotonic()
 
     async def poison(self) -> None:
         client = Client(self.stack.url, self.outcomes)

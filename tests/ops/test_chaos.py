@@ -11,7 +11,7 @@ from ops.chaos import SCENARIOS, Outcome, Result, Run, table
 def scored(outcomes: dict[str, Outcome], expected: dict[str, list[int]]) -> Result:
     run = Run.__new__(Run)
     run.outcomes, run.expected, run.result = outcomes, expected, Result("t")
-    run.probe_done, run.fault_at, run.fault_end = [], 0.0, 0.0
+    run.probe_done, run.fault_at = [], 0.0
     run.score()
     return run.result
 
