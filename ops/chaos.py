@@ -5,7 +5,8 @@ on free 127.0.0.1 ports, in a temporary directory), sends a fixed number of gree
 few websocket connections at a steady pace, injects its fault a third of the way in, and checks every
 answer token for token against the offline engine. A probe sends a short request every half second
 from the fault on; the recovery time is from the fault to the first probe answered in full (a
-fault the stack absorbs shows the probe's own latency). The completions log is read at the end for requests recorded twice.
+fault the stack absorbs shows the probe's own latency). The completions log is read at the end for
+requests recorded twice.
 
 Counts per scenario: sent; accepted (not refused at admission: an immediate error frame such as
 "unavailable" or "overloaded", which carries retry_after); completed (a done frame with exactly the
