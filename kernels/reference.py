@@ -14,6 +14,7 @@ import torch
 DECODE_GROUP = 16  # decodes per padded batch: 8-16 are fastest on CPU, 64 at once 2-4x slower (workers.microbench)
 SPLIT = 128        # KV positions per split: scores, maxima and sums run over whole splits, in order
 QUERY_TILE = 256   # prefill queries per part: bounds a part's scores to QUERY_TILE x its KV length
+EXP_FLOOR = -80.0  # exp under about -87 is denormal or zero, and 10-100x slower on CPU
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,11 +42,14 @@ class Part:
     blocks: torch.Tensor         # block ids, sequence after sequence, each covering num_splits * SPLIT positions
     num_seqs: int
     num_splits: int
-    masked: torch.Tensor         # [S, 1, splits, SPLIT, n, 1]: True where key position > query position
+    open_splits: int             # leading splits that every query sees whole
+    hidden: torch.Tensor         # [1, S, later splits, SPLIT, 1, n]: -inf where key position > query position, else 0
+    seen: torch.Tensor           # the same shape: 0 where the key is hidden, else 1
 
     def to(self, device: torch.device) -> "Part":
-        return Part(self.rows, self.blocks.to(device, non_blocking=True), self.num_seqs, self.num_splits,
-                    self.masked.to(device, non_blocking=True))
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Part(self.rows, move(self.blocks), self.num_seqs, self.num_splits, self.open_splits, move(self.hidden),
+                    move(self.seen))
 
 
 @dataclass(slots=True)
@@ -93,9 +97,10 @@ def make_part(rows: slice, seqs: list[int], positions: torch.Tensor, block_table
     own = torch.tensor([-(-lens[b] // block_size) for b in seqs])[:, None]
     table = block_tables[seqs].long()
     blocks = torch.where(cols < own, table[:, cols.clamp(max=table.shape[1] - 1)], table[:, :1])
-    keys = torch.arange(num_splits * SPLIT).view(1, num_splits, SPLIT, 1)
-    masked = keys > positions[:, None, None, :]
-    return Part(rows, blocks.reshape(-1), len(seqs), num_splits, masked[:, None, :, :, :, None])
+    open_splits = (int(positions.min()) + 1) // SPLIT
+    keys = torch.arange(open_splits * SPLIT, num_splits * SPLIT).view(1, -1, SPLIT, 1)
+    seen = (keys <= positions[:, None, None, :]).float()[None, :, :, :, None, :]
+    return Part(rows, blocks.reshape(-1), len(seqs), num_splits, open_splits, seen.log(), seen)
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,34 +126,43 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: Part, scale: float) -> torch.Tensor:
-    """q [S, n, Hq, D] -> [S, n, Hq, D]. Every matmul has the shape [SPLIT or D + 1, K] x [K, N]:
-    its rows are fixed, only N (the part's queries times the heads sharing a KV head) varies, and
-    BLAS gives a column the same bits for any N >= 2 (N = 1 is padded) and any batch count or thread
-    count. The softmax takes one maximum over all splits (exact in any order), its denominators
-    come from a row of ones in the V matmul, and splits are summed one after another, so a split
-    past a query's position (all masked, exactly zero) changes nothing."""
+    """q [S, n, Hq, D] -> [S, n, Hq, D]. Every matmul is [SPLIT, D] x [D, N], [D, SPLIT] x
+    [SPLIT, N] or [2, SPLIT] x [SPLIT, N]: its rows and depth are fixed, only N (the part's queries
+    times the heads sharing a KV head) varies, and BLAS gives a column the same bits for any N >= 2
+    (N = 1 is padded), any batch count and any thread count. The softmax takes one maximum over
+    all splits (exact in any order) and sums the splits one after another, so a split past a
+    query's position (all masked: exactly zero) changes nothing."""
     num_seqs, n, num_heads, d = q.shape
-    kv_heads, splits = k_cache.shape[2], part.num_splits
+    kv_heads, splits, hidden, seen = k_cache.shape[2], part.num_splits, part.hidden, part.seen
     group = num_heads // kv_heads
-    masked, lone = part.masked, n * group == 1
+    lone = n * group == 1
     if lone:  # a lone column takes BLAS's matrix-vector path: another summation order
-        q, masked, n = torch.cat((q, q), dim=1), masked.expand(-1, -1, -1, -1, 2, -1), 2
-    k = gather_blocks(k_cache, part.blocks, num_seqs, splits * SPLIT)
-    v = gather_blocks(v_cache, part.blocks, num_seqs, splits * SPLIT)
-    k = k.reshape(num_seqs, splits, SPLIT, kv_heads, d).permute(0, 3, 1, 2, 4).contiguous()
-    vt = torch.ones(num_seqs, kv_heads, splits, d + 1, SPLIT, dtype=v.dtype, device=v.device)
-    vt[:, :, :, :d] = v.reshape(num_seqs, splits, SPLIT, kv_heads, d).permute(0, 3, 1, 4, 2)
-    cols = (q * scale).view(num_seqs, n, kv_heads, group, d).permute(0, 2, 4, 1, 3)
-    cols = cols.reshape(num_seqs, kv_heads, 1, d, n * group)
-    scores = torch.matmul(k, cols)  # [S, Hkv, splits, SPLIT, n * group]
-    scores.view(num_seqs, kv_heads, splits, SPLIT, n, group).masked_fill_(masked, float("-inf"))
-    scores.sub_(scores.amax(dim=(2, 3), keepdim=True)).exp_()
-    acc = torch.matmul(vt, scores)  # [S, Hkv, splits, D + 1, n * group]; row D: the sums of the weights
+        q, n = torch.cat((q, q), dim=1), 2
+        hidden, seen = hidden.expand(-1, -1, -1, -1, -1, 2), seen.expand(-1, -1, -1, -1, -1, 2)
+    rows, width = num_seqs * splits, n * group  # one [SPLIT, D] block of keys per row
+    k = gather_blocks(k_cache, part.blocks, num_seqs, splits * SPLIT).view(rows, SPLIT, kv_heads, d)
+    v = gather_blocks(v_cache, part.blocks, num_seqs, splits * SPLIT).view(rows, SPLIT, kv_heads, d)
+    cols = (q * scale).view(num_seqs, n, kv_heads, group, d).permute(2, 0, 4, 3, 1)  # [Hkv, S, D, group, n]
+    cols = cols.reshape(kv_heads, num_seqs, 1, d, width)
+    scores = q.new_empty(kv_heads, num_seqs, splits, SPLIT, width)
+    for h in range(kv_heads):
+        torch.bmm(k[:, :, h], cols[h].expand(-1, splits, -1, -1).reshape(rows, d, width),
+                  out=scores[h].view(rows, SPLIT, width))
+    edge = scores[:, :, part.open_splits:].view(kv_heads, num_seqs, -1, SPLIT, group, n)
+    edge.add_(hidden)  # (masked_fill is not vectorized)
+    scores.sub_(scores.amax(dim=(2, 3), keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
+    edge.mul_(seen)    # hidden keys: exactly 0
+    acc = q.new_empty(kv_heads, num_seqs, splits, d + 2, width)  # rows d, d + 1: the weights' sums
+    ones = q.new_ones(2, SPLIT).expand(rows, 2, SPLIT)
+    for h in range(kv_heads):
+        weights = scores[h].view(rows, SPLIT, width)
+        torch.bmm(v[:, :, h].transpose(1, 2), weights, out=acc[h, :, :, :d].view(rows, d, width))
+        torch.bmm(ones, weights, out=acc[h, :, :, d:].view(rows, 2, width))
     total = acc[:, :, 0]
     for j in range(1, splits):
         total = total + acc[:, :, j]
-    out = (total[:, :, :d] / total[:, :, d:]).view(num_seqs, kv_heads, d, n, group)
-    out = out.permute(0, 3, 1, 4, 2).reshape(num_seqs, n, num_heads, d)
+    out = (total[:, :, :d] / total[:, :, d:d + 1]).view(kv_heads, num_seqs, d, group, n)
+    out = out.permute(1, 4, 0, 3, 2).reshape(num_seqs, n, num_heads, d)
     return out[:, :1] if lone else out
 
 

@@ -108,7 +108,8 @@ def filter_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     values, ids = probs.topk(k, dim=-1)
     values = values.masked_fill(torch.arange(k, device=probs.device) >= top_k[:, None], 0)
     cumulative = values.cumsum(dim=-1)
-    total = torch.where(top_k <= k, cumulative[:, -1], probs.cumsum(dim=-1)[:, -1])  # cumsum: sum splits a lone row across threads
+    mass = probs.cumsum(dim=-1)[:, -1]  # not sum: with threads, sum adds a lone row in another order
+    total = torch.where(top_k <= k, cumulative[:, -1], mass)  # the mass top_p is a share of
     fits = (top_k <= k) | (cumulative[:, -1] >= top_p * total)
     return values.masked_fill(cumulative - values >= (top_p * total)[:, None], 0), ids, fits
 
