@@ -131,7 +131,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
     times the heads sharing a KV head) varies, and BLAS gives a column the same bits for any N >= 2
     (N = 1 is padded), any batch count and any thread count. The softmax takes one maximum over
     all splits (exact in any order) and sums the splits one after another, so a split past a
-    query's position (all masked: exactly zero) changes nothing."""
+    query's position (all masked: exactly zero) changes nothing. In float32 whatever q's dtype."""
     num_seqs, n, num_heads, d = q.shape
     kv_heads, splits, hidden, seen = k_cache.shape[2], part.num_splits, part.hidden, part.seen
     group = num_heads // kv_heads
@@ -140,11 +140,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
         q, n = torch.cat((q, q), dim=1), 2
         hidden, seen = hidden.expand(-1, -1, -1, -1, -1, 2), seen.expand(-1, -1, -1, -1, -1, 2)
     rows, width = num_seqs * splits, n * group  # one [SPLIT, D] block of keys per row
-    k = gather_blocks(k_cache, part.blocks, num_seqs, splits * SPLIT).view(rows, SPLIT, kv_heads, d)
-    v = gather_blocks(v_cache, part.blocks, num_seqs, splits * SPLIT).view(rows, SPLIT, kv_heads, d)
-    cols = (q * scale).view(num_seqs, n, kv_heads, group, d).permute(2, 0, 4, 3, 1)  # [Hkv, S, D, group, n]
+    k = gather_blocks(k_cache, part.blocks, num_seqs, splits * SPLIT).reshape(rows, SPLIT, kv_heads, d).float()
+    v = gather_blocks(v_cache, part.blocks, num_seqs, splits * SPLIT).reshape(rows, SPLIT, kv_heads, d).float()
+    cols = (q.float() * scale).view(num_seqs, n, kv_heads, group, d).permute(2, 0, 4, 3, 1)  # [Hkv, S, D, group, n]
     cols = cols.reshape(kv_heads, num_seqs, 1, d, width)
-    scores = q.new_empty(kv_heads, num_seqs, splits, SPLIT, width)
+    scores = k.new_empty(kv_heads, num_seqs, splits, SPLIT, width)
     for h in range(kv_heads):
         torch.bmm(k[:, :, h], cols[h].expand(-1, splits, -1, -1).reshape(rows, d, width),
                   out=scores[h].view(rows, SPLIT, width))
@@ -152,8 +152,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
     edge.add_(hidden)  # (masked_fill is not vectorized)
     scores.sub_(scores.amax(dim=(2, 3), keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
     edge.mul_(seen)    # hidden keys: exactly 0
-    acc = q.new_empty(kv_heads, num_seqs, splits, d + 2, width)  # rows d, d + 1: the weights' sums
-    ones = q.new_ones(2, SPLIT).expand(rows, 2, SPLIT)
+    acc = k.new_empty(kv_heads, num_seqs, splits, d + 2, width)  # rows d, d + 1: the weights' sums
+    ones = k.new_ones(2, SPLIT).expand(rows, 2, SPLIT)
     for h in range(kv_heads):
         weights = scores[h].view(rows, SPLIT, width)
         torch.bmm(v[:, :, h].transpose(1, 2), weights, out=acc[h, :, :, :d].view(rows, d, width))
@@ -162,7 +162,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
     for j in range(1, splits):
         total = total + acc[:, :, j]
     out = (total[:, :, :d] / total[:, :, d:d + 1]).view(kv_heads, num_seqs, d, group, n)
-    out = out.permute(1, 4, 0, 3, 2).reshape(num_seqs, n, num_heads, d)
+    out = out.permute(1, 4, 0, 3, 2).reshape(num_seqs, n, num_heads, d).to(q.dtype)
     return out[:, :1] if lone else out
 
 

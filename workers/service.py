@@ -297,6 +297,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="ranks of this replica: this process and tp-1 followers it starts")
+    p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
+                   "the tokens do not depend on it")
     return p
 
 
@@ -310,6 +312,9 @@ def engine_config(args) -> EngineConfig:
 async def serve(args) -> None:
     model = args.model
     log = configure("worker").bind(worker=args.id)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     engine = LLMEngine(model, engine_config(args))
     try:
         warm_up(engine)
