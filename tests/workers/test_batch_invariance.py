@@ -15,6 +15,7 @@ from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Batch
+from workers.layers.activation import silu_and_mul
 from workers.layers.linear import PACK_BATCH_HINT, linear
 from workers.models.config import ModelConfig
 
@@ -160,10 +161,11 @@ def test_a_tokens_logits_and_kv_are_the_same_in_one_prefill_in_chunks_or_token_b
     assert torch.equal(other_logits, logits)
 
 
-def test_a_tokens_logits_and_kv_are_the_same_with_1_and_2_threads(runner):
-    with threads(2):
-        logits, kv = run_schedule(runner, "chunks beside a neighbour", 0)
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_tokens_logits_and_kv_are_the_same_with_1_2_or_3_threads(runner, count):
     with threads(1):
+        logits, kv = run_schedule(runner, "chunks beside a neighbour", 0)
+    with threads(count):
         other_logits, other_kv = run_schedule(runner, "chunks beside a neighbour", 40)
     assert torch.equal(other_kv, kv)
     assert torch.equal(other_logits, logits)
@@ -203,6 +205,17 @@ def test_a_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_and_at_1_or_
     assert torch.equal(flipped, batch)
     assert torch.equal(alone, batch)
     assert torch.equal(one_thread, batch)
+
+
+def test_silu_and_mul_gives_a_row_the_same_bits_alone_and_at_1_2_or_3_threads():
+    x = torch.randn(163, 1408, generator=torch.Generator().manual_seed(0)) * 3
+    with threads(1):
+        one_thread = silu_and_mul(x)
+        alone = torch.cat([silu_and_mul(x[i:i + 1]) for i in range(len(x))])
+    for count in (2, 3):
+        with threads(count):
+            assert torch.equal(silu_and_mul(x), one_thread), count
+    assert torch.equal(alone, one_thread)
 
 
 def sampling_rows(count: int) -> tuple[torch.Tensor, list]:
