@@ -152,16 +152,17 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
     edge.add_(hidden)  # (masked_fill is not vectorized)
     scores.sub_(scores.amax(dim=(2, 3), keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
     edge.mul_(seen)    # hidden keys: exactly 0
-    acc = k.new_empty(kv_heads, num_seqs, splits, d + 2, width)  # rows d, d + 1: the weights' sums
+    acc = k.new_empty(kv_heads, num_seqs, splits, d, width)
+    sums = k.new_empty(kv_heads, num_seqs, splits, 2, width)  # the weights' sums (twice: one row is a vector)
     ones = k.new_ones(2, SPLIT).expand(rows, 2, SPLIT)
-    for h in range(kv_heads):
+    for h in range(kv_heads):  # contiguous outputs: into a strided one, bmm loops matrix by matrix
         weights = scores[h].view(rows, SPLIT, width)
-        torch.bmm(v[:, :, h].transpose(1, 2), weights, out=acc[h, :, :, :d].view(rows, d, width))
-        torch.bmm(ones, weights, out=acc[h, :, :, d:].view(rows, 2, width))
-    total = acc[:, :, 0]
+        torch.bmm(v[:, :, h].transpose(1, 2), weights, out=acc[h].view(rows, d, width))
+        torch.bmm(ones, weights, out=sums[h].view(rows, 2, width))
+    total, norm = acc[:, :, 0], sums[:, :, 0, :1]
     for j in range(1, splits):
-        total = total + acc[:, :, j]
-    out = (total[:, :, :d] / total[:, :, d:d + 1]).view(kv_heads, num_seqs, d, group, n)
+        total, norm = total + acc[:, :, j], norm + sums[:, :, j, :1]
+    out = (total / norm).view(kv_heads, num_seqs, d, group, n)
     out = out.permute(1, 4, 0, 3, 2).reshape(num_seqs, n, num_heads, d).to(q.dtype)
     return out[:, :1] if lone else out
 
