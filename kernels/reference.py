@@ -10,9 +10,11 @@ its own. `block_tables[b, j]` is the block holding positions j*block_size .. (j+
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 DECODE_GROUP = 16  # decodes per padded batch: 8-16 are fastest on CPU, 64 at once 2-4x slower (workers.microbench)
+SPLIT = 128        # KV positions per split: scores, maxima and sums run over whole splits, in order
+QUERY_TILE = 256   # prefill queries per part: bounds a part's scores to QUERY_TILE x its KV length
+EXP_FLOOR = -80.0  # exp under about -87 is denormal or zero, and 10-100x slower on CPU
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,23 +36,27 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, leng
 
 @dataclass(slots=True)
 class Part:
-    """A piece of the batch attended in one call: one prefill sequence, or a group of decodes."""
-    rows: slice                  # its queries: rows of q (a prefill) or of the sorted decodes (a group)
-    blocks: torch.Tensor         # its block ids, sequence after sequence, each padded to the same count
+    """A piece of the batch attended in one call: a group of decodes, or a tile of one sequence's
+    prefill queries. Its sequences' KV is cut into num_splits splits of SPLIT positions."""
+    rows: slice                  # its queries: rows of q (a prefill tile) or of the sorted decodes (a group)
+    blocks: torch.Tensor         # block ids, sequence after sequence, each covering num_splits * SPLIT positions
     num_seqs: int
-    length: int                  # KV positions per sequence (the longest, for a group)
-    mask: torch.Tensor | None    # True where a query may attend; None: plain causal
+    num_splits: int
+    open_splits: int             # leading splits that every query sees whole
+    hidden: torch.Tensor         # [1, S, later splits, SPLIT, 1, n]: -inf where key position > query position, else 0
+    seen: torch.Tensor           # the same shape: 0 where the key is hidden, else 1
 
     def to(self, device: torch.device) -> "Part":
-        mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
-        return Part(self.rows, self.blocks.to(device, non_blocking=True), self.num_seqs, self.length, mask)
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Part(self.rows, move(self.blocks), self.num_seqs, self.num_splits, self.open_splits, move(self.hidden),
+                    move(self.seen))
 
 
 @dataclass(slots=True)
 class Plan:
     decode_rows: torch.Tensor    # rows of q that are single-token queries, sorted by KV length
-    groups: list[Part]           # the decodes in padded groups of similar length
-    prefills: list[Part]         # every longer query, one sequence at a time
+    groups: list[Part]           # the decodes in groups of similar length
+    prefills: list[Part]         # every longer query, in tiles of one sequence
 
     def to(self, device: torch.device) -> "Plan":
         return Plan(self.decode_rows.to(device, non_blocking=True), [p.to(device) for p in self.groups],
@@ -59,63 +65,106 @@ class Plan:
 
 def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                    block_size: int) -> Plan:
-    """Splits a batch once per step, for all layers. Decodes run in padded groups of similar
-    length, small enough that a group's gathered KV stays in cache; prefill chunks run one sequence
-    at a time. This keeps the CPU cost close to the real work."""
+    """Splits a batch once per step, for all layers. Decodes run in groups of similar length,
+    small enough that a group's gathered KV stays in cache; prefill chunks run one tile of one
+    sequence at a time."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
     decodes = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lens.__getitem__)
-    groups = [decode_group(decodes, i, seq_lens, block_tables, lens, block_size)
-              for i in range(0, len(decodes), DECODE_GROUP)]
+    groups = []
+    for i in range(0, len(decodes), DECODE_GROUP):
+        seqs = decodes[i:i + DECODE_GROUP]
+        positions = torch.tensor([[lens[b] - 1] for b in seqs])
+        groups.append(make_part(slice(i, i + len(seqs)), seqs, positions, block_tables, lens, block_size))
     prefills = []
     for b, n in enumerate(q_lens):
-        if n > 1:
-            mask = None
-            if n != lens[b]:  # queries start at position L - n: the causal diagonal is offset
-                mask = torch.ones(n, lens[b], dtype=torch.bool).tril(lens[b] - n)
-            blocks = block_tables[b, :-(-lens[b] // block_size)]
-            prefills.append(Part(slice(cu[b], cu[b + 1]), blocks, 1, lens[b], mask))
+        for first in range(0, n if n > 1 else 0, QUERY_TILE):
+            count = min(QUERY_TILE, n - first)
+            start = lens[b] - n + first  # the tile's first query position
+            rows = slice(cu[b] + first, cu[b] + first + count)
+            prefills.append(make_part(rows, [b], torch.arange(start, start + count)[None], block_tables, lens,
+                                      block_size))
     return Plan(torch.tensor([cu[b] for b in decodes], dtype=torch.long), groups, prefills)
 
 
-def decode_group(decodes: list[int], start: int, seq_lens, block_tables, lens: list[int], block_size: int) -> Part:
-    group = decodes[start:start + DECODE_GROUP]
-    length = lens[group[-1]]
-    seqs = torch.tensor(group)
-    blocks = block_tables[seqs, :-(-length // block_size)].reshape(-1)
-    mask = torch.arange(length) < seq_lens[seqs].unsqueeze(1)
-    return Part(slice(start, start + len(group)), blocks, len(group), length, mask[:, None, None, :])
+def make_part(rows: slice, seqs: list[int], positions: torch.Tensor, block_tables: torch.Tensor, lens: list[int],
+              block_size: int) -> Part:
+    """positions [S, n]: each query's position. Block slots past a sequence's own blocks repeat its
+    first block: finite values that the mask hides."""
+    num_splits = -(-(int(positions.max()) + 1) // SPLIT)
+    count = -(-num_splits * SPLIT // block_size)
+    cols = torch.arange(count)
+    own = torch.tensor([-(-lens[b] // block_size) for b in seqs])[:, None]
+    table = block_tables[seqs].long()
+    blocks = torch.where(cols < own, table[:, cols.clamp(max=table.shape[1] - 1)], table[:, :1])
+    open_splits = (int(positions.min()) + 1) // SPLIT
+    keys = torch.arange(open_splits * SPLIT, num_splits * SPLIT).view(1, -1, SPLIT, 1)
+    seen = (keys <= positions[:, None, None, :]).float()[None, :, :, :, None, :]
+    return Part(rows, blocks.reshape(-1), len(seqs), num_splits, open_splits, seen.log(), seen)
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, plan: Plan | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's paged KV: [T, Hq, D]. `plan` is
-    plan_attention's result for these arguments, when the caller made it once for all layers."""
+    plan_attention's result for these arguments, when the caller made it once for all layers.
+
+    Batch-invariant: a query's result is the same bits whatever else is in the step, whether it is
+    a decode or one of a prefill chunk's queries, at any thread count (see attend)."""
     if plan is None:
         plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
     out = torch.empty_like(q)
     if plan.groups:
-        q_dec = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [n, Hq, 1, D]
+        q_dec = q.index_select(0, plan.decode_rows)
         out_dec = torch.empty_like(q_dec)
         for part in plan.groups:
-            k, v = gather_kv_pair(k_cache, v_cache, part)
-            out_dec[part.rows] = F.scaled_dot_product_attention(q_dec[part.rows], k, v, attn_mask=part.mask,
-                                                                scale=scale, enable_gqa=True)
-        out.index_copy_(0, plan.decode_rows, out_dec.squeeze(2))
-    for part in plan.prefills:  # one sequence, n queries: 4-D for CPU's flash kernel
-        k, v = gather_kv_pair(k_cache, v_cache, part)
-        o = F.scaled_dot_product_attention(q[part.rows].transpose(0, 1).unsqueeze(0), k, v, attn_mask=part.mask,
-                                           is_causal=part.mask is None, scale=scale, enable_gqa=True)
-        out[part.rows] = o[0].transpose(0, 1)
+            out_dec[part.rows] = attend(q_dec[part.rows].unsqueeze(1), k_cache, v_cache, part, scale).squeeze(1)
+        out.index_copy_(0, plan.decode_rows, out_dec)
+    for part in plan.prefills:
+        out[part.rows] = attend(q[part.rows].unsqueeze(0), k_cache, v_cache, part, scale)[0]
     return out
 
 
-def gather_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part's K and V as [S, Hkv, L, D]."""
-    k = gather_blocks(k_cache, part.blocks, part.num_seqs, part.length)
-    v = gather_blocks(v_cache, part.blocks, part.num_seqs, part.length)
-    return k.transpose(1, 2), v.transpose(1, 2)
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: Part, scale: float) -> torch.Tensor:
+    """q [S, n, Hq, D] -> [S, n, Hq, D]. Every matmul is [SPLIT, D] x [D, N], [D, SPLIT] x
+    [SPLIT, N] or [2, SPLIT] x [SPLIT, N]: its rows and depth are fixed, only N (the part's queries
+    times the heads sharing a KV head) varies, and BLAS gives a column the same bits for any N >= 2
+    (N = 1 is padded), any batch count and any thread count. The softmax takes one maximum over
+    all splits (exact in any order) and sums the splits one after another, so a split past a
+    query's position (all masked: exactly zero) changes nothing. In float32 whatever q's dtype."""
+    num_seqs, n, num_heads, d = q.shape
+    kv_heads, splits, hidden, seen = k_cache.shape[2], part.num_splits, part.hidden, part.seen
+    group = num_heads // kv_heads
+    lone = n * group == 1
+    if lone:  # a lone column takes BLAS's matrix-vector path: another summation order
+        q, n = torch.cat((q, q), dim=1), 2
+        hidden, seen = hidden.expand(-1, -1, -1, -1, -1, 2), seen.expand(-1, -1, -1, -1, -1, 2)
+    rows, width = num_seqs * splits, n * group  # one [SPLIT, D] block of keys per row
+    k = gather_blocks(k_cache, part.blocks, num_seqs, splits * SPLIT).reshape(rows, SPLIT, kv_heads, d).float()
+    v = gather_blocks(v_cache, part.blocks, num_seqs, splits * SPLIT).reshape(rows, SPLIT, kv_heads, d).float()
+    cols = (q.float() * scale).view(num_seqs, n, kv_heads, group, d).permute(2, 0, 4, 3, 1)  # [Hkv, S, D, group, n]
+    cols = cols.reshape(kv_heads, num_seqs, 1, d, width)
+    scores = k.new_empty(kv_heads, num_seqs, splits, SPLIT, width)
+    for h in range(kv_heads):
+        torch.bmm(k[:, :, h], cols[h].expand(-1, splits, -1, -1).reshape(rows, d, width),
+                  out=scores[h].view(rows, SPLIT, width))
+    edge = scores[:, :, part.open_splits:].view(kv_heads, num_seqs, -1, SPLIT, group, n)
+    edge.add_(hidden)  # (masked_fill is not vectorized)
+    scores.sub_(scores.amax(dim=(2, 3), keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
+    edge.mul_(seen)    # hidden keys: exactly 0
+    acc = k.new_empty(kv_heads, num_seqs, splits, d, width)
+    sums = k.new_empty(kv_heads, num_seqs, splits, 2, width)  # the weights' sums (twice: one row is a vector)
+    ones = k.new_ones(2, SPLIT).expand(rows, 2, SPLIT)
+    for h in range(kv_heads):  # contiguous outputs: into a strided one, bmm loops matrix by matrix
+        weights = scores[h].view(rows, SPLIT, width)
+        torch.bmm(v[:, :, h].transpose(1, 2), weights, out=acc[h].view(rows, d, width))
+        torch.bmm(ones, weights, out=sums[h].view(rows, 2, width))
+    total, norm = acc[:, :, 0], sums[:, :, 0, :1]
+    for j in range(1, splits):
+        total, norm = total + acc[:, :, j], norm + sums[:, :, j, :1]
+    out = (total / norm).view(kv_heads, num_seqs, d, group, n)
+    out = out.permute(1, 4, 0, 3, 2).reshape(num_seqs, n, num_heads, d).to(q.dtype)
+    return out[:, :1] if lone else out
 
 
 # -- fused elementwise ops: the same math as workers/layers (norm, rotary, activation) -------------
@@ -138,6 +187,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] along the last dimension."""
+    """silu(gate) * up for x = [gate | up] along the last dimension (spelled with exp: see
+    workers.layers.activation)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return gate / (1 + torch.exp(-gate)) * up

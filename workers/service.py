@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import nats
 import nats.errors
 import nats.js.errors
+import torch
 
 from schemas import subjects
 from schemas.detokenizer import PROMPT_CONTEXT
@@ -552,6 +553,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ranks of this replica: this process and tp-1 followers it starts")
     p.add_argument("--test-hook-fault-token", type=int, help=argparse.SUPPRESS)     # TEST HOOK: see inject_fault
     p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
+                   "the tokens do not depend on it")
     return p
 
 
@@ -567,6 +570,8 @@ async def serve(args) -> None:
     log = configure("worker").bind(worker=args.id)
     nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
     blamed = await last_suspect(nc, args.id)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = LLMEngine(model, engine_config(args))
     try:
         warm_up(engine)

@@ -12,15 +12,19 @@ from workers.distributed import TPGroup
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if x.shape[0] == 1:  # oneDNN sums a single row in another order (seen from 2048 inputs): take the 2-row path
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def prepack_for_cpu(model: nn.Module) -> bool:
     """Repacks every linear weight into oneDNN's blocked layout, once, after loading. On CPU this
     is 10-40% faster than MKL's sgemm at the batch sizes the engine runs, and batch-invariant
-    (a row's result does not depend on the other rows), which sgemm is not. The plain weights stay
+    (a row's result depends neither on the other rows, nor on its place among them, nor on the
+    thread count, once a lone row is doubled: tests/workers/test_batch_invariance.py), which
+    sgemm is not. The plain weights stay
     (a tied embedding reads them), so CPU linear weights take twice their memory. False, changing
     nothing, where oneDNN cannot take a weight."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
