@@ -75,6 +75,12 @@ class Cluster:
     def __init__(self):
         self.workers: dict[str, Heartbeat] = {}
         self.added: dict[str, int] = {}
+        self.grace_until = 0.0                    # unix time: till then a stale heartbeat still counts
+
+    def stalled(self, now: float) -> None:
+        """This process did not run for a while (SIGSTOP, a starved CPU): the heartbeats it holds are old
+        because it could not read the new ones, not because the workers left; they count for WORKER_TTL."""
+        self.grace_until = now + WORKER_TTL
 
     def update(self, hb: Heartbeat) -> None:
         self.workers[hb.worker] = hb
@@ -89,7 +95,7 @@ class Cluster:
 
     def place(self, tokens: int, now: float) -> str:
         """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none."""
-        live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL]
+        live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
         fit = [hb for hb in live if math.ceil(tokens / hb.block_size) <= hb.kv_blocks_total]

@@ -50,6 +50,7 @@ from services.gateway.keys import Key
 from services.gateway.metrics import Metrics
 
 SWEEP_SECONDS = 1.0                  # how often deadlines, stalls and unfilled gaps are looked at
+STALL_FACTOR = 2.5                   # a sweep this many periods late: this process was stopped or starved
 RESEND_TIMEOUT = 1.0                 # seconds the worker running a request has to answer a Resend
 
 
@@ -134,9 +135,14 @@ class Gateway:
     async def sweep(self) -> None:
         """Forever, every SWEEP_SECONDS: ends requests past the request timeout, checks stalled streams
         and streams with an unfilled gap."""
+        last = time.perf_counter()
         while True:
             await asyncio.sleep(SWEEP_SECONDS)
             now = time.perf_counter()
+            if now - last > STALL_FACTOR * SWEEP_SECONDS:       # the loop did not run: trust the registry a bit
+                self.admission.cluster.stalled(time.time())
+                self.log.warning("gateway stalled", seconds=round(now - last, 1))
+            last = now
             for r in list(self.requests.values()):
                 if now - r.t0 >= self.request_timeout:
                     self.spawn(r.expire())

@@ -1,11 +1,13 @@
 """Keys files, token buckets and cluster admission, in memory."""
 import hashlib
 import json
+import time
 
 import pytest
 
 from schemas.messages import GenerateRequest
 from schemas.sampling import SamplingParams
+from schemas.subjects import WORKER_TTL
 from services.gateway import keys
 from services.gateway.admission import Admission, TokenBucket, estimate
 from services.gateway.errors import ApiError
@@ -93,6 +95,18 @@ def test_admission_refuses_when_every_worker_is_past_the_watermark_and_counts_wh
     assert busy.value.status == 503 and busy.value.retry_after == 1.0
     a.cluster.update(heartbeat(max_num_seqs=2))   # a fresh heartbeat shows the queue drained
     a.admit(key, 1, 1, now=0.0)
+
+
+def test_a_gateway_that_was_stopped_trusts_the_heartbeats_it_could_not_refresh_for_one_ttl():
+    a = admission_with_worker()
+    later = time.time() + WORKER_TTL + 2          # the gateway was SIGSTOPped past the TTL
+    with pytest.raises(ApiError) as gone:
+        a.cluster.place(10, later)
+    assert gone.value.code == "unavailable"
+    a.cluster.stalled(later)
+    assert a.cluster.place(10, later) == "fake"
+    with pytest.raises(ApiError):                 # a TTL later, an old heartbeat means a worker gone again
+        a.cluster.place(10, later + WORKER_TTL)
 
 
 def test_a_prompt_is_estimated_without_tokenizing():
