@@ -266,7 +266,6 @@ class Request:
     sub: Subscription | None = None
     task: asyncio.Task | None = None
     detok: Detokenizer | None = None
-    received: int = 0                             # output tokens so far: the offset the next chunk should have
     prompt_tokens: int = 0
     cached_tokens: int = 0
     worker_timing: dict = field(default_factory=dict)
@@ -282,6 +281,11 @@ class Request:
     @property
     def log(self) -> FilteringBoundLogger:
         return self.conn.log
+
+    @property
+    def received(self) -> int:
+        """Output tokens so far: the offset the next chunk should have."""
+        return len(self.tokens)
 
     async def submit(self, req) -> None:
         gw = self.conn.gw
@@ -406,7 +410,6 @@ class Request:
         assert skip >= 0, "a chunk past a gap is held, never accepted"
         new = chunk.token_ids[skip:]
         if new:
-            self.received = chunk.offset + len(chunk.token_ids)
             self.tokens += new
             if self.ttft is None:
                 self.ttft = time.perf_counter() - self.t0
