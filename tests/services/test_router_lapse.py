@@ -95,6 +95,15 @@ def test_on_the_first_connection_a_lapsed_heartbeat_is_a_departure_at_once(nats_
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+async def routed(js, created: float):
+    """The router's delivery of a tokenized request "late", accepted at `created`."""
+    req = TokenizedRequest("late", "t", SamplingParams(seed=1), [1, 2, 3], created=created)
+    await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id("late"))
+    await js.add_consumer(subjects.ROUTE_STREAM, subjects.ROUTER)
+    (msg,) = await (await js.pull_subscribe_bind(stream=subjects.ROUTE_STREAM, durable="router")).fetch(1)
+    return msg
+
+
 def test_a_request_no_worker_took_within_its_deadline_is_answered_timeout_recorded_and_acked(nats_url, monkeypatch):
     monkeypatch.setattr(subjects, "REQUEST_DEADLINE", 0.5)
 
@@ -103,10 +112,7 @@ def test_a_request_no_worker_took_within_its_deadline_is_answered_timeout_record
         js = nc.jetstream()
         await subjects.ensure_streams(js)
         answers = await nc.subscribe(subjects.out("late"))
-        req = TokenizedRequest("late", "t", SamplingParams(seed=1), [1, 2, 3], created=time.time())
-        await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id("late"))
-        await js.add_consumer(subjects.ROUTE_STREAM, subjects.ROUTER)
-        (msg,) = await (await js.pull_subscribe_bind(stream=subjects.ROUTE_STREAM, durable="router")).fetch(1)
+        msg = await routed(js, created=time.time())
         router = RouterService(nc, router_id="r0")             # no worker ever registers
         await asyncio.wait_for(router.handle(msg), 5)
         err = decode((await answers.next_msg(2)).data, ErrorChunk)
@@ -127,10 +133,7 @@ def test_a_timed_out_request_keeps_the_outcome_of_its_first_end(nats_url, monkey
         await subjects.ensure_streams(js)
         first = Outcome("late", "t", "w1", "stop", [7, 8])
         await (await subjects.outcomes(js)).create("late", encode(first))
-        req = TokenizedRequest("late", "t", SamplingParams(seed=1), [1, 2, 3], created=time.time() - 1)
-        await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id("late"))
-        await js.add_consumer(subjects.ROUTE_STREAM, subjects.ROUTER)
-        (msg,) = await (await js.pull_subscribe_bind(stream=subjects.ROUTE_STREAM, durable="router")).fetch(1)
+        msg = await routed(js, created=time.time() - 1)
         await RouterService(nc, router_id="r0").handle(msg)
         assert decode((await (await subjects.outcomes(js)).get("late")).value, Outcome) == first
         assert (await js.stream_info(subjects.ROUTE_STREAM)).state.messages == 0

@@ -73,13 +73,22 @@ async def until_end(q: asyncio.Queue) -> list:
     return got
 
 
-async def dead_letters(js) -> list[DeadLetter]:
-    sub = await js.subscribe(subjects.DEAD_SUBJECTS, ordered_consumer=True)
+async def stored(js, subject: str, cls: type) -> list:
+    """Every record of a stream's subject, decoded as cls."""
+    sub = await js.subscribe(subject, ordered_consumer=True)
     out = []
     with contextlib.suppress(TimeoutError, asyncio.TimeoutError, nats.errors.TimeoutError):
         while True:
-            out.append(decode((await sub.next_msg(timeout=0.5)).data, DeadLetter))
+            out.append(decode((await sub.next_msg(timeout=0.5)).data, cls))
     return out
+
+
+async def dead_letters(js) -> list[DeadLetter]:
+    return await stored(js, subjects.DEAD_SUBJECTS, DeadLetter)
+
+
+async def outcome_of(js, rid: str) -> Outcome:
+    return decode((await (await subjects.outcomes(js)).get(rid)).value, Outcome)
 
 
 def test_an_engine_failure_is_dead_lettered_and_acked_and_the_worker_keeps_serving(nats_url, engine):
@@ -98,7 +107,7 @@ def test_an_engine_failure_is_dead_lettered_and_acked_and_the_worker_keeps_servi
             assert not service.failed and not service.stop.is_set()
         (dead,) = await dead_letters(js)
         assert dead.request.id == "bad" and dead.strikes == 1 and dead.worker == "w0"
-        outcome = decode((await (await subjects.outcomes(js)).get("bad")).value, Outcome)
+        outcome = await outcome_of(js, "bad")
         assert (outcome.finish_reason, outcome.error_code) == ("error", "engine_error")
         assert (await js.stream_info(subjects.WORK_STREAM)).state.messages == 0    # acked: never again
         await nc.close()
@@ -146,15 +155,6 @@ def test_a_moved_item_continues_after_the_tokens_the_gateway_reports(nats_url, e
     asyncio.run(main())
 
 
-async def usage_records(js) -> list[Usage]:
-    sub = await js.subscribe(subjects.USAGE_SUBJECTS, ordered_consumer=True)
-    out = []
-    with contextlib.suppress(TimeoutError, asyncio.TimeoutError, nats.errors.TimeoutError):
-        while True:
-            out.append(decode((await sub.next_msg(timeout=0.5)).data, Usage))
-    return out
-
-
 def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_url, engine, monkeypatch):
     monkeypatch.setattr(service_module, "USAGE_BACKUP_SECONDS", 0.2)
 
@@ -173,7 +173,7 @@ def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_u
                 await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
                 assert isinstance((await until_end(q))[-1], FinalChunk)
             await asyncio.sleep(1.0)
-            records = {u.id: u for u in await usage_records(js)}
+            records = {u.id: u for u in await stored(js, subjects.USAGE_SUBJECTS, Usage)}
         assert sorted(records) == ["metered", "orphan"]           # one each: the worker's copy of "metered" deduped
         orphan = records["orphan"]
         assert (orphan.key_id, orphan.api, orphan.model, orphan.prompt_tokens, orphan.completion_tokens) == (
@@ -200,7 +200,7 @@ def test_an_item_reaching_the_worker_past_its_deadline_is_answered_timeout_recor
             await asyncio.sleep(0.5)                                   # the Outcome is stored, the item acked
         assert err.code == "timeout" and "REQUEST_DEADLINE=0.5 s" in err.message
         assert engine.num_steps == steps
-        outcome = decode((await (await subjects.outcomes(js)).get("late")).value, Outcome)
+        outcome = await outcome_of(js, "late")
         assert (outcome.finish_reason, outcome.error_code) == ("error", "timeout")
         assert (await js.stream_info(subjects.WORK_STREAM)).state.messages == 0
         assert await dead_letters(js) == []                            # a timeout is no dead letter
@@ -225,7 +225,7 @@ def test_a_dead_lettered_request_that_had_ended_keeps_its_first_outcome(nats_url
             (err,) = await until_end(q)
             await asyncio.sleep(0.5)
         assert err.code == "dead_lettered" and msg.acked
-        assert decode((await (await subjects.outcomes(js)).get("struck")).value, Outcome) == first
+        assert await outcome_of(js, "struck") == first
         assert [d.request.id for d in await dead_letters(js)] == ["struck"]
         await nc.close()
     asyncio.run(main())
