@@ -13,7 +13,9 @@ Counts per scenario: sent; accepted (not refused at admission: an immediate erro
 offline engine's tokens); wrong (a done frame with other tokens); errors (an error frame after
 acceptance: expected only for the poison requests, which are counted apart); cut (the connection
 closed under the request: a gateway crash, until clients can resume); lost (accepted and never
-answered within the client's patience); duplicated (extra completion records of one request id)."""
+answered within the client's patience); duplicated (extra completion records of one request id).
+With --json also: stored, recorded and metered (requests in the request log, and of them those with a
+completion record and a usage record: a request whose client was cut still runs and is metered)."""
 import asyncio
 import contextlib
 import json
@@ -76,6 +78,9 @@ class Result:
     poison_answered: int = 0
     recovery_s: float | None = None
     workers_registered: int = 0
+    stored: int = 0                       # requests in TB_REQUESTS (probes included)
+    recorded: int = 0                     # of them, with a completion record in TB_RESULTS
+    metered: int = 0                      # of them, with a usage record in TB_USAGE
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -167,7 +172,8 @@ class Run:
         try:
             self.stack.wait_ready()
             asyncio.run(self.load())
-            self.result.duplicated = asyncio.run(duplicates(self.stack.nats_url))
+            r = self.result
+            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
@@ -312,23 +318,34 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
     return {c: o.token_ids for c, o in zip(cids, outs)}
 
 
-async def duplicates(nats_url: str) -> int:
-    """Completion records beyond the first of each request id in TB_RESULTS."""
+async def logs(nats_url: str) -> tuple[int, int, int, int]:
+    """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
+    completion records beyond the first of a request id, request ids with a usage record)."""
     from schemas import subjects
-    from schemas.messages import Completion, decode
+    from schemas.messages import Completion, GenerateRequest, Usage
 
     nc = await subjects.connect(nats_url, "tokenbus-chaos")
     try:
         js = nc.jetstream()
-        info = await js.stream_info(subjects.RESULTS_STREAM)
-        ids = []
-        if info.state.messages:
-            sub = await js.subscribe(subjects.RESULTS_SUBJECTS, ordered_consumer=True)
-            while len(ids) < info.state.messages:
-                ids.append(decode((await sub.next_msg(timeout=5)).data, Completion).id)
-        return len(ids) - len(set(ids))
+        requests = await ids(js, subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS, GenerateRequest)
+        done = await ids(js, subjects.RESULTS_STREAM, subjects.RESULTS_SUBJECTS, Completion)
+        usage = await ids(js, subjects.USAGE_STREAM, subjects.USAGE_SUBJECTS, Usage)
+        return len(requests), len(set(done)), len(done) - len(set(done)), len(set(usage))
     finally:
         await nc.close()
+
+
+async def ids(js, stream: str, subject: str, cls: type) -> list[str]:
+    """The request id of every record of a stream, in order."""
+    from schemas.messages import decode
+
+    count, out = (await js.stream_info(stream)).state.messages, []
+    if count:
+        sub = await js.subscribe(subject, ordered_consumer=True)
+        while len(out) < count:
+            out.append(decode((await sub.next_msg(timeout=5)).data, cls).id)
+        await sub.unsubscribe()
+    return out
 
 
 async def registered(nats_url: str) -> int:
