@@ -107,9 +107,9 @@ def engine_decode(size: str = "small", num_requests: int = 64, output: int = 128
     """Decode tokens/s of the engine on CUDA with the Triton kernels and with the reference."""
     import kernels.reference
     import kernels.triton
-    from ops.model_builder import build_tiny_model
     from schemas.sampling import SamplingParams
     from workers.engine.engine import EngineConfig, LLMEngine
+    from workers.models.builder import build_tiny_model
 
     result = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,11 +31,11 @@ import orjson
 import uvloop
 import websockets
 
-from ops.model_builder import default_model_dir
 from ops.procs import free_port, python_module, spawn, start_nats, stop
 from schemas import subjects
 from schemas.messages import GenerateRequest, Heartbeat, decode, encode
 from schemas.sampling import SamplingParams
+from workers.models.builder import default_model_dir
 
 KEYS = {"bench": {"tenant": "bench"}, "limited": {"tenant": "limited", "tokens_per_minute": 1000}}
 HOLD = "hold"                                   # a prompt the fake worker never answers

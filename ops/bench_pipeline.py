@@ -22,12 +22,12 @@ from pathlib import Path
 import orjson
 import websockets
 
-from ops.model_builder import default_model_dir
 from ops.procs import free_port
 from ops.up import Stack
 from schemas.sampling import SamplingParams
 from workers import LLM
 from workers.engine.engine import LLMEngine
+from workers.models.builder import default_model_dir
 
 
 def workload(seed: int, n: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:

@@ -33,12 +33,12 @@ import websockets
 from nats.js import api
 
 from ops import procs
-from ops.model_builder import default_model_dir
 from ops.procs import free_port
 from ops.up import Stack
 from schemas import subjects
 from schemas.hashing import hash_blocks
 from schemas.messages import Completion, RouterStats, decode
+from workers.models.builder import default_model_dir
 from workers.models.config import ModelConfig
 
 WORKERS = 3

@@ -378,7 +378,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(args) -> int:
-    from ops.model_builder import default_model_dir
+    from workers.models.builder import default_model_dir
 
     args.scenarios = args.scenarios or list(SCENARIOS)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]

@@ -18,7 +18,7 @@ def delegate(module: str, exits: bool = False):
 
 
 def cmd_model(args) -> None:
-    from ops.model_builder import build_tiny_model
+    from workers.models.builder import build_tiny_model
 
     print(build_tiny_model(args.dir, args.size))
 

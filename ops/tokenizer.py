@@ -18,7 +18,7 @@ def load_tokenizer(model: str | None = None, build: bool = True) -> Tokenizer | 
 
 def tiny_model(build: bool) -> Path | None:
     if build:
-        from ops.model_builder import default_model_dir  # torch and transformers: only to build it
+        from workers.models.builder import default_model_dir  # torch and transformers: only to build it
         return default_model_dir()
     tiny = Path(os.environ.get("TOKENBUS_HOME") or Path.home() / ".cache" / "tokenbus") / "models" / "tiny"
     return tiny if (tiny / "tokenizer.json").exists() else None

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops import procs
-from ops.model_builder import default_model_dir, tokenbus_home
 from ops.status import heartbeats
 from schemas import subjects
 from services.gateway import keys
+from workers.models.builder import default_model_dir, tokenbus_home
 
 READY_TIMEOUT = 180.0
 

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU, in
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The default tiny model (random weights, offline BPE tokenizer), built once per test session."""
-    from ops.model_builder import build_tiny_model
+    from workers.models.builder import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 

@@ -89,7 +89,7 @@ def hf_generate(model, batch) -> None:
 
 
 def main(args) -> None:
-    from ops.model_builder import default_model_dir
+    from workers.models.builder import default_model_dir
     from workers.models.config import ModelConfig
 
     model_dir = args.model or str(default_model_dir())

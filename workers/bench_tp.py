@@ -63,7 +63,7 @@ def table(results: dict) -> str:
 
 
 def main(args) -> None:
-    from ops.model_builder import default_model_dir
+    from workers.models.builder import default_model_dir
     from workers.models.config import ModelConfig
 
     model_dir = args.model or str(default_model_dir(args.size))

@@ -26,7 +26,7 @@ class LLM:
         Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens,
         tensor_parallel_size, ...)."""
         if model is None:
-            from ops.model_builder import default_model_dir
+            from workers.models.builder import default_model_dir
             model = str(default_model_dir())
         if tokenizer is None:
             from transformers import AutoTokenizer

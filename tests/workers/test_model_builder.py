@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-from ops import model_builder
-from ops.model_builder import BOS, EOS, IM_END, IM_START, PAD, build_tiny_model, default_model_dir
+from workers.models import builder as model_builder
+from workers.models.builder import BOS, EOS, IM_END, IM_START, PAD, build_tiny_model, default_model_dir
 
 FILES = {"config.json", "generation_config.json", "model.safetensors",
          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
