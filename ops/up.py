@@ -178,8 +178,8 @@ def check_keys(host: str, api_keys: str | None) -> None:
         print(f"tokenbus: no --api-keys: serving {host} only, without authentication", flush=True)
 
 
-def secure(stack: Stack, args) -> None:
-    """The stack's bus security from up's flags; ValueError naming the flag that is missing or wrong."""
+def secure(args) -> dict:
+    """The Stack's bus security from up's flags; ValueError naming the flag that is missing or wrong."""
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together: the embedded nats-server's certificate and its key")
     if args.tls_cert and args.nats_url:
@@ -188,13 +188,13 @@ def secure(stack: Stack, args) -> None:
     for flag in ("tls_cert", "tls_key", "tls_ca"):
         if getattr(args, flag) and not Path(getattr(args, flag)).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such file")
-    stack.bus_creds = Path(args.bus_creds) if args.bus_creds else default_dir() if args.bus_auth else None
-    stack.tls = bus.Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
-    stack.tls_ca = Path(args.tls_ca) if args.tls_ca else None
-    if args.nats_url and stack.bus_creds is not None:
-        bus.check_seeds(stack.bus_creds)
+    creds = Path(args.bus_creds) if args.bus_creds else default_dir() if args.bus_auth else None
+    if args.nats_url and creds is not None:
+        bus.check_seeds(creds)
     elsewhere = args.nats_url is not None and any(os.environ.get(v) for v in (CREDS_ENV, USER_ENV))
-    bus.check_exposure(stack.nats_host, args.nats_url, stack.bus_creds is not None or elsewhere)
+    bus.check_exposure(args.nats_host, args.nats_url, creds is not None or elsewhere)
+    return {"nats_host": args.nats_host, "bus_creds": creds, "tls_ca": Path(args.tls_ca) if args.tls_ca else None,
+            "tls": bus.Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None}
 
 
 def bus_line(stack: Stack) -> str:
@@ -232,12 +232,12 @@ def watch(stack: Stack) -> None:
 
 def main(args) -> None:
     check_keys(args.host, args.api_keys)
+    security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
     worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
-                  router_args=["--policy", args.router], nats_host=args.nats_host)
-    secure(stack, args)
+                  router_args=["--policy", args.router], **security)
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
     try:
