@@ -224,3 +224,36 @@ def test_generated_seeds_are_private_and_kept(tmp_path):
     seed_file(creds, "worker").write_text("not a seed\n")
     with pytest.raises(ValueError, match=r"worker\.nk: not an nkey user seed"):
         bus.seeds(creds)
+
+
+def test_the_rarer_jobs_of_each_service_are_allowed(secured):
+    """What a plain request does not exercise: the gateway asks a worker to resend and reads an outcome,
+    a worker asks the gateway for a client's progress, dead-letters, writes and deletes registry and outcome
+    entries, the router ends a request past its deadline (its Outcome) and watches the registry."""
+    async def main():
+        async with (as_role(secured, "gateway") as (gw, g_errors), as_role(secured, "worker") as (w, w_errors),
+                    as_role(secured, "router") as (router, r_errors)):
+            async def answer(msg):
+                await msg.respond(b"answer")
+            await w.subscribe(subjects.RESEND_ALL, cb=answer)
+            await gw.subscribe(subjects.PROGRESS_ALL, cb=answer)
+            await w.flush()
+            await gw.flush()
+            assert (await gw.request(subjects.resend("r1"), b"", timeout=5)).data == b"answer"
+            assert (await w.request(subjects.progress("r1"), b"", timeout=5)).data == b"answer"
+
+            await subjects.publish(w.jetstream(), subjects.dead("acme"), b"letter", subjects.msg_id("r1"), w_errors)
+            registry = await subjects.registry(w.jetstream())
+            await registry.put("w0", b"beat")
+            assert (await registry.get("w0")).value == b"beat"
+            await (await subjects.outcomes(w.jetstream())).create("r1", b"done")
+            await (await subjects.outcomes(router.jetstream())).create("r2", b"timeout")
+            assert (await (await subjects.outcomes(gw.jetstream())).get("r2")).value == b"timeout"
+            watcher = await (await subjects.registry(router.jetstream())).watchall()
+            assert (await watcher.updates(5)).key == "w0"
+            await watcher.stop()
+            assert await (await subjects.registry(gw.jetstream())).keys() == ["w0"]
+            await registry.delete("w0")
+            assert g_errors.violations() == w_errors.violations() == r_errors.violations() == []
+
+    asyncio.run(asyncio.wait_for(main(), 30))
