@@ -3,6 +3,7 @@ the nats-server config that authorizes each with its role's permissions (schemas
 TLS, and the refusal to expose a bus without credentials."""
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -10,7 +11,7 @@ from urllib.parse import urlsplit
 import nkeys
 
 from schemas import roles
-from schemas.credentials import seed_file
+from schemas.credentials import default_dir, seed_file
 from services.gateway.keys import is_loopback
 
 
@@ -67,13 +68,11 @@ class Tls:
 
 
 def config(creds: Path | None, tls: Tls | None) -> str:
-    """The nats-server config for the security flags of `tokenbus up` (JSON is valid nats-server config)."""
-    conf = {}
-    if creds is not None:
-        conf["authorization"] = authorization(creds)
-    if tls is not None:
-        conf["tls"] = tls.block()
-    return json.dumps(conf, indent=1)
+    """The nats-server config for the security flags of `tokenbus up`: top-level `authorization` and `tls`
+    blocks (their values JSON, which nats-server's config format takes), to use as is or `include`."""
+    blocks = {"authorization": authorization(creds) if creds is not None else None,
+              "tls": tls.block() if tls is not None else None}
+    return "".join(f"{key}: {json.dumps(value, indent=1)}\n" for key, value in blocks.items() if value is not None)
 
 
 def write_config(path: Path, creds: Path | None, tls: Tls | None) -> Path:
@@ -96,6 +95,15 @@ def check_exposure(nats_host: str, nats_url: str | None, authorized: bool) -> No
     if not is_loopback(host):
         raise ValueError(f"refusing to use {nats_url} without credentials: add --bus-creds DIR (an nkey seed per "
                          "role, <role>.nk) or set TOKENBUS_NATS_USER and TOKENBUS_NATS_PASSWORD")
+
+
+def main(args) -> None:
+    """tokenbus bus-config: the config for a nats-server of one's own (generating the seeds missing)."""
+    creds = Path(args.creds) if args.creds else default_dir()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: the server's certificate and its key")
+    print(config(creds, Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None))
+    print(f"bus-config: the seeds are in {creds} (one per role, <role>.nk)", file=sys.stderr)
 
 
 def url_host(url: str) -> str:

@@ -184,6 +184,14 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tls-ca", metavar="FILE", help="the CA every service verifies the nats-server's certificate with")
     u.set_defaults(func=delegate("ops.up"))
 
+    bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "
+                        "its subject permissions), for a server of your own")
+    bc.add_argument("--creds", metavar="DIR", help="the nkey seeds, <role>.nk; missing ones are generated "
+                                                   "(default: $TOKENBUS_HOME/bus)")
+    bc.add_argument("--tls-cert", metavar="FILE", help="the server's certificate (PEM): add its tls block")
+    bc.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
+    bc.set_defaults(func=delegate("ops.bus"))
+
     c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
     c.add_argument("--url", default="ws://127.0.0.1:8000/ws")
     c.add_argument("--max-tokens", type=int, default=256)

@@ -4,6 +4,7 @@ is nats-server's own -ERR, as nats-py hands it to the error callback)."""
 import asyncio
 import contextlib
 import stat
+import subprocess
 
 import nats.errors
 import pytest
@@ -257,3 +258,15 @@ def test_the_rarer_jobs_of_each_service_are_allowed(secured):
             assert g_errors.violations() == w_errors.violations() == r_errors.violations() == []
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_bus_config_prints_the_blocks_a_server_of_ones_own_includes(tmp_path, capsys):
+    from ops.cli import main
+
+    main(["bus-config", "--creds", str(tmp_path / "creds")])
+    (tmp_path / "bus.conf").write_text(capsys.readouterr().out)
+    assert (tmp_path / "bus.conf").read_text() == bus.config(tmp_path / "creds", None)     # the seeds it made
+    (tmp_path / "server.conf").write_text("port: 4222\njetstream: {}\ninclude ./bus.conf\n")
+    check = subprocess.run([procs.nats_server_binary(), "-c", str(tmp_path / "server.conf"), "-t"],
+                           capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0 and "is valid" in check.stderr + check.stdout, check.stderr
