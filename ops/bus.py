@@ -102,7 +102,7 @@ def main(args) -> None:
     creds = Path(args.creds) if args.creds else default_dir()
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together: the server's certificate and its key")
-    print(config(creds, Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None))
+    print(config(creds, Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None), end="")
     print(f"bus-config: the seeds are in {creds} (one per role, <role>.nk)", file=sys.stderr)
 
 
