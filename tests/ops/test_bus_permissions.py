@@ -270,3 +270,16 @@ def test_bus_config_prints_the_blocks_a_server_of_ones_own_includes(tmp_path, ca
     check = subprocess.run([procs.nats_server_binary(), "-c", str(tmp_path / "server.conf"), "-t"],
                            capture_output=True, text=True, timeout=30)
     assert check.returncode == 0 and "is valid" in check.stderr + check.stdout, check.stderr
+
+
+def test_a_server_without_authorization_ignores_the_seeds_a_process_finds(nats_url, tmp_path):
+    """Seeds left in $TOKENBUS_HOME/bus by an authorized stack do not stop a later loopback stack."""
+    bus.seeds(tmp_path / "creds")
+
+    async def main():
+        nc = await subjects.connect(nats_url, "test-worker", role="worker", credentials=Credentials(tmp_path / "creds"))
+        await nc.publish(subjects.request_new("acme"), b"anything goes here")
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
