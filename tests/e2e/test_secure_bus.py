@@ -1,7 +1,7 @@
-"""The whole stack on an authorized TLS bus: nats-server with the config `tokenbus up --bus-auth --tls-*`
-writes, every service connected (as nats-server itself reports) with its own role's nkey over TLS, a
-request served end to end, the ops commands a user types doing their jobs with their own seeds, and not
-one permissions violation in the server's log: each role's permissions are enough for its job."""
+"""The whole stack on an authorized TLS bus, as `tokenbus up --bus-creds DIR --tls-*` starts it: every
+service connected (as nats-server itself reports) with its own role's nkey over TLS, a request served
+end to end, the ops commands a user types doing their jobs with their own seeds, and not one
+permissions violation in the server's log: each role's permissions are enough for its job."""
 import asyncio
 import json
 import urllib.request
@@ -22,24 +22,28 @@ SERVICES = {"gateway": "gateway", "tokenizer": "tokenizer", "router": "router", 
 
 @pytest.fixture(scope="module")
 def secure_stack(tiny_model, tmp_path_factory):
-    """(stack, creds dir, CA, nats log, monitoring URL): nats-server started here, beside its monitoring port,
-    with up's config; the services as `tokenbus up --nats-url ... --bus-creds ... --tls-ca` starts them."""
+    """(stack, creds dir, CA, monitoring URL): the stack `tokenbus up --bus-creds DIR --tls-cert --tls-key --tls-ca`
+    starts, its nats-server's config with a monitoring port added (where the server says who is connected)."""
     d = tmp_path_factory.mktemp("secure")
-    pki, creds, port, monitor = make_pki(d / "pki"), d / "creds", procs.free_port(), procs.free_port()
-    conf = bus.write_config(d / "nats.conf", creds, bus.Tls(pki.cert, pki.key))
-    (d / "jetstream").mkdir()
-    nats = procs.spawn([procs.nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port),
-                        "-m", str(monitor), "-js", "-sd", str(d / "jetstream")], d / "nats.log")
-    procs.wait_port(port, nats, "nats-server")
-    stack = Stack(tiny_model, procs.free_port(), d / "stack", nats_url=f"nats://127.0.0.1:{port}", workers=1,
-                  worker_args=WORKER_ARGS, bus_creds=creds, tls_ca=pki.ca)
+    pki, creds, monitor = make_pki(d / "pki"), d / "creds", procs.free_port()
+    write_config = bus.write_config
+
+    def with_monitor(path, *args):
+        write_config(path, *args)
+        with path.open("a") as f:
+            f.write(f"http: 127.0.0.1:{monitor}\n")
+        return path
+
+    stack = Stack(tiny_model, procs.free_port(), d, nats_port=procs.free_port(), workers=1, worker_args=WORKER_ARGS,
+                  bus_creds=creds, tls=bus.Tls(pki.cert, pki.key), tls_ca=pki.ca)
     try:
-        stack.start()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(bus, "write_config", with_monitor)
+            stack.start()
         stack.wait_ready()
-        yield stack, creds, pki.ca, d / "nats.log", f"http://127.0.0.1:{monitor}"
+        yield stack, creds, pki.ca, f"http://127.0.0.1:{monitor}"
     finally:
         stack.stop()
-        procs.stop([nats])
 
 
 def command(*argv: str) -> int:
@@ -52,7 +56,7 @@ def command(*argv: str) -> int:
 
 def test_every_service_does_its_job_with_its_own_credentials_and_no_violation(secure_stack, capsys, monkeypatch,
                                                                                 tmp_path):
-    stack, creds, ca, nats_log, monitor = secure_stack
+    stack, creds, ca, monitor = secure_stack
 
     async def chat():
         async with connect(stack) as ws:
@@ -84,5 +88,6 @@ def test_every_service_does_its_job_with_its_own_credentials_and_no_violation(se
     assert command("replay", "--last", "1", "--json", "--nats-url", url) == 0
     assert json.loads(capsys.readouterr().out)["identical"] == 1
 
-    violations = [line for line in nats_log.read_text().splitlines() if "Violation" in line]
+    violations = [line for line in (stack.data_dir / "logs" / "nats.log").read_text().splitlines()
+                  if "Violation" in line]
     assert violations == []
