@@ -71,11 +71,14 @@ async def tried(nc, errors: Errors, subject: str) -> list[str]:
 
 
 async def subscribed(nc, errors: Errors, subject: str) -> list[str]:
-    sub = await nc.subscribe(subject)
-    try:
-        return await since(errors, nc.flush(), nc)
-    finally:
-        await sub.unsubscribe()
+    subs = []
+
+    async def subscribe():
+        subs.append(await nc.subscribe(subject))
+
+    found = await since(errors, subscribe(), nc)
+    await subs[0].unsubscribe()
+    return found
 
 
 async def since(errors: Errors, act, nc, patience: float = 0.3) -> list[str]:
