@@ -81,7 +81,7 @@ async def subscribed(nc, errors: Errors, subject: str) -> list[str]:
     return found
 
 
-async def since(errors: Errors, act, nc, patience: float = 0.3) -> list[str]:
+async def since(errors: Errors, act, nc, patience: float = 0.5) -> list[str]:
     """The violations the server reports after `act`: waits for one up to `patience` seconds after a
     round trip (the -ERR comes asynchronously to the error callback)."""
     before = len(errors.violations())
