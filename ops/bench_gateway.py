@@ -97,7 +97,7 @@ async def worker(nats_url: str, model: str) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(f"{model}/tokenizer.json")
-    nc = await subjects.connect(nats_url, "bench-worker")
+    nc = await subjects.connect(nats_url, "bench-worker", role="worker")
     js = nc.jetstream()
     await subjects.ensure_streams(js)
     fake = FakeWorker(nc, tok.encode(" the paged cache serves every token fast").ids)

@@ -324,7 +324,7 @@ async def logs(nats_url: str) -> tuple[int, int, int, int]:
     from schemas import subjects
     from schemas.messages import Completion, GenerateRequest, Usage
 
-    nc = await subjects.connect(nats_url, "tokenbus-chaos")
+    nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
     try:
         js = nc.jetstream()
         requests = await ids(js, subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS, GenerateRequest)
@@ -351,7 +351,7 @@ async def ids(js, stream: str, subject: str, cls: type) -> list[str]:
 async def registered(nats_url: str) -> int:
     from schemas import subjects
 
-    nc = await subjects.connect(nats_url, "tokenbus-chaos")
+    nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
     try:
         return len(await subjects.live_workers(await subjects.registry(nc.jetstream())))
     finally:

@@ -172,7 +172,25 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")
     u.add_argument("--host", default="127.0.0.1", help="the gateway's address (not loopback: --api-keys needed)")
+    u.add_argument("--nats-host", default="127.0.0.1",
+                   help="the embedded nats-server's address (not loopback: --bus-auth or --bus-creds needed)")
+    auth = u.add_mutually_exclusive_group()
+    auth.add_argument("--bus-auth", action="store_true", help="every service connects with its own nkey and only its "
+                      "role's subject permissions; the keys are generated once under $TOKENBUS_HOME/bus")
+    auth.add_argument("--bus-creds", metavar="DIR", help="as --bus-auth, with the nkey seeds in DIR (<role>.nk; "
+                      "missing ones are generated, except with --nats-url)")
+    u.add_argument("--tls-cert", metavar="FILE", help="the embedded nats-server serves TLS with this certificate (PEM)")
+    u.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
+    u.add_argument("--tls-ca", metavar="FILE", help="the CA every service verifies the nats-server's certificate with")
     u.set_defaults(func=delegate("ops.up"))
+
+    bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "
+                        "its subject permissions), for a server of your own")
+    bc.add_argument("--creds", metavar="DIR", help="the nkey seeds, <role>.nk; missing ones are generated "
+                                                   "(default: $TOKENBUS_HOME/bus)")
+    bc.add_argument("--tls-cert", metavar="FILE", help="the server's certificate (PEM): add its tls block")
+    bc.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
+    bc.set_defaults(func=delegate("ops.bus"))
 
     c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
     c.add_argument("--url", default="ws://127.0.0.1:8000/ws")

@@ -28,7 +28,7 @@ def gateway(url: str) -> bool:
 
 async def pulling(nats_url: str, role: str) -> bool:
     stream, config = STAGES[role]
-    nc = await subjects.connect(nats_url, "tokenbus-health")
+    nc = await subjects.connect(nats_url, "tokenbus-health", role="admin")
     try:
         return (await nc.jetstream().consumer_info(stream, config.durable_name)).num_waiting > 0
     finally:
@@ -36,7 +36,7 @@ async def pulling(nats_url: str, role: str) -> bool:
 
 
 async def registered(nats_url: str, worker: str) -> bool:
-    nc = await subjects.connect(nats_url, "tokenbus-health")
+    nc = await subjects.connect(nats_url, "tokenbus-health", role="admin")
     try:
         return any(b.worker == worker for b in await heartbeats(nc.jetstream()))
     finally:

@@ -85,7 +85,7 @@ def start(point: str | None) -> dict:
 
 async def watch(args, emit) -> int:
     """Feeds every message to emit until --count of them; returns how many."""
-    nc = await subjects.connect(args.nats_url, "tokenbus-inspect")
+    nc = await subjects.connect(args.nats_url, "tokenbus-inspect", role="inspect")
     queue: asyncio.Queue = asyncio.Queue()
     try:
         if args.stream:

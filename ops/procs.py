@@ -53,21 +53,29 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def start_nats(port: int, data_dir: Path, log: Path | None = None) -> subprocess.Popen:
-    """nats-server with JetStream and file storage under data_dir, on 127.0.0.1:port; waits until it listens."""
+def start_nats(port: int, data_dir: Path, log: Path | None = None, host: str = "127.0.0.1",
+               config: Path | None = None) -> subprocess.Popen:
+    """nats-server with JetStream and file storage under data_dir, on host:port; waits until it listens.
+    config: a nats-server config file (authorization, TLS: ops/bus.py); the flags win over it."""
     store = Path(data_dir) / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
-    proc = spawn([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)], log)
-    wait_port(port, proc, "nats-server")
+    conf = ["-c", str(config)] if config else []
+    proc = spawn([nats_server_binary(), *conf, "-a", host, "-p", str(port), "-js", "-sd", str(store)], log)
+    wait_port(port, proc, "nats-server", host=reachable(host))
     return proc
 
 
-def wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
+def reachable(host: str) -> str:
+    """Where this machine reaches a server listening on `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with code {proc.returncode} before listening on port {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
             return
         time.sleep(0.05)
     raise TimeoutError(f"{name} did not listen on port {port} within {timeout:.0f} s")

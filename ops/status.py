@@ -11,7 +11,7 @@ FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "pref
 
 
 async def read_registry(nats_url: str) -> list[Heartbeat]:
-    nc = await subjects.connect(nats_url, "tokenbus-status")
+    nc = await subjects.connect(nats_url, "tokenbus-status", role="status")
     try:
         return await heartbeats(nc.jetstream())
     finally:

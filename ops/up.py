@@ -3,6 +3,7 @@ a running one), then tokenizer, router, N workers and the gateway; it waits unti
 pulling and a worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
 child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -10,9 +11,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops import procs
+from ops import bus, procs
 from ops.status import heartbeats
 from schemas import subjects
+from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
 from services.gateway import keys
 from workers.models.builder import default_model_dir, tokenbus_home
 
@@ -34,12 +36,24 @@ class Stack:
     router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
     gateway_args: list[str] = field(default_factory=list)    # e.g. ["--request-timeout", "30"]
     worker_env: dict[str, str] = field(default_factory=dict)  # e.g. a test hook of the workers
+    nats_host: str = "127.0.0.1"                  # the embedded nats-server's address
+    bus_creds: Path | None = None                 # nkey seeds, <role>.nk (missing ones generated): the bus authorizes
+    tls: bus.Tls | None = None                    # the embedded nats-server's certificate
+    tls_ca: Path | None = None                    # what every service verifies the server's certificate with
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)    # each child's own environment
 
     @property
     def address(self) -> str:
         """Where this machine reaches the gateway."""
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return procs.reachable(self.host)
+
+    @property
+    def credentials(self) -> Credentials | None:
+        """What every process of the stack connects with; None: the environment's, as any process."""
+        if self.bus_creds is None and self.tls_ca is None:
+            return None
+        return Credentials(self.bus_creds, self.tls_ca)
 
     @property
     def url(self) -> str:
@@ -53,22 +67,32 @@ class Stack:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         if self.nats_url is None:
-            self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, logs / "nats.log")
-            self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
-        asyncio.run(prepare(self.nats_url))
+            self.start_nats()
+            self.nats_url = f"nats://{procs.reachable(self.nats_host)}:{self.nats_port}"
+        asyncio.run(prepare(self.nats_url, self.credentials))
         common = ["--nats-url", self.nats_url]
         self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
         self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
-                       env=self.worker_env)
+                       env=self.worker_env, role="worker")
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
         self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--host", self.host,
                    "--port", str(self.port), *keys_arg, *self.gateway_args)
 
-    def spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
+    def start_nats(self) -> None:
+        """The embedded nats-server, with a config file when the bus is authorized or TLS."""
+        secure = self.bus_creds is not None or self.tls is not None
+        config = bus.write_config(self.data_dir / "nats.conf", self.bus_creds, self.tls) if secure else None
+        self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.data_dir / "logs" / "nats.log",
+                                                 self.nats_host, config)
+
+    def spawn(self, name: str, module: str, *args: str, env: dict | None = None, role: str | None = None) -> None:
+        """Starts a service as `role` (default: its name) with the stack's credentials for that role."""
+        creds = self.credentials.env(role or name) if self.credentials else {}
+        self.envs[name] = {**creds, **(env or {})}
         self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log",
-                                          env)
+                                          self.envs[name])
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until the gateway answers /healthz, the tokenizer and router are pulling and every worker
@@ -76,7 +100,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if healthy(self.http) and asyncio.run(pipeline_ready(self.nats_url, self.workers)):
+            if healthy(self.http) and asyncio.run(pipeline_ready(self.nats_url, self.workers, self.credentials)):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
@@ -103,26 +127,26 @@ class Stack:
         thread that runs the tests: a child dies with the thread that started it (PR_SET_PDEATHSIG)."""
         self.kill("nats")
         time.sleep(down)
-        self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.data_dir / "logs" / "nats.log")
+        self.start_nats()
 
     def restart(self, name: str) -> None:
         """Starts `name` again with the arguments it was started with."""
         old = self.children[name]
         if old.poll() is None:
             procs.stop([old])
-        self.children[name] = procs.spawn(old.args, self.data_dir / "logs" / f"{name}.log")
+        self.children[name] = procs.spawn(old.args, self.data_dir / "logs" / f"{name}.log", self.envs.get(name))
 
 
-async def prepare(nats_url: str) -> None:
-    nc = await subjects.connect(nats_url, "tokenbus-up")
+async def prepare(nats_url: str, credentials: Credentials | None = None) -> None:
+    nc = await subjects.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
         await subjects.ensure_streams(nc.jetstream())
     finally:
         await nc.close()
 
 
-async def pipeline_ready(nats_url: str, num_workers: int) -> bool:
-    nc = await subjects.connect(nats_url, "tokenbus-up")
+async def pipeline_ready(nats_url: str, num_workers: int, credentials: Credentials | None = None) -> bool:
+    nc = await subjects.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
         js = nc.jetstream()
         stages = ((subjects.REQUESTS_STREAM, subjects.TOKENIZER), (subjects.ROUTE_STREAM, subjects.ROUTER))
@@ -154,6 +178,42 @@ def check_keys(host: str, api_keys: str | None) -> None:
         print(f"tokenbus: no --api-keys: serving {host} only, without authentication", flush=True)
 
 
+def secure(args) -> dict:
+    """The Stack's bus security from up's flags; ValueError naming the flag that is missing or wrong."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: the embedded nats-server's certificate and its key")
+    if args.tls_cert and args.nats_url:
+        raise ValueError("--tls-cert and --tls-key are the embedded nats-server's; with --nats-url give only "
+                         "--tls-ca, the CA that signed its certificate")
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, flag) and not Path(getattr(args, flag)).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such file")
+    creds = Path(args.bus_creds) if args.bus_creds else default_dir() if args.bus_auth else None
+    if args.nats_url and creds is not None:
+        bus.check_seeds(creds)
+    elsewhere = args.nats_url is not None and any(os.environ.get(v) for v in (CREDS_ENV, USER_ENV))
+    bus.check_exposure(args.nats_host, args.nats_url, creds is not None or elsewhere)
+    return {"nats_host": args.nats_host, "bus_creds": creds, "tls_ca": Path(args.tls_ca) if args.tls_ca else None,
+            "tls": bus.Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None}
+
+
+def bus_line(stack: Stack) -> str:
+    """How the bus is secured, after its URL."""
+    parts = [f"an nkey per role in {stack.bus_creds}" if stack.bus_creds else "",
+             f"TLS (CA {stack.tls_ca or 'of the system'})" if stack.tls else ""]
+    return "".join(f", {p}" for p in parts if p)
+
+
+def ops_env(stack: Stack) -> str:
+    """What an ops command on this machine needs before it in the shell to reach this stack's bus."""
+    env = []
+    if stack.bus_creds is not None and stack.bus_creds != default_dir():
+        env.append(f"{CREDS_ENV}={stack.bus_creds}")
+    if stack.tls_ca is not None:
+        env.append(f"{CA_ENV}={stack.tls_ca}")
+    return "".join(f"{e} " for e in env)
+
+
 def interrupt(*_) -> None:
     raise KeyboardInterrupt
 
@@ -172,11 +232,12 @@ def watch(stack: Stack) -> None:
 
 def main(args) -> None:
     check_keys(args.host, args.api_keys)
+    security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
     worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
-                  router_args=["--policy", args.router])
+                  router_args=["--policy", args.router], **security)
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
     try:
@@ -186,9 +247,10 @@ def main(args) -> None:
         stack.wait_ready()
         print(f"tokenbus is up\n  chat page  {stack.http}/\n  OpenAI API {stack.http}/v1  (OPENAI_BASE_URL)\n"
               f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"
-              f"  nats       {stack.nats_url}\n  chat       tokenbus chat --url {stack.url}\n"
-              f"  status     tokenbus status --nats-url {stack.nats_url}\n"
-              f"  usage      tokenbus usage --nats-url {stack.nats_url}\nCtrl-C stops everything.", flush=True)
+              f"  nats       {stack.nats_url}{bus_line(stack)}\n  chat       tokenbus chat --url {stack.url}\n"
+              f"  status     {ops_env(stack)}tokenbus status --nats-url {stack.nats_url}\n"
+              f"  usage      {ops_env(stack)}tokenbus usage --nats-url {stack.nats_url}\nCtrl-C stops everything.",
+              flush=True)
         watch(stack)
     except KeyboardInterrupt:
         pass

@@ -32,7 +32,7 @@ def since(text: str) -> float:
 
 async def read(nats_url: str, tenant: str | None = None, start: float | None = None) -> list[Usage]:
     """The usage records of `tenant` (all tenants: None) stored since `start` (unix time)."""
-    nc = await subjects.connect(nats_url, "tokenbus-usage")
+    nc = await subjects.connect(nats_url, "tokenbus-usage", role="usage")
     try:
         js = nc.jetstream()
         await subjects.ensure_streams(js)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import sys
 import time
 
 import nats
@@ -15,6 +16,7 @@ import orjson
 import uvloop
 from nats.js import api
 
+from schemas import credentials as creds
 from schemas.messages import Heartbeat, WireError, decode
 
 # -- subjects ------------------------------------------------------------------------------------
@@ -194,15 +196,19 @@ QUEUE_WATERMARK = 1.0                    # a worker with this × max_num_seqs qu
 
 # -- connecting -----------------------------------------------------------------------------------
 
-async def connect(url: str, name: str, log=None) -> nats.NATS:
+async def connect(url: str, name: str, log=None, role: str | None = None,
+                  credentials: creds.Credentials | None = None) -> nats.NATS:
     """A connection that keeps reconnecting: a restarted nats-server must not end a service. After a
     reconnect every stream and bucket is made again if the server lost it (a wiped store); core
     subscriptions come back by themselves, watchers (watch()) and pull consumers (consume()) see the
     reconnect count and start over. Connection errors are one log line each (nats-py's default prints
-    a traceback)."""
+    a traceback); a permissions violation is printed even without a log. It connects as `role`
+    (default: `name`, schemas/roles.py) with `credentials` (default: the environment's)."""
     async def error(e: Exception) -> None:
         if log is not None:
             log.warning("nats connection error", error=f"{type(e).__name__}: {e}")
+        elif "permissions violation" in str(e).lower():
+            print(f"{name}: {e}", file=sys.stderr, flush=True)
 
     async def reconnected() -> None:               # a task of its own: nats-py awaits this inside its reconnect
         task = asyncio.get_running_loop().create_task(check())
@@ -220,7 +226,8 @@ async def connect(url: str, name: str, log=None) -> nats.NATS:
 
     checks: set[asyncio.Task] = set()
     nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                            connect_timeout=2, allow_reconnect=True, error_cb=error, reconnected_cb=reconnected)
+                            connect_timeout=2, allow_reconnect=True, error_cb=error, reconnected_cb=reconnected,
+                            **(credentials or creds.from_env()).options(role or name))
     return nc
 
 

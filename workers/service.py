@@ -567,7 +567,7 @@ def engine_config(args) -> EngineConfig:
 async def serve(args) -> None:
     model = args.model
     log = configure("worker").bind(worker=args.id)
-    nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log)
+    nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log, role="worker")
     blamed = await last_suspect(nc, args.id)
     if args.threads:
         torch.set_num_threads(args.threads)

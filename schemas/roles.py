@@ -1,0 +1,131 @@
+"""Who may do what on the bus: the subject permissions of every role, derived from the subjects, streams,
+consumers and buckets in schemas/subjects.py. nats-server enforces them (ops/bus.py renders them into
+its config); docs/security.md has the same table in words.
+
+A role publishes and subscribes only to its own subjects, reads its replies on an inbox of its own
+(_INBOX_<role>.>, schemas/credentials.py) and answers requests only on the reply subjects of requests it
+received (allow_responses). JetStream is an API over subjects too ($JS.API.>): a role may look up and
+create tokenbus's streams and buckets (every service makes again what a wiped store lost, on start and
+after a reconnect), never update or delete one (only admin may), and may create, pull from and ack only
+the consumers of the streams it reads."""
+from dataclasses import dataclass, field
+
+from schemas import subjects as s
+
+API = "$JS.API"
+KV_STREAMS = [f"KV_{s.WORKERS_BUCKET}", f"KV_{s.OUTCOMES_BUCKET}"]
+ALL_STREAMS = [c.name for c in s.STREAMS] + KV_STREAMS
+MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
+
+
+@dataclass(slots=True)
+class Permissions:
+    publish: list[str]
+    subscribe: list[str]
+    deny_publish: list[str] = field(default_factory=list)
+    deny_subscribe: list[str] = field(default_factory=list)
+    replies: int = 0                     # answers allowed per request received (allow_responses)
+
+
+def each(subject) -> str:
+    """Every subject of a kind: subjects.out → tb.out.* (any request id, tenant or worker)."""
+    return subject("x")[:-1] + "*"
+
+
+def keep_streams() -> list[str]:
+    """subjects.ensure_streams, registry() and outcomes(): look up, and create if missing, every stream."""
+    return [f"{API}.STREAM.{op}.{stream}" for stream in ALL_STREAMS for op in ("INFO", "CREATE")]
+
+
+def durable(stream: str, name: str) -> list[str]:
+    """A durable pull consumer (subjects.consume): make or find it, pull from it, ack what it hands over."""
+    return [f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.INFO.{stream}.{name}",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
+
+
+def reader(stream: str) -> list[str]:
+    """Reading the whole of a stream: ephemeral and ordered consumers (watchers, inspect, exports), pulls,
+    single messages, the stream's flow control."""
+    return [f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>", f"{API}.CONSUMER.INFO.{stream}.*",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.*", f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}",
+            f"{API}.DIRECT.GET.{stream}.>", f"$JS.FC.{stream}.>", f"$JS.ACK.{stream}.>"]
+
+
+def kv_get(bucket: str) -> list[str]:
+    """One key of a bucket (a direct get if the bucket allows it)."""
+    stream = f"KV_{bucket}"
+    return [f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}", f"{API}.DIRECT.GET.{stream}.>"]
+
+
+def kv_write(bucket: str) -> list[str]:
+    return [f"$KV.{bucket}.*"]
+
+
+REGISTRY, OUTCOMES = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET
+
+ROLES: dict[str, Permissions] = {
+    # accepts requests, streams their tokens, meters them
+    "gateway": Permissions(
+        publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, each(s.usage),
+                 *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES)],
+        subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL], replies=1),
+    # the request log → tokenized requests
+    "tokenizer": Permissions(
+        publish=[each(s.route), each(s.out), *keep_streams(),
+                 *durable(s.REQUESTS_STREAM, s.TOKENIZER.durable_name)],
+        subscribe=[]),
+    # tokenized requests → one worker's work queue; moves a departed worker's work; ends requests past
+    # their deadline
+    "router": Permissions(
+        publish=[each(s.work), each(s.out), each(s.kv_snapshot), s.ROUTER_STATS_ALL,
+                 *keep_streams(), *durable(s.ROUTE_STREAM, s.ROUTER.durable_name), *reader(f"KV_{REGISTRY}"),
+                 *kv_write(OUTCOMES), *kv_get(OUTCOMES),
+                 f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*", f"{API}.CONSUMER.DELETE.{s.WORK_STREAM}.*",
+                 f"{API}.CONSUMER.CREATE.{s.WORK_STREAM}.*.{each(s.work)}",
+                 f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
+        subscribe=[s.KV_EVENTS_ALL, s.RESULTS_SUBJECTS]),
+    # runs its work queue: tokens, completions, usage (when the gateway's is missing), dead letters,
+    # heartbeats, outcomes, KV events
+    "worker": Permissions(
+        publish=[each(s.out), each(s.done), each(s.usage), each(s.dead),
+                 s.KV_EVENTS_ALL, s.PROGRESS_ALL, *keep_streams(), *kv_write(REGISTRY), *kv_get(REGISTRY),
+                 *kv_write(OUTCOMES), *kv_get(OUTCOMES),
+                 f"{API}.CONSUMER.DURABLE.CREATE.{s.WORK_STREAM}.*", f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*",
+                 f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
+        subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot)], replies=MAX_REPLIES),
+    # tokenbus status: the registry
+    "status": Permissions(publish=[*keep_streams(), *reader(f"KV_{REGISTRY}")], subscribe=[]),
+    # tokenbus usage: the metering log, the only reader of TB_USAGE
+    "usage": Permissions(publish=[*keep_streams(), *reader(s.USAGE_STREAM)], subscribe=[]),
+    # tokenbus replay: logged requests sent again, their tokens read
+    "replay": Permissions(publish=[each(s.request_new), s.CANCEL_ALL, *keep_streams(),
+                                   *reader(s.RESULTS_STREAM)],
+                          subscribe=[each(s.out)]),
+    # tokenbus log export / import: the completions log
+    "log": Permissions(publish=[each(s.done), *keep_streams(), *reader(s.RESULTS_STREAM)], subscribe=[]),
+    # tokenbus inspect: reads every subject and stream but the metering log and other roles' inboxes
+    "inspect": Permissions(publish=[*keep_streams(), *reader("*")], subscribe=[">"],
+                           deny_publish=reader(s.USAGE_STREAM), deny_subscribe=[s.USAGE_SUBJECTS, "_INBOX.>"]),
+    # the operator: tokenbus up (streams, readiness), chaos, health checks; creates and updates streams
+    "admin": Permissions(publish=[">"], subscribe=[">"]),
+}
+
+
+def inbox(role: str) -> str:
+    return f"_INBOX_{role}.>"
+
+
+ROLES["inspect"].deny_subscribe += [inbox(r) for r in ROLES if r != "inspect"]
+
+
+def permissions(role: str) -> dict:
+    """The role's `permissions` block of a nats-server user, its own inbox included."""
+    p = ROLES[role]
+    out = {"publish": {"allow": p.publish}, "subscribe": {"allow": [*p.subscribe, inbox(role)]}}
+    if p.deny_publish:
+        out["publish"]["deny"] = p.deny_publish
+    if p.deny_subscribe:
+        out["subscribe"]["deny"] = p.deny_subscribe
+    if p.replies:
+        out["allow_responses"] = {"max": p.replies}
+    return out
