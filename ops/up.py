@@ -15,6 +15,7 @@ from ops.status import heartbeats
 from schemas import subjects
 from services.gateway import keys
 from workers.models.builder import default_model_dir, tokenbus_home
+from workers.models.gguf import hf_dir
 
 READY_TIMEOUT = 180.0
 
@@ -57,13 +58,14 @@ class Stack:
             self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
         asyncio.run(prepare(self.nats_url))
         common = ["--nats-url", self.nats_url]
-        self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
+        files = hf_dir(self.model)  # a GGUF's tokenizer and config, as the files the tokenizer and gateway read
+        self.spawn("tokenizer", "services.tokenizer", *common, "--model", files)
         self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
                        env=self.worker_env)
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
-        self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--host", self.host,
+        self.spawn("gateway", "services.gateway", *common, "--model", files, "--host", self.host,
                    "--port", str(self.port), *keys_arg, *self.gateway_args)
 
     def spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
