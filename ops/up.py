@@ -17,6 +17,7 @@ from schemas import subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
 from services.gateway import keys
 from workers.models.builder import default_model_dir, tokenbus_home
+from workers.models.gguf import hf_dir
 
 READY_TIMEOUT = 180.0
 
@@ -71,13 +72,14 @@ class Stack:
             self.nats_url = f"nats://{procs.reachable(self.nats_host)}:{self.nats_port}"
         asyncio.run(prepare(self.nats_url, self.credentials))
         common = ["--nats-url", self.nats_url]
-        self.spawn("tokenizer", "services.tokenizer", *common, "--model", self.model)
+        files = hf_dir(self.model)  # a GGUF's tokenizer and config, as the files the tokenizer and gateway read
+        self.spawn("tokenizer", "services.tokenizer", *common, "--model", files)
         self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
                        env=self.worker_env, role="worker")
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
-        self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--host", self.host,
+        self.spawn("gateway", "services.gateway", *common, "--model", files, "--host", self.host,
                    "--port", str(self.port), *keys_arg, *self.gateway_args)
 
     def start_nats(self) -> None:

@@ -22,7 +22,7 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, tokenizer=None, **options):
-        """`model`: an HF checkpoint directory (default: the tiny model, built on first use).
+        """`model`: an HF checkpoint directory or a GGUF file (default: the tiny model, built on first use).
         Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens,
         tensor_parallel_size, ...)."""
         if model is None:
@@ -30,7 +30,9 @@ class LLM:
             model = str(default_model_dir())
         if tokenizer is None:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(model)
+
+            from workers.models.gguf import hf_dir
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir(model))
         self.model_dir, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, EngineConfig(**options))
         self.ids = itertools.count()

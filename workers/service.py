@@ -539,7 +539,7 @@ def logprobs(req: Request, start: int) -> Logprobs | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workers.service", description="A tokenbus worker.")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--model", required=True, help="HF checkpoint directory or GGUF file")
     p.add_argument("--id", default=f"w-{os.getpid()}", help="worker id (a subject token)")
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -107,19 +107,26 @@ def write_json(path: Path, obj: dict) -> None:
 
 def default_model_dir(size: str = "tiny") -> Path:
     """The cached model at $TOKENBUS_HOME/models/<size>, built on first use (or when the builder
-    changed) into a temp dir that is renamed into place, so a half-built dir is never seen."""
-    models_dir = tokenbus_home() / "models"
-    final = models_dir / size
-    if is_current(final):
+    changed)."""
+    def build(tmp: Path) -> None:
+        build_tiny_model(tmp, size)
+        write_json(tmp / MARKER, {"tokenbus_builder_version": builder_version(), "size": size, "seed": 0})
+
+    return build_once(tokenbus_home() / "models" / size, is_current, build)
+
+
+def build_once(final: Path, done, build) -> Path:
+    """`final`, unless `done(final)` built by `build(tmp)` into a temp dir beside it that is then
+    renamed into place, under a file lock: a half-built dir is never seen, two processes build once."""
+    if done(final):
         return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(models_dir / f"{size}.lock")):
-        if is_current(final):  # another process built it while we waited
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f"{final.name}.lock")):
+        if done(final):  # another process built it while we waited
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=models_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         try:
-            build_tiny_model(tmp, size)
-            write_json(tmp / MARKER, {"tokenbus_builder_version": builder_version(), "size": size, "seed": 0})
+            build(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

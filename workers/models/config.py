@@ -1,4 +1,4 @@
-"""The model facts the engine needs, read from an HF checkpoint's config.json."""
+"""The model facts the engine needs, read from an HF checkpoint's config.json (or a GGUF's metadata)."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +31,13 @@ class ModelConfig:
     @classmethod
     def load(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
+        if model_dir.is_file():
+            from workers.models import gguf
+            return cls.from_hf(gguf.hf_config(model_dir), as_ids(gguf.generation_config(model_dir).get("eos_token_id")))
         path = model_dir / "config.json"
         if not path.is_file():
-            raise ValueError(f"model: {model_dir} has no config.json (an HF checkpoint directory is expected)")
+            raise ValueError(f"model: {model_dir} has no config.json (an HF checkpoint directory or a GGUF file "
+                             "is expected)")
         config = json.loads(path.read_text())
         try:
             return cls.from_hf(config, read_generation_eos(model_dir))
