@@ -40,7 +40,8 @@ class Reader:
     def read(self) -> None:
         *lines, self.partial = (self.partial + self.file.read()).split(b"\n")   # the last: still being written
         if self.tail is not None:
-            lines, self.tail = lines[max(len(lines) - self.tail, 0):], None
+            keep = max(self.tail - bool(self.partial), 0)     # a last line without its newline is one of them
+            lines, self.tail = lines[max(len(lines) - keep, 0):] if keep else [], None
         self.print(lines)
 
     def finish(self) -> None:
@@ -69,6 +70,8 @@ def main(args) -> None:
                 if name not in readers:
                     readers[name] = Reader(found[name], "" if args.service else f"{name:<{width}} | ", args.tail)
                 readers[name].read()
+                if not args.follow:
+                    readers.pop(name).finish()
             if not args.follow:
                 return
             time.sleep(FOLLOW_POLL)

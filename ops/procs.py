@@ -54,7 +54,11 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def start_nats(port: int, data_dir: Path, log: Path | None = None) -> subprocess.Popen:
-    """nats-server with JetStream and file storage under data_dir, on 127.0.0.1:port; waits until it listens."""
+    """nats-server with JetStream and file storage under data_dir, on 127.0.0.1:port; waits until it listens.
+    ValueError when something listens there already (its wait would take that for the new server)."""
+    if listening(port):
+        raise ValueError(f"port {port} is in use (another nats-server? another `tokenbus up`?): choose another "
+                         f"--nats-port, or use that server with --nats-url nats://127.0.0.1:{port}")
     store = Path(data_dir) / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
     proc = spawn([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)], log)
@@ -62,12 +66,19 @@ def start_nats(port: int, data_dir: Path, log: Path | None = None) -> subprocess
     return proc
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
+    return False
+
+
 def wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with code {proc.returncode} before listening on port {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        if listening(port):
             return
         time.sleep(0.05)
     raise TimeoutError(f"{name} did not listen on port {port} within {timeout:.0f} s")
