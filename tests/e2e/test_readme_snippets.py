@@ -4,7 +4,8 @@ run in bash (set -e, pipefail) with `tokenbus` on the PATH, Python blocks in Pyt
 parsed (and an --api-keys file is loaded as the gateway loads it). Two things in a block's text are
 replaced: the default ports (8000, 4222) by the test stack's free ones, and the log-grep example's
 request id by one the stack served. A block right after `<!-- not run: reason -->` is skipped; a fenced
-block without a language is a diagram. Blocks are found by their language and marker, not by position."""
+block without a language, or in `text`/`console`, shows output or a diagram. Blocks are found by their
+language and marker, not by position."""
 import json
 import os
 import re
@@ -23,7 +24,8 @@ from services.gateway import keys
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"(?:<!--\s*not run:(?P<why>.*?)-->\s*\n)?^```(?P<lang>\S*)\n(?P<code>.*?)^```\s*$", re.S | re.M)
 EXAMPLE_ID = "7c31ba34422240909a8d2be2049e46af"   # the log-grep example's request id
-LANGUAGES = {"sh", "python", "json"}
+SHELL, PYTHON, JSON = {"sh", "bash", "shell"}, {"python", "py"}, {"json"}
+SHOWN = {"", "text", "console"}                     # output or a diagram: nothing to run
 
 
 def blocks() -> list:
@@ -31,7 +33,7 @@ def blocks() -> list:
     found = []
     for m in BLOCK.finditer(text):
         line = text.count("\n", 0, m.start("code"))
-        if m["lang"]:
+        if m["lang"] not in SHOWN:
             marks = [pytest.mark.skip(reason=f"not run: {m['why'].strip()}")] if m["why"] is not None else []
             found.append(pytest.param(m["lang"], m["code"], id=f"{m['lang']}@README.md:{line}", marks=marks))
     return found
@@ -39,8 +41,8 @@ def blocks() -> list:
 
 def test_the_readme_has_snippets_in_languages_the_runner_knows_and_says_why_any_is_not_run():
     text = (ROOT / "README.md").read_text()
-    ran = [m for m in BLOCK.finditer(text) if m["lang"] and m["why"] is None]
-    assert {m["lang"] for m in BLOCK.finditer(text) if m["lang"]} <= LANGUAGES
+    ran = [m for m in BLOCK.finditer(text) if m["lang"] not in SHOWN and m["why"] is None]
+    assert {m["lang"] for m in BLOCK.finditer(text)} <= SHELL | PYTHON | JSON | SHOWN
     assert all(m["why"].strip() for m in BLOCK.finditer(text) if m["why"] is not None)
     assert len(ran) >= 5 and sum(EXAMPLE_ID in m["code"] for m in ran) == 1
 
@@ -64,7 +66,7 @@ class Readme:
         return code.replace(EXAMPLE_ID, self.request_id)
 
     def run(self, lang: str, code: str) -> subprocess.CompletedProcess:
-        argv = ["bash", "-e", "-o", "pipefail", "-c"] if lang == "sh" else [sys.executable, "-c"]
+        argv = ["bash", "-e", "-o", "pipefail", "-c"] if lang in SHELL else [sys.executable, "-c"]
         return subprocess.run([*argv, self.filled(code)], cwd=self.work, env=self.env(), capture_output=True,
                               text=True, timeout=400)
 
@@ -101,7 +103,7 @@ def readme(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(("lang", "code"), blocks())
 def test_readme_block_runs_as_written(readme, lang, code):
-    if lang == "json":
+    if lang in JSON:
         doc = json.loads(code)
         if all(isinstance(v, dict) and "tenant" in v for v in doc.values()):   # an --api-keys file
             path = readme.work / "keys.json"
