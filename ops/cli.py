@@ -129,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"),
                    help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
     b.add_argument("--hf-batch-size", type=int, default=16, help="HF generate's static batch")
-    b.add_argument("--max-num-seqs", type=int, default=64, help="requests in a batch at most (per worker)")
+    b.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine batch at most")
     b.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     b.add_argument("--repeat", type=int, default=3, help="runs per side; the fastest counts")
     b.add_argument("--profile", action="store_true", help="also print where a decode step's time goes")
@@ -155,12 +155,12 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     bp.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     bp.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
-                   help="prompt tokens, uniform in [MIN, MAX]")
+                    help="prompt tokens, uniform in [MIN, MAX]")
     bp.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"),
-                   help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
+                    help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
     bp.add_argument("--ttft-requests", type=int, default=20, help="requests sent one at a time for TTFT")
     bp.add_argument("--ttft-output-len", type=int, default=4, help="output tokens of each TTFT request")
-    bp.add_argument("--max-num-seqs", type=int, default=64, help="requests in a batch at most (per worker)")
+    bp.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine batch at most")
     bp.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bp.add_argument("--repeat", type=int, default=5, help="rounds per side; the best counts")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -180,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--think-ms", type=float, default=1000.0,
                     help="a user's pause before each turn, uniform up to this: turns of conversations interleave")
     br.add_argument("--kv-blocks", type=int, default=544, help="KV blocks of 16 tokens per worker")
-    br.add_argument("--max-num-seqs", type=int, default=16, help="requests in a batch at most (per worker)")
+    br.add_argument("--max-num-seqs", type=int, default=16, help="requests in one engine batch at most")
     br.add_argument("--max-num-batched-tokens", type=int, default=512, help="per worker step (short steps keep "
                     "heartbeats on time on a busy CPU)")
     br.add_argument("--alpha", type=float, default=4.0, help="the prefix policy's weight of a prefill block")
