@@ -226,7 +226,7 @@ def main(args) -> None:
                   gateway_args=given(args, "max-tokens", "served-model-name"))
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
-    failure = None
+    status = 0
     try:
         stack.start()
         print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
@@ -236,15 +236,16 @@ def main(args) -> None:
               f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"
               f"  nats       {stack.nats_url}\n  chat       tokenbus chat --url {stack.url}\n"
               f"  status     tokenbus status --nats-url {stack.nats_url}\n"
-              f"  usage      tokenbus usage --nats-url {stack.nats_url}\nCtrl-C stops everything.", flush=True)
+              f"  usage      tokenbus usage --nats-url {stack.nats_url}\n"
+              f"  logs       tokenbus logs --follow{f' --data-dir {data_dir}' if args.data_dir else ''}\n"
+              f"Ctrl-C stops everything.", flush=True)
         watch(stack)
     except KeyboardInterrupt:
         pass
     except (ChildFailed, TimeoutError) as e:
-        failure = failed(e)
-        print(failure, file=sys.stderr, flush=True)
+        print(failed(e), file=sys.stderr, flush=True)
+        status = 1
     finally:
         print("tokenbus: stopping ...", flush=True)
         stack.stop()
-    if failure:
-        sys.exit(1)
+    sys.exit(status)
