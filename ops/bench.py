@@ -33,7 +33,7 @@ from tqdm import tqdm
 from ops.tokenizer import load_tokenizer
 
 SEED_INPUT, SEED_OUTPUT = 3000, 400      # the production turn: 3k tokens in, 400 out
-CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+CORPUS = Path(__file__).parents[1] / "workers" / "models" / "data" / "corpus.txt"   # the tiny model's
 MAX_INFLIGHT_PER_CONNECTION = 256        # the gateway's limit per websocket
 QUANTILES = (50, 90, 99)
 
@@ -433,6 +433,7 @@ def summarize(args, results: list[Result], duration: float, cpu: float) -> dict:
         "client": {"cpu_s": round(cpu, 3), "cpu_us_per_token": round(cpu / max(out_tokens, 1) * 1e6, 2),
                    "cpu_us_per_chunk": round(cpu / max(chunks, 1) * 1e6, 2),
                    "cpu_share_of_one_core": round(cpu / duration, 4)},
+        "goodput": None,                          # without an SLO (--slo-ttft-ms, --slo-tpot-ms) there is none
     }
     if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
         good = [r for r in ok if meets(r, args.slo_ttft_ms, args.slo_tpot_ms)]
@@ -470,7 +471,7 @@ def table(r: dict) -> str:
              f"{'request throughput':28}{r['request_throughput']:.2f} req/s",
              f"{'output tokens/s':28}{r['output_tokens_per_s']:.1f}",
              f"{'total tokens/s':28}{r['total_tokens_per_s']:.1f}"]
-    if "goodput" in r:
+    if r["goodput"]:
         g = r["goodput"]
         lines.append(f"{'goodput':28}{g['requests_per_s']:.2f} req/s ({g['fraction']:.1%} within TTFT ≤ "
                      f"{g['slo_ttft_ms']} ms, TPOT ≤ {g['slo_tpot_ms']} ms)")
@@ -486,13 +487,17 @@ def table(r: dict) -> str:
 
 def plot(results: list[Result], path: str) -> None:
     """Latency CDFs and output throughput over time, as a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    figure(results).savefig(path, dpi=100)
+
+
+def figure(results: list[Result]):
+    """The two plots, each with its legend (a Figure without pyplot: no GUI backend, nothing to close)."""
+    from matplotlib.figure import Figure
 
     ok = [r for r in results if r.error is None and r.chunks]
     t0 = min((r.start for r in results), default=0.0)
-    fig, (cdf, tput) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig = Figure(figsize=(13, 4.8))
+    cdf, tput = fig.subplots(1, 2)
     series = {"TTFT": [r.ttft * 1e3 for r in ok], "TPOT": [r.tpot * 1e3 for r in ok if r.tpot is not None],
               "ITL": [(b - a) * 1e3 for r in ok for a, b in itertools.pairwise(r.chunks)], "E2E": e2e(ok)}
     for name, values in series.items():
@@ -507,16 +512,17 @@ def plot(results: list[Result], path: str) -> None:
     width = max(span / 60, 0.25)
     bins = np.arange(0, span + width, width)
     counts, _ = np.histogram([t for t, _ in times], bins=bins, weights=[w for _, w in times])
-    tput.plot(bins[:-1], counts / width, drawstyle="steps-post", label="output tokens/s")
+    tokens = tput.plot(bins[:-1], counts / width, drawstyle="steps-post", label="output tokens/s")
     done, _ = np.histogram([r.end - t0 for r in ok], bins=bins)
     twin = tput.twinx()
-    twin.plot(bins[:-1], done / width, drawstyle="steps-post", color="tab:orange", label="requests/s")
+    requests = twin.plot(bins[:-1], done / width, drawstyle="steps-post", color="tab:orange",
+                         label="requests completed/s")
     tput.set(xlabel="s since start", ylabel="output tokens/s", title="throughput over time")
     twin.set_ylabel("requests completed/s")
     tput.grid(True, alpha=0.3)
+    tput.legend(handles=tokens + requests, loc="upper left")   # one legend for the lines of both y axes
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 async def bench(args, convs: list[Conversation]) -> tuple[list[Result], float, float]:

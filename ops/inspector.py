@@ -9,9 +9,9 @@ import nats.errors
 import orjson
 from nats.js import api
 
+from ops import broker
 from ops.records import parse_time
 from ops.tokenizer import load_tokenizer
-from schemas import subjects
 from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, WireError, decode, to_dict
 
 PREVIEW_BYTES = 48
@@ -85,7 +85,7 @@ def start(point: str | None) -> dict:
 
 async def watch(args, emit) -> int:
     """Feeds every message to emit until --count of them; returns how many."""
-    nc = await subjects.connect(args.nats_url, "tokenbus-inspect", role="inspect")
+    nc = await broker.connect(args.nats_url, "tokenbus-inspect", role="inspect")
     queue: asyncio.Queue = asyncio.Queue()
     try:
         if args.stream:

@@ -56,7 +56,11 @@ def python_module(module: str, *args: str) -> list[str]:
 def start_nats(port: int, data_dir: Path, log: Path | None = None, host: str = "127.0.0.1",
                config: Path | None = None) -> subprocess.Popen:
     """nats-server with JetStream and file storage under data_dir, on host:port; waits until it listens.
-    config: a nats-server config file (authorization, TLS: ops/bus.py); the flags win over it."""
+    config: a nats-server config file (authorization, TLS: ops/bus.py); the flags win over it.
+    ValueError when something listens there already (its wait would take that for the new server)."""
+    if listening(port, reachable(host)):
+        raise ValueError(f"port {port} is in use (another nats-server? another `tokenbus up`?): choose another "
+                         f"--nats-port, or use that server with --nats-url nats://{reachable(host)}:{port}")
     store = Path(data_dir) / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
     conf = ["-c", str(config)] if config else []
@@ -70,12 +74,19 @@ def reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on host:port."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+        return True
+    return False
+
+
 def wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 20.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with code {proc.returncode} before listening on port {port}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+        if listening(port, host):
             return
         time.sleep(0.05)
     raise TimeoutError(f"{name} did not listen on port {port} within {timeout:.0f} s")

@@ -11,6 +11,7 @@ import nats.js.errors
 import orjson
 from nats.js import api
 
+from ops import broker
 from schemas import subjects
 from schemas.messages import Completion, WireError, decode, encode, from_obj, to_obj
 
@@ -122,7 +123,7 @@ def loads(path: Path) -> list[Completion]:
 
 
 async def export(nats_url: str, path: Path, **window) -> int:
-    nc = await subjects.connect(nats_url, "tokenbus-log", role="log")
+    nc = await broker.connect(nats_url, "tokenbus-log", role="log")
     try:
         records = await select(nc.jetstream(), **window)
     finally:
@@ -135,7 +136,7 @@ async def import_(nats_url: str, path: Path) -> int:
     """Stores the file's records in TB_RESULTS under their own request ids (a record already stored
     within the duplicate window is not stored twice)."""
     records = loads(path)
-    nc = await subjects.connect(nats_url, "tokenbus-log", role="log")
+    nc = await broker.connect(nats_url, "tokenbus-log", role="log")
     try:
         js = nc.jetstream()
         await subjects.ensure_streams(js)

@@ -17,7 +17,7 @@ from pathlib import Path
 import nats.errors
 import orjson
 
-from ops import records
+from ops import broker, records
 from ops.tokenizer import load_tokenizer
 from schemas import subjects
 from schemas.messages import (
@@ -95,7 +95,7 @@ async def run_one(nc, js, rec: Completion, timeout: float) -> Replay:
 
 
 async def replay(nats_url: str, recs: list[Completion], timeout: float, concurrency: int) -> list[Replay]:
-    nc = await subjects.connect(nats_url, "tokenbus-replay", role="replay")
+    nc = await broker.connect(nats_url, "tokenbus-replay", role="replay")
     js, gate = nc.jetstream(), asyncio.Semaphore(concurrency)
 
     async def one(rec):
@@ -175,7 +175,7 @@ def shown(diff: dict, side: str) -> str:
 async def chosen(args) -> list[Completion]:
     if args.file:
         return records.loads(Path(args.file))
-    nc = await subjects.connect(args.nats_url, "tokenbus-replay", role="replay")
+    nc = await broker.connect(args.nats_url, "tokenbus-replay", role="replay")
     try:
         return await records.select(nc.jetstream(), **records.window(args))
     finally:

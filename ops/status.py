@@ -3,6 +3,7 @@ import asyncio
 
 import orjson
 
+from ops import broker
 from schemas import subjects
 from schemas.messages import Heartbeat
 
@@ -11,7 +12,7 @@ FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "pref
 
 
 async def read_registry(nats_url: str) -> list[Heartbeat]:
-    nc = await subjects.connect(nats_url, "tokenbus-status", role="status")
+    nc = await broker.connect(nats_url, "tokenbus-status", role="status")
     try:
         return await heartbeats(nc.jetstream())
     finally:

@@ -6,12 +6,13 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops import bus, procs
+from ops import broker, bus, procs
 from ops.status import heartbeats
 from schemas import subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
@@ -20,6 +21,19 @@ from workers.models.builder import default_model_dir, tokenbus_home
 from workers.models.gguf import hf_dir
 
 READY_TIMEOUT = 180.0
+TAIL_LINES = 20                                   # of a child's log, shown when it fails to start
+
+
+class ChildFailed(RuntimeError):
+    """A child of the stack exited: which (`name`), and its `log` from offset `since` (where this run began)."""
+    def __init__(self, message: str, name: str, log: Path, since: int = 0):
+        super().__init__(f"{message}; see {log}")
+        self.name, self.log, self.since = name, log, since
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        with open(self.log, "rb") as f:
+            f.seek(self.since)
+            return b"".join(f.readlines()[-lines:]).decode(errors="replace").rstrip()
 
 
 @dataclass
@@ -35,6 +49,7 @@ class Stack:
     api_keys: str | None = None                   # the gateway's keys file; without one it serves loopback only
     host: str = "127.0.0.1"                       # the gateway's address
     router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
+    tokenizer_args: list[str] = field(default_factory=list)  # e.g. ["--max-model-len", "512"]
     gateway_args: list[str] = field(default_factory=list)    # e.g. ["--request-timeout", "30"]
     worker_env: dict[str, str] = field(default_factory=dict)  # e.g. a test hook of the workers
     nats_host: str = "127.0.0.1"                  # the embedded nats-server's address
@@ -43,6 +58,7 @@ class Stack:
     tls_ca: Path | None = None                    # what every service verifies the server's certificate with
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)    # each child's own environment
+    log_starts: dict[str, int] = field(default_factory=dict)  # each child's log size when it started
 
     @property
     def address(self) -> str:
@@ -73,7 +89,7 @@ class Stack:
         asyncio.run(prepare(self.nats_url, self.credentials))
         common = ["--nats-url", self.nats_url]
         files = hf_dir(self.model)  # a GGUF's tokenizer and config, as the files the tokenizer and gateway read
-        self.spawn("tokenizer", "services.tokenizer", *common, "--model", files)
+        self.spawn("tokenizer", "services.tokenizer", *common, "--model", files, *self.tokenizer_args)
         self.spawn("router", "services.router", *common, *self.router_args)
         for i in range(self.workers):
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
@@ -86,15 +102,25 @@ class Stack:
         """The embedded nats-server, with a config file when the bus is authorized or TLS."""
         secure = self.bus_creds is not None or self.tls is not None
         config = bus.write_config(self.data_dir / "nats.conf", self.bus_creds, self.tls) if secure else None
-        self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.data_dir / "logs" / "nats.log",
-                                                 self.nats_host, config)
+        self.log_starts["nats"] = self.log_size("nats")
+        try:
+            self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.log("nats"), self.nats_host,
+                                                     config)
+        except RuntimeError as e:                  # it exited before listening (a port in use, a bad store)
+            raise ChildFailed(str(e), "nats", self.log("nats"), self.log_starts["nats"]) from None
 
     def spawn(self, name: str, module: str, *args: str, env: dict | None = None, role: str | None = None) -> None:
         """Starts a service as `role` (default: its name) with the stack's credentials for that role."""
         creds = self.credentials.env(role or name) if self.credentials else {}
         self.envs[name] = {**creds, **(env or {})}
-        self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log",
-                                          self.envs[name])
+        self.log_starts[name] = self.log_size(name)
+        self.children[name] = procs.spawn(procs.python_module(module, *args), self.log(name), self.envs[name])
+
+    def log(self, name: str) -> Path:
+        return self.data_dir / "logs" / f"{name}.log"
+
+    def log_size(self, name: str) -> int:
+        return self.log(name).stat().st_size if self.log(name).exists() else 0
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until the gateway answers /healthz, the tokenizer and router are pulling and every worker
@@ -108,9 +134,11 @@ class Stack:
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
 
     def check_alive(self) -> None:
+        """ChildFailed for the first child that exited."""
         for name, p in self.children.items():
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode}; see {self.data_dir / 'logs' / name}.log")
+                raise ChildFailed(f"{name} exited with code {p.returncode}", name, self.log(name),
+                                  self.log_starts.get(name, 0))
 
     def stop(self) -> None:
         """Services first (so none reconnects in a loop), nats-server last."""
@@ -136,11 +164,12 @@ class Stack:
         old = self.children[name]
         if old.poll() is None:
             procs.stop([old])
-        self.children[name] = procs.spawn(old.args, self.data_dir / "logs" / f"{name}.log", self.envs.get(name))
+        self.log_starts[name] = self.log_size(name)
+        self.children[name] = procs.spawn(old.args, self.log(name), self.envs.get(name))
 
 
 async def prepare(nats_url: str, credentials: Credentials | None = None) -> None:
-    nc = await subjects.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
+    nc = await broker.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
         await subjects.ensure_streams(nc.jetstream())
     finally:
@@ -227,9 +256,22 @@ def watch(stack: Stack) -> None:
         for name, p in stack.children.items():
             if p.poll() is not None and name not in gone:
                 gone.add(name)
-                print(f"tokenbus: {name} exited with code {p.returncode} (log: {stack.data_dir / 'logs' / name}.log)",
-                      flush=True)
+                print(f"tokenbus: {name} exited with code {p.returncode} (log: {stack.log(name)})", flush=True)
         time.sleep(0.5)
+
+
+def given(args, *options: str) -> list[str]:
+    """`--option value` for each of `tokenbus up`'s options that was given: the child's own default otherwise."""
+    values = ((o, getattr(args, o.replace("-", "_"))) for o in options)
+    return [a for o, v in values if v is not None for a in (f"--{o}", str(v))]
+
+
+def failed(e: ChildFailed | TimeoutError) -> str:
+    """What `up` prints when the stack did not come up: the cause, from the failing child's own log."""
+    if isinstance(e, TimeoutError):
+        return f"tokenbus: {e}"
+    return "\n  ".join([f"tokenbus: the stack did not start: {e}. The end of that log:",
+                        *(e.tail().splitlines() or ["(nothing)"])])
 
 
 def main(args) -> None:
@@ -237,11 +279,14 @@ def main(args) -> None:
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
-    worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
+    worker_args = (["--tp", str(args.tp)] if args.tp > 1 else []) + given(args, "max-model-len", "max-num-seqs",
+                                                                          "kv-cache-memory")
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
-                  router_args=["--policy", args.router], **security)
+                  router_args=["--policy", args.router], tokenizer_args=given(args, "max-model-len"),
+                  gateway_args=given(args, "max-tokens", "served-model-name"), **security)
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
+    status = 0
     try:
         stack.start()
         print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
@@ -251,11 +296,16 @@ def main(args) -> None:
               f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"
               f"  nats       {stack.nats_url}{bus_line(stack)}\n  chat       tokenbus chat --url {stack.url}\n"
               f"  status     {ops_env(stack)}tokenbus status --nats-url {stack.nats_url}\n"
-              f"  usage      {ops_env(stack)}tokenbus usage --nats-url {stack.nats_url}\nCtrl-C stops everything.",
-              flush=True)
+              f"  usage      {ops_env(stack)}tokenbus usage --nats-url {stack.nats_url}\n"
+              f"  logs       tokenbus logs --follow{f' --data-dir {data_dir}' if args.data_dir else ''}\n"
+              f"Ctrl-C stops everything.", flush=True)
         watch(stack)
     except KeyboardInterrupt:
         pass
+    except (ChildFailed, TimeoutError) as e:
+        print(failed(e), file=sys.stderr, flush=True)
+        status = 1
     finally:
         print("tokenbus: stopping ...", flush=True)
         stack.stop()
+    sys.exit(status)

@@ -10,6 +10,7 @@ import nats.errors
 import orjson
 from nats.js import api
 
+from ops import broker
 from schemas import subjects
 from schemas.messages import Usage, WireError, decode
 
@@ -32,7 +33,7 @@ def since(text: str) -> float:
 
 async def read(nats_url: str, tenant: str | None = None, start: float | None = None) -> list[Usage]:
     """The usage records of `tenant` (all tenants: None) stored since `start` (unix time)."""
-    nc = await subjects.connect(nats_url, "tokenbus-usage", role="usage")
+    nc = await broker.connect(nats_url, "tokenbus-usage", role="usage")
     try:
         js = nc.jetstream()
         await subjects.ensure_streams(js)

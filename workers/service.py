@@ -545,6 +545,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV pool, when --num-kv-blocks is not given "
+                   "(default: 1 GiB on CPU, 90%% of the free GPU memory on CUDA)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -559,6 +561,7 @@ def parser() -> argparse.ArgumentParser:
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         tensor_parallel_size=args.tp)

@@ -273,7 +273,7 @@ def main(argv=None) -> None:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
                          args.request_timeout)
-    except ValueError as e:
+    except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))
     for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead

@@ -34,11 +34,21 @@ def test_bench_measures_a_known_stream_and_writes_the_json_and_the_png(proto, ti
     assert ITL * 1e3 <= r["tpot_ms"]["p50"] < ITL * 1e3 + 15 and ITL * 1e3 <= r["itl_ms"]["p50"] < ITL * 1e3 + 15
     assert r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"] + 9 * ITL * 1e3
     assert r["output_tokens"] == 120 and r["output_tokens_per_s"] == pytest.approx(120 / r["duration_s"], rel=0.01)
-    assert r["input_tokens"] > 0 and r["errors"] == {}
+    assert r["input_tokens"] > 0 and r["errors"] == {} and r["goodput"] is None     # no SLO given: no goodput
     assert r["client"]["cpu_us_per_token"] > 0 and r["client"]["cpu_share_of_one_core"] > 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "TTFT (ms)" in out and "requests completed / failed 12 / 0" in out
+
+
+def test_both_plots_have_a_legend_naming_every_line_of_both_axes():
+    results = [bench.Result(start=i * 0.1, chunks=[i * 0.1 + 0.05 + j * 0.01 for j in range(5)], end=i * 0.1 + 0.1,
+                            output_tokens=5) for i in range(20)]
+    cdf, tput, twin = bench.figure(results).axes
+    assert [t.get_text() for t in cdf.get_legend().get_texts()] == ["TTFT", "TPOT", "ITL", "E2E"]
+    lines = [line.get_label() for line in tput.get_lines() + twin.get_lines()]
+    assert [t.get_text() for t in tput.get_legend().get_texts()] == lines == ["output tokens/s",
+                                                                               "requests completed/s"]
 
 
 @pytest.mark.parametrize(("proto", "code"), [("ws", "too_many_requests"), ("openai", "rate_limited")])

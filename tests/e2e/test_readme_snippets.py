@@ -1,0 +1,116 @@
+"""Every code block of the README runs as written, against a stack started as the README starts one:
+`tokenbus up` with the default $TOKENBUS_HOME (~/.cache/tokenbus, under a fresh $HOME). Shell blocks
+run in bash (set -e, pipefail) with `tokenbus` on the PATH, Python blocks in Python, JSON blocks are
+parsed (and an --api-keys file is loaded as the gateway loads it). Two things in a block's text are
+replaced: the default ports (8000, 4222) by the test stack's free ones, and the log-grep example's
+request id by one the stack served. A block right after `<!-- not run: reason -->` is skipped; a fenced
+block without a language, or in `text`/`console`, shows output or a diagram. Blocks are found by their
+language and marker, not by position."""
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ops.procs import free_port
+from services.gateway import keys
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = re.compile(r"(?:<!--\s*not run:(?P<why>.*?)-->\s*\n)?^```(?P<lang>\S*)\n(?P<code>.*?)^```\s*$", re.S | re.M)
+EXAMPLE_ID = "7c31ba34422240909a8d2be2049e46af"   # the log-grep example's request id
+SHELL, PYTHON, JSON = {"sh", "bash", "shell"}, {"python", "py"}, {"json"}
+SHOWN = {"", "text", "console"}                     # output or a diagram: nothing to run
+
+
+def blocks() -> list:
+    text = (ROOT / "README.md").read_text()
+    found = []
+    for m in BLOCK.finditer(text):
+        line = text.count("\n", 0, m.start("code"))
+        if m["lang"] not in SHOWN:
+            marks = [pytest.mark.skip(reason=f"not run: {m['why'].strip()}")] if m["why"] is not None else []
+            found.append(pytest.param(m["lang"], m["code"], id=f"{m['lang']}@README.md:{line}", marks=marks))
+    return found
+
+
+def test_the_readme_has_snippets_in_languages_the_runner_knows_and_says_why_any_is_not_run():
+    text = (ROOT / "README.md").read_text()
+    ran = [m for m in BLOCK.finditer(text) if m["lang"] not in SHOWN and m["why"] is None]
+    assert {m["lang"] for m in BLOCK.finditer(text)} <= SHELL | PYTHON | JSON | SHOWN
+    assert all(m["why"].strip() for m in BLOCK.finditer(text) if m["why"] is not None)
+    assert len(ran) >= 5 and sum(EXAMPLE_ID in m["code"] for m in ran) == 1
+
+
+class Readme:
+    """The stack the snippets run against, and how they run."""
+    def __init__(self, home: Path, work: Path, port: int, nats_port: int, request_id: str):
+        self.home, self.work, self.port, self.nats_port, self.request_id = home, work, port, nats_port, request_id
+
+    def env(self) -> dict:
+        bin_dir = self.work / "bin"                 # `tokenbus` as an installed console script would be
+        bin_dir.mkdir(exist_ok=True)
+        script = bin_dir / "tokenbus"
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ops.cli "$@"\n')
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+        env = {k: v for k, v in os.environ.items() if k != "TOKENBUS_HOME"}
+        return {**env, "HOME": str(self.home), "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}:{env['PATH']}"}
+
+    def filled(self, code: str) -> str:
+        code = code.replace(":8000", f":{self.port}").replace(":4222", f":{self.nats_port}")
+        return code.replace(EXAMPLE_ID, self.request_id)
+
+    def run(self, lang: str, code: str) -> subprocess.CompletedProcess:
+        argv = ["bash", "-e", "-o", "pipefail", "-c"] if lang in SHELL else [sys.executable, "-c"]
+        return subprocess.run([*argv, self.filled(code)], cwd=self.work, env=self.env(), capture_output=True,
+                              text=True, timeout=400)
+
+
+def served_request(port: int) -> str:
+    """The request id of one completion (an HTTP response's id after its `cmpl-`)."""
+    body = json.dumps({"model": "tiny", "prompt": "The engine", "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["id"].removeprefix("cmpl-")
+
+
+@pytest.fixture(scope="module")
+def readme(tmp_path_factory):
+    home, work = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("work")
+    port, nats_port = free_port(), free_port()
+    r = Readme(home, work, port, nats_port, "")
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--nats-port", str(nats_port)],
+                          cwd=ROOT, env=r.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in up.stdout:
+            if line.startswith("tokenbus is up"):
+                break
+        else:
+            raise AssertionError(f"tokenbus up did not come up: {up.stderr.read()}")
+        assert (home / ".cache" / "tokenbus" / "data" / "logs" / "gateway.log").exists()   # the default home
+        r.request_id = served_request(port)
+        yield r
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("lang", "code"), blocks())
+def test_readme_block_runs_as_written(readme, lang, code):
+    if lang in JSON:
+        doc = json.loads(code)
+        if all(isinstance(v, dict) and "tenant" in v for v in doc.values()):   # an --api-keys file
+            path = readme.work / "keys.json"
+            path.write_text(code)
+            assert keys.load(str(path))
+        return
+    p = readme.run(lang, code)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    if readme.request_id in readme.filled(code):      # the log grep follows the request through every service
+        assert all(f'"service":"{s}"' in p.stdout for s in ("gateway", "tokenizer", "router", "worker")), p.stdout
