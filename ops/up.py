@@ -1,5 +1,5 @@
 """`tokenbus up`: the whole local stack as processes. An embedded nats-server (unless --nats-url names
-a running one), then tokenizer, router, N workers and the gateway; it waits until every stage is
+a running one), then tokenizer, router, N workers and the gateways; it waits until every stage is
 pulling and a worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
 child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
@@ -34,6 +34,7 @@ class Stack:
     router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
     gateway_args: list[str] = field(default_factory=list)    # e.g. ["--request-timeout", "30"]
     worker_env: dict[str, str] = field(default_factory=dict)  # e.g. a test hook of the workers
+    gateways: int = 1                             # "gateway" on port, then "gateway1" on port + 1, ...
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -43,11 +44,24 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.address}:{self.port}/ws"
+        return self.urls[0]
 
     @property
     def http(self) -> str:
-        return f"http://{self.address}:{self.port}"
+        return self.https[0]
+
+    @property
+    def gateway_names(self) -> list[str]:
+        return ["gateway", *(f"gateway{i}" for i in range(1, self.gateways))]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every gateway's websocket, in the order of gateway_names."""
+        return [f"ws://{self.address}:{self.port + i}/ws" for i in range(self.gateways)]
+
+    @property
+    def https(self) -> list[str]:
+        return [f"http://{self.address}:{self.port + i}" for i in range(self.gateways)]
 
     def start(self) -> None:
         logs = self.data_dir / "logs"
@@ -63,20 +77,21 @@ class Stack:
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
                        env=self.worker_env)
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
-        self.spawn("gateway", "services.gateway", *common, "--model", self.model, "--host", self.host,
-                   "--port", str(self.port), *keys_arg, *self.gateway_args)
+        for i, name in enumerate(self.gateway_names):
+            self.spawn(name, "services.gateway", *common, "--model", self.model, "--host", self.host,
+                       "--port", str(self.port + i), *keys_arg, *self.gateway_args)
 
     def spawn(self, name: str, module: str, *args: str, env: dict | None = None) -> None:
         self.children[name] = procs.spawn(procs.python_module(module, *args), self.data_dir / "logs" / f"{name}.log",
                                           env)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        """Until the gateway answers /healthz, the tokenizer and router are pulling and every worker
+        """Until every gateway answers /healthz, the tokenizer and router are pulling and every worker
         is registered; RuntimeError if a child exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if healthy(self.http) and asyncio.run(pipeline_ready(self.nats_url, self.workers)):
+            if all(map(healthy, self.https)) and asyncio.run(pipeline_ready(self.nats_url, self.workers)):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
@@ -176,7 +191,7 @@ def main(args) -> None:
     model = args.model or str(default_model_dir())
     worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
-                  router_args=["--policy", args.router])
+                  router_args=["--policy", args.router], gateways=args.gateways)
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
     try:
@@ -184,9 +199,11 @@ def main(args) -> None:
         print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
               f"(logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
+        more = "".join(f"\n  gateway {i}  {u}" for i, u in enumerate(stack.urls[1:], 1))
+        urls = " ".join(f"--url {u}" for u in stack.urls)
         print(f"tokenbus is up\n  chat page  {stack.http}/\n  OpenAI API {stack.http}/v1  (OPENAI_BASE_URL)\n"
-              f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"
-              f"  nats       {stack.nats_url}\n  chat       tokenbus chat --url {stack.url}\n"
+              f"  websocket  {stack.url}{more}\n  health     {stack.http}/healthz\n"
+              f"  nats       {stack.nats_url}\n  chat       tokenbus chat {urls}\n"
               f"  status     tokenbus status --nats-url {stack.nats_url}\n"
               f"  usage      tokenbus usage --nats-url {stack.nats_url}\nCtrl-C stops everything.", flush=True)
         watch(stack)
