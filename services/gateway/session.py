@@ -531,7 +531,7 @@ class Request:
         if self.received - len(new) < self.replay:        # resumed: tokens its client has, through unsent
             n = min(self.replay - (self.received - len(new)), len(new))
             self.detok.push(new[:n])
-            self.detok.release()
+            self.detok.release(final and n == len(new))   # a client with every token has the whole text
             new, skip = new[n:], skip + n
         if final and self.resumed and chunk.seq < 0:
             self.metered = False                  # it ended before: the worker's usage record counts it
