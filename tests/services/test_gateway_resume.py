@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
-from schemas.messages import Outcome, Resend, TokenChunk, Usage, decode, encode
-from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
+from schemas.messages import Usage, decode
+from tests.services.fake_pipeline import gateway, said
 
 TEXT = " Héllo wörld 🙂 and more words xyz end"   # é, ö and 🙂 are split across tokens
 STOP = "a stop that never comes"                  # the gateway holds back len(STOP) - 1 characters
@@ -45,25 +45,8 @@ def run(coro, timeout: float = 30) -> None:
 
 
 async def worker(down, req) -> None:
-    """TEXT one token per chunk every PACE seconds ("hold": one token, then nothing), Resend answered with
-    the tokens published so far, the Outcome recorded before the final chunk."""
-    ids, sent = down.ids(TEXT), 0
-
-    async def resend(msg):
-        ask = decode(msg.data, Resend)
-        chunk = TokenChunk(req.id, -1, ask.offset, ids[ask.offset:sent], PROMPT_TOKENS, down.tail)
-        await down.nc.publish(msg.reply, encode(chunk))
-
-    sub = await down.nc.subscribe(subjects.resend(req.id), cb=resend)
-    for i in range(len(ids) - 1):
-        await down.publish(req.id, down.chunk(req.id, i, ids[i:i + 1]))
-        sent = i + 1
-        await asyncio.sleep(PACE if said(req) != "hold" else 3600)
-    kv = await subjects.outcomes(down.nc.jetstream())
-    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}
-    await kv.create(req.id, encode(Outcome(req.id, req.tenant, "fake0", "length", ids, None, usage, {}, down.tail)))
-    await sub.unsubscribe()
-    await down.publish(req.id, down.final(req.id, len(ids) - 1, ids[-1:]))
+    """TEXT a token every PACE seconds, as a worker streams it ("hold": one token, then nothing for an hour)."""
+    await down.stream(req, TEXT, PACE if said(req) != "hold" else 3600)
 
 
 def generate(cid: str, prompt: str = "hi", **kw) -> dict:
