@@ -507,6 +507,9 @@ class Request:
             gw.metrics.recovered(cause, source)
             if chunk is not None:
                 await self.take(chunk)
+            elif cause == "resume" and time.time() - self.created > subjects.OUTCOME_TTL:
+                await self.end(error(self.cid, "not_found", f"request {self.rid} ended more than OUTCOME_TTL="
+                                                            f"{subjects.OUTCOME_TTL:g} s ago: its tokens are gone"))
             self.heard = time.perf_counter()
         finally:
             self.checking = False

@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
-from schemas.messages import Usage, decode
+from schemas.messages import GenerateRequest, Usage, decode, encode
+from schemas.sampling import SamplingParams
 from tests.services.fake_pipeline import gateway, said
 
 TEXT = " Héllo wörld 🙂 and more words xyz end"   # é, ö and 🙂 are split across tokens
@@ -45,8 +46,10 @@ def run(coro, timeout: float = 30) -> None:
 
 
 async def worker(down, req) -> None:
-    """TEXT a token every PACE seconds, as a worker streams it ("hold": one token, then nothing for an hour)."""
-    await down.stream(req, TEXT, PACE if said(req) != "hold" else 3600)
+    """TEXT a token every PACE seconds, as a worker streams it ("hold": one token, then nothing for an hour;
+    "gone": nothing, a request that ended long ago)."""
+    if said(req) != "gone":
+        await down.stream(req, TEXT, PACE if said(req) != "hold" else 3600)
 
 
 def generate(cid: str, prompt: str = "hi", **kw) -> dict:
@@ -235,6 +238,10 @@ def test_resumes_of_another_tenant_an_unknown_id_or_a_bad_offset_are_refused(nat
                    ("acme", {"id": resume_id, "offset": "3"}, "invalid_request", "offset: must be an integer in"),
                    ("acme", {"id": resume_id, "offset": 65}, "invalid_request",
                     "offset: 65 is more than the request's max_tokens=64")]
+            old = GenerateRequest("old", "acme", SamplingParams(max_tokens=8), prompt="gone",
+                                  created=time.time() - 3 * 3600)          # its Outcome expired an hour ago
+            seq = (await down.nc.jetstream().publish(subjects.request_new("acme"), encode(old))).seq
+            bad.append(("acme", {"id": f"old.{seq}", "offset": 0}, "not_found", "request old ended more than"))
             for tenant, frame, code, message in bad:
                 async with connect(down.ws + f"?api_key=sk-{tenant}") as ws:
                     await send(ws, {"type": "resume", **frame})
