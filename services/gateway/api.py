@@ -135,7 +135,7 @@ async def resume(request: HttpRequest, api: str, gw: Gateway, ex: Exchange, key,
     b = await body(request, optional=True)
     opts = b.get("stream_options")
     include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-    req = await gw.resumable(key, rid, seq, offset, api)
+    req = await gw.find(key, rid, seq, offset, api)
     r = await gw.resume(ex, "http", key, req, seq, offset, t0)
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, True, include_usage, req.sampling.logprobs is not None, prefix + rid, int(req.created),

@@ -1,5 +1,6 @@
 """The client frames of the websocket protocol, checked field by field before anything is published:
 a FrameError names the field or the limit, and carries the client's id when it could be read."""
+import re
 import time
 
 import orjson
@@ -59,6 +60,7 @@ ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
 FIELDS = {"generate": {"type", "id", "resumable", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
           "resume": {"type", "id", "offset"}}
+DIGITS = re.compile(r"[0-9]{1,15}")           # a sequence or an offset in a resume point
 
 
 def parse(event: dict) -> dict:
@@ -147,7 +149,7 @@ def point(s: str, parts: int, name: str, cid: str | None) -> tuple:
     """(request id, sequence[, offset]) of `rid.seq` (parts 2) or `rid.seq.offset` (parts 3)."""
     fields = s.split(".")
     rid, numbers = fields[0], fields[1:]
-    if len(fields) != parts or not TOKEN.fullmatch(rid) or not all(n.isdigit() and len(n) <= 15 for n in numbers) \
+    if len(fields) != parts or not TOKEN.fullmatch(rid) or not all(DIGITS.fullmatch(n) for n in numbers) \
             or int(numbers[0]) < 1:
         what = "<request id>.<sequence>" + (".<offset>" if parts == 3 else "")
         raise FrameError(f"{name}: {show(s)} is not a resume point ({what}, as the gateway gave it)", cid)

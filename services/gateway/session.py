@@ -127,7 +127,7 @@ class Gateway:
 
     # -- resuming -------------------------------------------------------------------------------
 
-    async def resumable(self, key: Key, rid: str, seq: int, offset: int, api: str) -> GenerateRequest:
+    async def find(self, key: Key, rid: str, seq: int, offset: int, api: str) -> GenerateRequest:
         """The request a client asks to resume, from the request log; ApiError if it is not there (404),
         another tenant's (403), made on another API than an HTTP resume's (400) or shorter than offset (400)."""
         req = await self.logged(rid, seq)
@@ -160,7 +160,7 @@ class Gateway:
 
     async def resume(self, owner, cid: str, key: Key, req: GenerateRequest, seq: int, offset: int,
                      t0: float) -> "Request":
-        """Streams a resumable request (resumable()) to a client that has its first `offset` output tokens. Its
+        """Streams a request found to resume (find()) to a client that has its first `offset` output tokens. Its
         tokens come from its Outcome if it ended, else from the worker running it (Resend from 0) and its
         chunks; those before offset go through the detokenizer unsent. A stream of it held here or on another
         gateway lets it go (Resumed). No admission charge: it was charged where it started."""
@@ -307,7 +307,7 @@ class Connection:
         self.room(cid)
         rid, seq, offset = frames.resume(frame)
         try:
-            req = await self.gw.resumable(self.key, rid, seq, offset, "ws")
+            req = await self.gw.find(self.key, rid, seq, offset, "ws")
             await self.gw.resume(self, cid, self.key, req, seq, offset, t0)
         except ApiError as e:
             raise refused(e, cid) from None
