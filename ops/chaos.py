@@ -8,8 +8,7 @@ ask for resumable requests: one whose connection drops opens one to the next gat
 every unanswered request there from the tokens it has (one never accepted is sent again). A probe
 sends a short request every half second from the fault on, to the gateways in turn; the recovery
 time is from the fault to the first probe answered in full (a fault the stack absorbs shows the
-probe's own latency). The completions log is read at the end for
-requests recorded twice.
+probe's own latency). The completions log is read at the end for requests recorded twice.
 
 Counts per scenario: sent; accepted (not refused at admission: an immediate error frame such as
 "unavailable" or "overloaded", which carries retry_after); completed (a done frame with exactly the
