@@ -1,21 +1,25 @@
 """`tokenbus chaos`: fault scenarios against a live local stack, each under a bounded, verified load.
 
 Every scenario starts a fresh stack (nats-server, tokenizer, router, workers and gateway as processes
-on free 127.0.0.1 ports, in a temporary directory), sends a fixed number of greedy requests over a
-few websocket connections at a steady pace, injects its fault a third of the way in, and checks every
-answer token for token against the offline engine. A probe sends a short request every half second
-from the fault on; the recovery time is from the fault to the first probe answered in full (a
-fault the stack absorbs shows the probe's own latency). The completions log is read at the end for
-requests recorded twice.
+on free 127.0.0.1 ports, in a temporary directory; kill-gateway runs two gateways), sends a fixed
+number of greedy requests over a few websocket connections at a steady pace, injects its fault a
+third of the way in, and checks every answer token for token against the offline engine. Clients
+ask for resumable requests: one whose connection drops opens one to the next gateway and resumes
+every unanswered request there from the tokens it has (one never accepted is sent again). A probe
+sends a short request every half second from the fault on, to the gateways in turn; the recovery
+time is from the fault to the first probe answered in full (a fault the stack absorbs shows the
+probe's own latency). The completions log is read at the end for requests recorded twice.
 
 Counts per scenario: sent; accepted (not refused at admission: an immediate error frame such as
 "unavailable" or "overloaded", which carries retry_after); completed (a done frame with exactly the
 offline engine's tokens); wrong (a done frame with other tokens); errors (an error frame after
-acceptance: expected only for the poison requests, which are counted apart); cut (the connection
-closed under the request: a gateway crash, until clients can resume); lost (accepted and never
-answered within the client's patience); duplicated (extra completion records of one request id).
+acceptance: expected only for the poison requests, which are counted apart); resumed (answered after
+its client resumed it on another connection); cut (its connection closed and no gateway took the
+client back); lost (accepted and never answered within the client's patience); duplicated (extra
+completion records of one request id).
 With --json also: stored, recorded and metered (requests in the request log, and of them those with a
-completion record and a usage record: a request whose client was cut still runs and is metered)."""
+completion record and a usage record: a request whose client was cut or resumed elsewhere still runs
+and is metered once)."""
 import asyncio
 import contextlib
 import json
@@ -61,6 +65,9 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     end: dict | None = None
     cut: bool = False
+    frame: dict = field(default_factory=dict)        # the generate frame, sent again if it was never accepted
+    resume_id: str | None = None                     # from its accepted frame
+    resumed: int = 0                                 # times its client resumed it on a new connection
 
 
 @dataclass(slots=True)
@@ -71,6 +78,7 @@ class Result:
     completed: int = 0
     wrong: int = 0
     errors: int = 0
+    resumed: int = 0
     cut: int = 0
     lost: int = 0
     duplicated: int = 0
@@ -90,61 +98,83 @@ class Result:
 
 
 class Client:
-    """One websocket connection: sends generate frames, files every frame under its request."""
+    """One websocket connection at a time: sends resumable generate frames and files every frame under its
+    request. When the connection drops, it connects to the next gateway (or the same, back again) and
+    resumes there every request still unanswered, from the tokens it has."""
 
-    def __init__(self, url: str, outcomes: dict[str, Outcome], read: bool = True):
-        self.url, self.outcomes, self.read = url, outcomes, read
+    def __init__(self, urls: list[str], outcomes: dict[str, Outcome], read: bool = True, at: int = 0):
+        self.urls, self.outcomes, self.read, self.at = urls, outcomes, read, at
         self.ws = None
         self.mine: set[str] = set()
+        self.aliases: dict[str, str] = {}         # resume id -> client id: a resumed stream's frames carry it
         self.reader: asyncio.Task | None = None
-        self.closing = False                     # we close it: what is unanswered then is lost, not cut
+        self.closing = False                      # we close it: what is unanswered then is lost, not cut
         self.may_read = asyncio.Event()
+        self.lock = asyncio.Lock()                # a send waits while the connection is made again
         if read:
             self.may_read.set()
 
     async def open(self) -> None:
-        self.ws = await websockets.connect(self.url, max_size=None, open_timeout=10)
+        self.ws = await websockets.connect(self.urls[self.at % len(self.urls)], max_size=None, open_timeout=10)
         self.reader = asyncio.create_task(self.read_loop())
 
     async def send(self, cid: str, frame: dict) -> None:
-        self.outcomes[cid] = Outcome()
-        try:
-            if self.reader.done():               # the gateway closed on us: come back, as a client would
-                await self.reopen()
-            self.mine.add(cid)
-            await self.ws.send(json.dumps({"type": "generate", "id": cid, **frame}))  # json: ints past 64 bits
-        except (websockets.ConnectionClosed, OSError, TimeoutError):
-            self.outcomes[cid].cut = True
+        frame = {"type": "generate", "id": cid, **frame, "resumable": True}
+        self.outcomes[cid] = Outcome(frame=frame)
+        self.mine.add(cid)
+        async with self.lock:
+            with contextlib.suppress(websockets.ConnectionClosed, OSError):   # the reader resumes it
+                await self.ws.send(json.dumps(frame))   # json: ints past 64 bits
 
     async def reopen(self, attempts: int = 20) -> None:
+        """The next gateway that answers (the one that dropped us last), within `attempts` half-seconds."""
         for _ in range(attempts):
+            self.at += 1
             with contextlib.suppress(OSError, TimeoutError, websockets.InvalidHandshake):
-                self.mine = set()
                 await self.open()
                 return
             await asyncio.sleep(0.5)
-        raise TimeoutError("the gateway did not come back")
+        raise TimeoutError("no gateway came back")
 
     async def read_loop(self) -> None:
         await self.may_read.wait()
         try:
             async for text in self.ws:
                 frame = orjson.loads(text)
-                got = self.outcomes.get(frame.get("id"))
+                got = self.outcomes.get(self.aliases.get(frame.get("id"), frame.get("id")))
                 if got is None:
                     continue
                 got.frames.append(frame)
-                if frame["type"] == "delta":
+                if frame["type"] == "accepted":
+                    got.resume_id = frame["resume_id"]
+                elif frame["type"] == "delta":
                     got.tokens += frame["token_ids"]
                 else:
                     got.end = frame
         except websockets.ConnectionClosed:
             pass
-        if self.closing:
-            return
-        for cid in self.mine:
-            if self.outcomes[cid].end is None:
-                self.outcomes[cid].cut = True
+        if not self.closing:
+            await self.resume()
+
+    async def resume(self) -> None:
+        """The connection dropped: every unanswered request goes on over a new one, or is cut."""
+        async with self.lock:
+            left = [cid for cid in self.mine if self.outcomes[cid].end is None]
+            try:
+                await self.reopen()
+            except TimeoutError:
+                for cid in left:
+                    self.outcomes[cid].cut = True
+                return
+            for cid in left:
+                o = self.outcomes[cid]
+                o.resumed += 1
+                frame = o.frame
+                if o.resume_id is not None:
+                    self.aliases[o.resume_id] = cid
+                    frame = {"type": "resume", "id": o.resume_id, "offset": len(o.tokens)}
+                with contextlib.suppress(websockets.ConnectionClosed, OSError):
+                    await self.ws.send(json.dumps(frame))
 
     async def close(self) -> None:
         self.closing = True
@@ -161,7 +191,8 @@ class Run:
     def __init__(self, scenario: str, model: str, expected: dict[str, list[int]], args, data_dir: Path):
         self.scenario, self.model, self.expected, self.args = scenario, model, expected, args
         self.stack = Stack(model, procs.free_port(), data_dir, nats_port=procs.free_port(), workers=args.workers,
-                           worker_args=["--max-num-seqs", str(args.max_num_seqs)])
+                           worker_args=["--max-num-seqs", str(args.max_num_seqs)],
+                           gateways=2 if scenario == "kill-gateway" else 1)
         self.outcomes: dict[str, Outcome] = {}
         self.result = Result(scenario)
         self.fault_at = 0.0
@@ -181,7 +212,7 @@ class Run:
 
     async def load(self) -> None:
         a = self.args
-        clients = [Client(self.stack.url, self.outcomes) for _ in range(a.clients)]
+        clients = [Client(self.stack.urls, self.outcomes, at=i) for i in range(a.clients)]
         for c in clients:
             await c.open()
         n = a.requests * (3 if self.scenario == "overload" else 1)
@@ -233,7 +264,7 @@ class Run:
             await self.slow_client()
 
     async def poison(self) -> None:
-        client = Client(self.stack.url, self.outcomes)
+        client = Client(self.stack.urls, self.outcomes)
         await client.open()
         for i, frame in enumerate(POISON):
             await client.send(f"poison{i}", frame)
@@ -246,7 +277,7 @@ class Run:
     async def slow_client(self) -> None:
         """A client that sends requests and reads nothing for SLOW_CLIENT_SECONDS; its answers must
         still be whole when it reads, and the others must not wait for it."""
-        client = Client(self.stack.url, self.outcomes, read=False)
+        client = Client(self.stack.urls, self.outcomes, read=False)
         await client.open()
         for i in range(4):
             cid = f"slow{i}"
@@ -256,7 +287,8 @@ class Run:
         client.may_read.set()
 
     async def probe(self) -> None:
-        """A short request every PROBE_INTERVAL from the fault on, each on a fresh connection."""
+        """A short request every PROBE_INTERVAL from the fault on, each on a fresh connection, to the
+        gateways in turn."""
         while not self.fault_at:
             await asyncio.sleep(0.05)
         tasks = []
@@ -266,7 +298,8 @@ class Run:
 
     async def one_probe(self, i: int) -> None:
         with contextlib.suppress(Exception):
-            async with websockets.connect(self.stack.url, open_timeout=5) as ws:
+            urls = self.stack.urls
+            async with websockets.connect(urls[i % len(urls)], open_timeout=5) as ws:
                 await ws.send(orjson.dumps({"type": "generate", "id": "p", "prompt": f"probe {i}", "max_tokens": 2,
                                             "temperature": 0, "ignore_eos": True}).decode())
                 while True:
@@ -286,6 +319,7 @@ class Run:
             if end is not None and end["type"] == "error" and end.get("code") in REFUSALS and not o.tokens:
                 continue                                  # refused at admission: not accepted
             r.accepted += 1
+            r.resumed += o.resumed > 0
             if end is None:
                 r.cut += o.cut
                 r.lost += not o.cut
@@ -358,15 +392,15 @@ async def registered(nats_url: str) -> int:
         await nc.close()
 
 
-COLUMNS = ("scenario", "sent", "accepted", "completed", "lost", "duplicated", "wrong", "errors", "cut", "poison",
-           "recovery_s", "workers")
+COLUMNS = ("scenario", "sent", "accepted", "completed", "lost", "duplicated", "wrong", "errors", "resumed", "cut",
+           "poison", "recovery_s", "workers")
 
 
 def row(r: Result) -> list[str]:
     poison = f"{r.poison_answered}/{r.poison_sent}" if r.poison_sent else "-"
     recovery = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}"
     return [r.scenario, *(str(getattr(r, k)) for k in ("sent", "accepted", "completed", "lost", "duplicated",
-                                                        "wrong", "errors", "cut")), poison, recovery,
+                                                        "wrong", "errors", "resumed", "cut")), poison, recovery,
             str(r.workers_registered)]
 
 

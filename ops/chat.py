@@ -1,6 +1,9 @@
 """`tokenbus chat`: a terminal chat over the gateway's websocket. Each turn sends the whole history,
-streams the reply as it arrives and ends with a stats line."""
+streams the reply as it arrives and ends with a stats line. A dropped connection (a gateway crash, a
+network blip) is opened again, on the next of the gateways given, with backoff, and the reply in
+progress resumes from the tokens already printed."""
 import asyncio
+import contextlib
 import sys
 import threading
 
@@ -11,15 +14,58 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from schemas.subjects import MAX_FRAME_BYTES
 
 HELP = "/reset clears the history, /quit or Ctrl-D exits"
+BACKOFF = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)        # seconds before each attempt to reconnect after a drop
 
 
-async def chat(url: str, max_tokens: int = 256, temperature: float = 0.7, system: str | None = None,
+class Link:
+    """The connection to one of the gateways; after a drop, the next ones in turn, with BACKOFF."""
+
+    def __init__(self, urls: list[str], headers: dict | None):
+        self.urls, self.headers, self.at, self.ws = urls, headers, 0, None
+
+    async def open(self) -> None:
+        """Connects to the current gateway, else to the others in turn; the last one's error if none answers."""
+        for i in range(len(self.urls)):
+            at = (self.at + i) % len(self.urls)
+            try:
+                self.ws = await connect(self.urls[at], max_size=MAX_FRAME_BYTES, additional_headers=self.headers)
+                self.at = at
+                return
+            except (OSError, InvalidHandshake, TimeoutError) as e:
+                error = e
+        raise error
+
+    async def reopen(self) -> None:
+        """After a drop: the next gateway, and the others, again after each pause of BACKOFF."""
+        for wait in BACKOFF:
+            await asyncio.sleep(wait)
+            self.at = (self.at + 1) % len(self.urls)
+            with contextlib.suppress(OSError, InvalidHandshake, TimeoutError):
+                await self.open()
+                return
+        await self.open()                         # a last try; its error ends the chat
+
+    async def send(self, frame: dict) -> None:
+        try:
+            await self.ws.send(orjson.dumps(frame).decode())
+        except ConnectionClosed:                  # dropped while the user was typing: the next gateway
+            await self.reopen()
+            await self.ws.send(orjson.dumps(frame).decode())
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+
+
+async def chat(url: str | list[str], max_tokens: int = 256, temperature: float = 0.7, system: str | None = None,
                input_fn=input, output=sys.stdout, api_key: str | None = None) -> None:
     history: list[dict[str, str]] = []
     head = [{"role": "system", "content": system}] if system else []
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with connect(url, max_size=MAX_FRAME_BYTES, additional_headers=auth) as ws:
-        print(f"[connected to {url} · {HELP}]", file=output)
+    link = Link([url] if isinstance(url, str) else list(url), auth)
+    await link.open()
+    try:
+        print(f"[connected to {link.urls[link.at]} · {HELP}]", file=output)
         turn = 0
         while True:
             try:
@@ -38,13 +84,14 @@ async def chat(url: str, max_tokens: int = 256, temperature: float = 0.7, system
             turn += 1
             history.append({"role": "user", "content": line})
             frame = {"type": "generate", "id": f"t{turn}", "messages": head + history, "max_tokens": max_tokens,
-                     "temperature": temperature}
-            await ws.send(orjson.dumps(frame).decode())
-            reply = await stream(ws, frame["id"], output)
+                     "temperature": temperature, "resumable": True}
+            reply = await stream(link, frame, output)
             if reply is None:
                 history.pop()                     # the turn failed: ask again without it
             else:
                 history.append({"role": "assistant", "content": reply})
+    finally:
+        await link.close()
 
 
 async def read_line(input_fn, prompt: str) -> str:
@@ -73,17 +120,33 @@ def settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
 
 
-async def stream(ws, cid: str, output) -> str | None:
-    """Prints a reply as its deltas arrive, then its stats; the reply's text, or None after an error frame."""
-    parts = []
+async def stream(link: Link, frame: dict, output) -> str | None:
+    """Prints a reply as its deltas arrive, then its stats; the reply's text, or None after an error frame.
+    A dropped connection resumes the reply on the next gateway from the tokens received (a reply not yet
+    accepted is asked for again)."""
+    cid, parts, received, resume_id, resumed = frame["id"], [], 0, None, 0
+    await link.send(frame)
     while True:
-        f = orjson.loads(await ws.recv())
-        if f["type"] == "delta" and f["id"] == cid:
+        try:
+            f = orjson.loads(await link.ws.recv())
+        except ConnectionClosed:
+            await link.reopen()
+            resumed += 1
+            if resume_id is None:
+                await link.send(frame)
+            else:
+                cid = resume_id                   # the resumed stream's frames carry the id it was resumed by
+                await link.send({"type": "resume", "id": resume_id, "offset": received})
+            continue
+        if f["type"] == "accepted" and f["id"] == cid:
+            resume_id = f["resume_id"]
+        elif f["type"] == "delta" and f["id"] == cid:
             parts.append(f["text"])
+            received += len(f["token_ids"])
             output.write(f["text"])
             output.flush()
         elif f["type"] == "done" and f["id"] == cid:
-            print(f"\n{stats(f)}", file=output, flush=True)
+            print(f"\n{stats(f, resumed)}", file=output, flush=True)
             return "".join(parts)
         elif f["type"] == "error" and f["id"] in (cid, None):
             end = "\n" if parts else ""
@@ -91,10 +154,11 @@ async def stream(ws, cid: str, output) -> str | None:
             return None
 
 
-def stats(done: dict) -> str:
+def stats(done: dict, resumed: int = 0) -> str:
     n, ttft, e2e = done["usage"]["completion_tokens"], done["timing"]["ttft_ms"], done["timing"]["e2e_ms"]
     first = "-" if ttft is None else f"{ttft:.1f} ms"
-    return f"[ttft {first} · {rate(n, ttft, e2e):.1f} tok/s · {n} tokens · finish {done['finish_reason']}]"
+    note = f" · resumed {resumed}×" if resumed else ""
+    return f"[ttft {first} · {rate(n, ttft, e2e):.1f} tok/s · {n} tokens · finish {done['finish_reason']}{note}]"
 
 
 def rate(n: int, ttft_ms: float | None, e2e_ms: float) -> float:
@@ -104,14 +168,15 @@ def rate(n: int, ttft_ms: float | None, e2e_ms: float) -> float:
     return n * 1000 / e2e_ms if e2e_ms > 0 else 0.0
 
 
-def run(url: str, **kw) -> int:
-    """chat() until /quit, EOF or Ctrl-C; the exit status (1 when the gateway cannot be reached or drops us)."""
+def run(url: str | list[str], **kw) -> int:
+    """chat() until /quit, EOF or Ctrl-C; the exit status (1 when no gateway can be reached, or none comes
+    back after a drop)."""
     try:
         asyncio.run(chat(url, **kw))
     except KeyboardInterrupt:
         print(file=kw.get("output", sys.stdout))
         return 130
-    except (OSError, InvalidURI, InvalidHandshake, ConnectionClosed) as e:
-        print(f"chat: {url}: {e}", file=sys.stderr)
+    except (OSError, InvalidURI, InvalidHandshake, ConnectionClosed, TimeoutError) as e:
+        print(f"chat: {url if isinstance(url, str) else ' '.join(url)}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -65,8 +65,8 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     from ops.chat import run
 
-    sys.exit(run(args.url, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system,
-                 api_key=args.api_key))
+    sys.exit(run(args.url or ["ws://127.0.0.1:8000/ws"], max_tokens=args.max_tokens, temperature=args.temperature,
+                 system=args.system, api_key=args.api_key))
 
 
 def size(text: str) -> int:
@@ -227,6 +227,8 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")
     u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one")
     u.add_argument("--workers", type=int, default=1, help="worker replicas (processes), each with its own engine")
+    u.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes, on --port, --port + 1, ...: a client cut off by one resumes on another")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
@@ -273,7 +275,9 @@ def parser() -> argparse.ArgumentParser:
     lo.set_defaults(func=delegate("ops.logs"))
 
     c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
-    c.add_argument("--url", default="ws://127.0.0.1:8000/ws", help="the gateway's websocket")
+    c.add_argument("--url", action="append", metavar="URL",
+                   help="the gateway's websocket (default ws://127.0.0.1:8000/ws); given again, more gateways: a "
+                        "dropped connection resumes its answer on the next")
     c.add_argument("--max-tokens", type=int, default=256, help="tokens of each reply at most")
     c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     c.add_argument("--system", help="a system message that starts every conversation")

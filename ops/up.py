@@ -1,5 +1,5 @@
 """`tokenbus up`: the whole local stack as processes. An embedded nats-server (unless --nats-url names
-a running one), then tokenizer, router, N workers and the gateway; it waits until every stage is
+a running one), then tokenizer, router, N workers and the gateways; it waits until every stage is
 pulling and a worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
 child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
@@ -56,6 +56,7 @@ class Stack:
     bus_creds: Path | None = None                 # nkey seeds, <role>.nk (missing ones generated): the bus authorizes
     tls: bus.Tls | None = None                    # the embedded nats-server's certificate
     tls_ca: Path | None = None                    # what every service verifies the server's certificate with
+    gateways: int = 1                             # "gateway" on port, then "gateway1" on port + 1, ...
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)    # each child's own environment
     log_starts: dict[str, int] = field(default_factory=dict)  # each child's log size when it started
@@ -74,11 +75,24 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.address}:{self.port}/ws"
+        return self.urls[0]
 
     @property
     def http(self) -> str:
-        return f"http://{self.address}:{self.port}"
+        return self.https[0]
+
+    @property
+    def gateway_names(self) -> list[str]:
+        return ["gateway", *(f"gateway{i}" for i in range(1, self.gateways))]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every gateway's websocket, in the order of gateway_names."""
+        return [f"ws://{self.address}:{self.port + i}/ws" for i in range(self.gateways)]
+
+    @property
+    def https(self) -> list[str]:
+        return [f"http://{self.address}:{self.port + i}" for i in range(self.gateways)]
 
     def start(self) -> None:
         logs = self.data_dir / "logs"
@@ -95,8 +109,9 @@ class Stack:
             self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
                        env=self.worker_env, role="worker")
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
-        self.spawn("gateway", "services.gateway", *common, "--model", files, "--host", self.host,
-                   "--port", str(self.port), *keys_arg, *self.gateway_args)
+        for i, name in enumerate(self.gateway_names):
+            self.spawn(name, "services.gateway", *common, "--model", files, "--host", self.host,
+                       "--port", str(self.port + i), *keys_arg, *self.gateway_args, role="gateway")
 
     def start_nats(self) -> None:
         """The embedded nats-server, with a config file when the bus is authorized or TLS."""
@@ -123,12 +138,13 @@ class Stack:
         return self.log(name).stat().st_size if self.log(name).exists() else 0
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        """Until the gateway answers /healthz, the tokenizer and router are pulling and every worker
+        """Until every gateway answers /healthz, the tokenizer and router are pulling and every worker
         is registered; RuntimeError if a child exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if healthy(self.http) and asyncio.run(pipeline_ready(self.nats_url, self.workers, self.credentials)):
+            if all(map(healthy, self.https)) and asyncio.run(pipeline_ready(self.nats_url, self.workers,
+                                                                            self.credentials)):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
@@ -283,7 +299,7 @@ def main(args) -> None:
                                                                           "kv-cache-memory")
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
                   router_args=["--policy", args.router], tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens", "served-model-name"), **security)
+                  gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways, **security)
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
     status = 0
@@ -292,9 +308,11 @@ def main(args) -> None:
         print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
               f"(logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
+        more = "".join(f"\n  gateway {i}  {u}" for i, u in enumerate(stack.urls[1:], 1))
+        urls = " ".join(f"--url {u}" for u in stack.urls)
         print(f"tokenbus is up\n  chat page  {stack.http}/\n  OpenAI API {stack.http}/v1  (OPENAI_BASE_URL)\n"
-              f"  websocket  {stack.url}\n  health     {stack.http}/healthz\n"
-              f"  nats       {stack.nats_url}{bus_line(stack)}\n  chat       tokenbus chat --url {stack.url}\n"
+              f"  websocket  {stack.url}{more}\n  health     {stack.http}/healthz\n"
+              f"  nats       {stack.nats_url}{bus_line(stack)}\n  chat       tokenbus chat {urls}\n"
               f"  status     {ops_env(stack)}tokenbus status --nats-url {stack.nats_url}\n"
               f"  usage      {ops_env(stack)}tokenbus usage --nats-url {stack.nats_url}\n"
               f"  logs       tokenbus logs --follow{f' --data-dir {data_dir}' if args.data_dir else ''}\n"

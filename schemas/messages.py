@@ -187,6 +187,20 @@ class Progress:
 
 
 @dataclass(slots=True)
+class Resumed:
+    """gateway → tb.resumed.<id>: the request's client resumed its stream on `gateway`. Another gateway still
+    holding the request (its client's connection dropped, or it has not noticed yet) lets it go: no cancel,
+    no usage record."""
+    TYPE: typing.ClassVar[str] = "resumed"
+    id: str
+    gateway: str
+
+    def check(self) -> None:
+        check_name("request id", self.id)
+        check_name("gateway", self.gateway)
+
+
+@dataclass(slots=True)
 class Outcome:
     """KV bucket tb_outcomes (key = request id), written once (create) when a request ends, done or
     failed: a late redelivery finds it and neither runs nor records the request again; a gateway that
@@ -347,7 +361,7 @@ class Usage:
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
            | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
-           | DeadLetter)
+           | DeadLetter | Resumed)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 

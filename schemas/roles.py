@@ -64,11 +64,12 @@ def kv_write(bucket: str) -> list[str]:
 REGISTRY, OUTCOMES = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET
 
 ROLES: dict[str, Permissions] = {
-    # accepts requests, streams their tokens, meters them
+    # accepts requests, streams their tokens, meters them; resumes a stream from the request log's copy
     "gateway": Permissions(
-        publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, each(s.usage),
-                 *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES)],
-        subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL], replies=1),
+        publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, s.RESUMED_ALL, each(s.usage),
+                 *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES),
+                 f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
+        subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL], replies=1),
     # the request log → tokenized requests
     "tokenizer": Permissions(
         publish=[each(s.route), each(s.out), *keep_streams(),

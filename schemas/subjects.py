@@ -32,6 +32,7 @@ OUTCOMES_BUCKET = "tb_outcomes"                                    # how each re
 CANCEL_ALL = "tb.cancel.*"
 RESEND_ALL = "tb.resend.*"
 PROGRESS_ALL = "tb.progress.*"
+RESUMED_ALL = "tb.resumed.*"
 
 TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -79,6 +80,11 @@ def resend(request_id: str) -> str:
 def progress(request_id: str) -> str:
     """Request-reply: the gateway streaming the request answers with the tokens its client has."""
     return f"tb.progress.{token('request id', request_id)}"
+
+
+def resumed(request_id: str) -> str:
+    """A gateway now streams the request to its client, who resumed it there: any other gateway lets it go."""
+    return f"tb.resumed.{token('request id', request_id)}"
 
 
 def dead(tenant: str) -> str:
@@ -153,6 +159,7 @@ MAX_STRIKES = 2                          # failures or crashes of workers before
 OUTCOME_TTL = 2 * QUEUE_MAX_AGE          # outlives every work item that could still be redelivered
 REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)
 STALL_SECONDS = 5.0                      # a stream silent this long is checked (outcome, resend)
+RESUME_GRACE = 10.0                      # seconds a stream whose client's connection dropped waits for a resume
 KV_SNAPSHOT_PART = 1 << 15               # hashes per KvSnapshot message (about 300 kB, under the 1 MB payload)
 KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole snapshot before asking again
 ROUTER_STATS_SECONDS = 1.0

@@ -3,7 +3,9 @@
 A request is checked (key, body size, JSON, fields, admission) before anything is published; the
 response starts only when the pipeline's first chunk or error arrives, so an error of the tokenizer
 or worker (a prompt over the context) still gets its own status. Streams are server-sent events,
-one `data:` line per chunk, every chunk already queued written in one go."""
+one `data:` line per chunk, every chunk already queued written in one go; each event's `id:` is its
+resume point (request id, request-log sequence, output tokens so far), and a POST with that id in
+Last-Event-ID resumes the stream from there, on any gateway (the body is not needed)."""
 import asyncio
 import re
 import time
@@ -19,7 +21,7 @@ from schemas.subjects import MAX_BODY_BYTES
 from services.gateway import errors, frames
 from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
-from services.gateway.session import Exchange, Gateway, Request
+from services.gateway.session import Exchange, Gateway, Request, leave
 
 EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
@@ -74,8 +76,12 @@ async def complete(request: HttpRequest, api: str):
     t0, ex = time.perf_counter(), Exchange(gw)
     try:
         key = gw.authorize(request.headers, request.query_params)
-        call = parse(api, await body(request), gw)
-        r = await gw.start(ex, "http", call.req, gw.admit(key, call.req), api, t0)
+        last = request.headers.get("last-event-id")
+        if last is None:
+            call = parse(api, await body(request), gw)
+            r = await gw.start(ex, "http", call.req, gw.admit(key, call.req), api, t0, call.stream)
+        else:
+            call, r = await resume(request, api, gw, ex, key, last, t0)
         first = await watching(request, ex.frames.get())
     except ApiError as e:
         return e.response()
@@ -96,8 +102,9 @@ async def complete(request: HttpRequest, api: str):
     return json(whole(call, r, got, gw))
 
 
-async def body(request: HttpRequest) -> dict:
-    """The JSON object in the body; 413 past MAX_BODY_BYTES (read no further), 400 if not a JSON object."""
+async def body(request: HttpRequest, optional: bool = False) -> dict:
+    """The JSON object in the body ({} for none if optional); 413 past MAX_BODY_BYTES (read no further), 400
+    if not a JSON object."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise too_large(int(size))
@@ -106,6 +113,8 @@ async def body(request: HttpRequest) -> dict:
         data += part
         if len(data) > MAX_BODY_BYTES:
             raise too_large(len(data))
+    if optional and not data.strip():
+        return {}
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as e:
@@ -113,6 +122,24 @@ async def body(request: HttpRequest) -> dict:
     if not isinstance(obj, dict):
         raise ApiError(400, f"the body must be a JSON object, got {frames.kind(obj)}", "invalid_json")
     return obj
+
+
+async def resume(request: HttpRequest, api: str, gw: Gateway, ex: Exchange, key, last: str,
+                 t0: float) -> tuple[Call, Request]:
+    """The stream a Last-Event-ID names, resumed after that event. Only stream_options.include_usage is
+    read from the body, if there is one (a client retrying its call sends it again)."""
+    try:
+        rid, seq, offset = frames.event_point(last)
+    except FrameError as e:
+        raise bad(str(e), "Last-Event-ID") from None
+    b = await body(request, optional=True)
+    opts = b.get("stream_options")
+    include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    req = await gw.find(key, rid, seq, offset, api)
+    r = await gw.resume(ex, "http", key, req, seq, offset, t0)
+    prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+    return Call(api, req, True, include_usage, req.sampling.logprobs is not None, prefix + rid, int(req.created),
+                gw.model), r
 
 
 def too_large(n: int) -> ApiError:
@@ -172,7 +199,7 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
         raise bad(str(e), param_of(str(e))) from None
     req.sampling.logprobs = top
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
-    return Call(api, req, stream, include_usage, top is not None, prefix + req.id, int(time.time()), model)
+    return Call(api, req, stream, include_usage, top is not None, prefix + req.id, int(req.created), model)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -301,11 +328,22 @@ def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
 
 
 def chunk(call: Call, choices: list, usage_: dict | None = None) -> bytes:
+    """The JSON of one streamed chunk."""
     c = {"id": call.id, "object": "chat.completion.chunk" if call.api == "chat" else "text_completion",
          "created": call.created, "model": call.model, "choices": choices}
     if call.include_usage:
         c["usage"] = usage_
-    return b"data: " + orjson.dumps(c) + b"\n\n"
+    return orjson.dumps(c)
+
+
+def event(data: bytes, eid: bytes) -> bytes:
+    """One server-sent event; eid (its resume point) b"" while the request is not stored yet."""
+    return (b"id: " + eid + b"\n" if eid else b"") + b"data: " + data + b"\n\n"
+
+
+def point(r: Request, offset: int) -> bytes:
+    """The resume point after `offset` output tokens: the id of the events that bring the stream there."""
+    return f"{frames.resume_id(r.rid, r.seq)}.{offset}".encode() if r.seq else b""
 
 
 def delta_choice(call: Call, text: str, lp: dict | None = None, finish: str | None = None, role: bool = False) -> dict:
@@ -315,26 +353,30 @@ def delta_choice(call: Call, text: str, lp: dict | None = None, finish: str | No
     return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
-def sse(call: Call, r: Request, f: dict, gw: Gateway) -> bytes:
-    """The events of one frame."""
+def sse(call: Call, r: Request, f: dict, gw: Gateway) -> list[bytes]:
+    """The data of the events of one frame."""
     if f["type"] == "delta":
         lp = logprobs(call, [f], gw) if call.logprobs else None
-        return chunk(call, [delta_choice(call, f["text"], lp)])
+        return [chunk(call, [delta_choice(call, f["text"], lp)])]
     if f["type"] == "error":
-        return b"data: " + orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body()) + b"\n\n"
-    out = chunk(call, [delta_choice(call, "", None, f["finish_reason"])])
+        return [orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body())]
+    out = [chunk(call, [delta_choice(call, "", None, f["finish_reason"])])]
     if call.include_usage:
-        out += chunk(call, [], usage(r))
-    return out + b"data: [DONE]\n\n"
+        out.append(chunk(call, [], usage(r)))
+    return [*out, b"[DONE]"]
 
 
 async def events(ex: Exchange, call: Call, r: Request, first: dict):
-    """The stream's bytes: each time, every frame queued so far."""
-    gw = ex.gw
-    out = [chunk(call, [delta_choice(call, "", role=True)])] if call.api == "chat" else []
+    """The stream's bytes: each time, every frame queued so far (a resumed stream has no role chunk)."""
+    gw, offset = ex.gw, r.replay
+    role = call.api == "chat" and not r.resumed
+    out = [event(chunk(call, [delta_choice(call, "", role=True)]), point(r, 0))] if role else []
     pending = [first]
     while True:
-        out += [sse(call, r, f, gw) for f in pending]
+        for f in pending:
+            offset += len(f.get("token_ids", ()))
+            eid = point(r, offset)
+            out += [event(data, eid) for data in sse(call, r, f, gw)]
         yield b"".join(out)
         if pending[-1]["type"] in ("done", "error"):
             return
@@ -358,9 +400,10 @@ class EventStream:
             if pump.done() and not pump.cancelled() and pump.exception() is not None:
                 self.ex.log.error("stream failed", error=repr(pump.exception()))
         finally:
+            dropped = gone.done()                 # the client left: it may resume (Last-Event-ID)
             pump.cancel()
             gone.cancel()
-            await abort(self.ex)
+            await leave(self.ex, dropped)
 
     async def pump(self, send) -> None:
         async for data in self.chunks:

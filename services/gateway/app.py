@@ -41,7 +41,8 @@ SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish wh
 
 
 def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_tokens: int = subjects.MAX_TOKENS,
-               model_name: str | None = None, request_timeout: float = subjects.REQUEST_DEADLINE) -> Starlette:
+               model_name: str | None = None, request_timeout: float = subjects.REQUEST_DEADLINE,
+               resume_grace: float = subjects.RESUME_GRACE) -> Starlette:
     """The app; ValueError (naming the file and the key) for a bad keys file."""
     key_table = keys.load(api_keys) if api_keys else None
     model = model_name or os.path.basename(os.path.normpath(model_dir))
@@ -58,9 +59,11 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             await subjects.ensure_streams(js)
             gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log, model,
                                              config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table,
-                                             outcomes=await subjects.outcomes(js), request_timeout=request_timeout)
+                                             outcomes=await subjects.outcomes(js), request_timeout=request_timeout,
+                                             resume_grace=resume_grace)
             await nc.subscribe(subjects.ROUTER_STATS_ALL, cb=gw.metrics.on_router_stats)
             await nc.subscribe(subjects.PROGRESS_ALL, cb=gw.on_progress)
+            await nc.subscribe(subjects.RESUMED_ALL, cb=gw.on_resumed)
             known = asyncio.Event()
             loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep())]
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
@@ -263,6 +266,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=subjects.REQUEST_DEADLINE,
                    help=f"seconds a request may take from arrival to its last frame; then it ends with a "
                         f"timeout error (default {subjects.REQUEST_DEADLINE:g})")
+    p.add_argument("--resume-grace", type=float, default=subjects.RESUME_GRACE,
+                   help=f"seconds a resumable stream whose client's connection dropped keeps generating for a resume "
+                        f"before it is cancelled; 0 cancels at once (default {subjects.RESUME_GRACE:g})")
     p.add_argument("--served-model-name", help="the model's name in the HTTP API (default: the checkpoint directory's)")
     return p
 
@@ -272,7 +278,7 @@ def main(argv=None) -> None:
     try:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
-                         args.request_timeout)
+                         args.request_timeout, args.resume_grace)
     except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))

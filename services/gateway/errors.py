@@ -4,12 +4,14 @@ import math
 import orjson
 from starlette.responses import Response
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-         429: "rate_limit_error", 431: "invalid_request_error"}
-FRAME_CODES = {429: "too_many_requests", 503: "unavailable"}    # the websocket protocol's codes; else invalid_request
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error"}
+# the websocket protocol's codes; else invalid_request
+FRAME_CODES = {403: "forbidden", 404: "not_found", 429: "too_many_requests", 503: "unavailable"}
 # pipeline error codes → HTTP
-STATUS = {"invalid_request": 400, "too_many_requests": 429, "unavailable": 503, "timeout": 504}
+STATUS = {"invalid_request": 400, "forbidden": 403, "not_found": 404, "resumed": 409, "too_many_requests": 429,
+          "unavailable": 503, "timeout": 504}
 
 
 class ApiError(Exception):

@@ -1,12 +1,13 @@
 """The client frames of the websocket protocol, checked field by field before anything is published:
 a FrameError names the field or the limit, and carries the client's id when it could be read."""
+import re
 import time
 
 import orjson
 
 from schemas.messages import GenerateRequest, WireError
-from schemas.sampling import MAX_TOKEN_ID, SamplingParams
-from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
+from schemas.sampling import MAX_TOKEN_ID, MAX_TOKENS_BOUND, SamplingParams
+from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP, TOKEN
 
 
 class FrameError(ValueError):
@@ -57,7 +58,9 @@ SAMPLING = {  # field -> (check, what it must be)
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
-FIELDS = {"generate": {"type", "id", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"}}
+FIELDS = {"generate": {"type", "id", "resumable", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
+          "resume": {"type", "id", "offset"}}
+DIGITS = re.compile(r"[0-9]{1,15}")           # a sequence or an offset in a resume point
 
 
 def parse(event: dict) -> dict:
@@ -108,6 +111,49 @@ def request(frame: dict, rid: str, tenant: str) -> GenerateRequest:
     except WireError as e:
         raise FrameError(str(e), cid) from None
     return req
+
+
+def resumable(frame: dict) -> bool:
+    """Whether a generate frame asks for an accepted frame with its resume id (and a stream kept for a
+    resume when its connection drops)."""
+    v = frame.get("resumable", False)
+    if not is_bool(v):
+        raise FrameError(f"resumable: expected true or false, got {kind(v)}", frame["id"])
+    return v
+
+
+def resume_id(rid: str, seq: int) -> str:
+    """What a client resumes a request by: the request id and its sequence number in the request log."""
+    return f"{rid}.{seq}"
+
+
+def resume(frame: dict) -> tuple[str, int, int]:
+    """The request id, request-log sequence and offset of a checked resume frame."""
+    cid = frame["id"]
+    rid, seq = point(cid, 2, "id", cid)
+    if "offset" not in frame:
+        raise FrameError("offset: missing (the output tokens already received)", cid)
+    offset = frame["offset"]
+    if not is_int(offset) or not 0 <= offset <= MAX_TOKENS_BOUND:
+        raise FrameError(f"offset: must be an integer in [0, {MAX_TOKENS_BOUND}] (the output tokens already "
+                         f"received), got {show(offset)}", cid)
+    return rid, seq, offset
+
+
+def event_point(last: str) -> tuple[str, int, int]:
+    """The request id, request-log sequence and offset in a Last-Event-ID (an SSE event's id)."""
+    return point(last, 3, "Last-Event-ID", None)
+
+
+def point(s: str, parts: int, name: str, cid: str | None) -> tuple:
+    """(request id, sequence[, offset]) of `rid.seq` (parts 2) or `rid.seq.offset` (parts 3)."""
+    fields = s.split(".")
+    rid, numbers = fields[0], fields[1:]
+    if len(fields) != parts or not TOKEN.fullmatch(rid) or not all(DIGITS.fullmatch(n) for n in numbers) \
+            or int(numbers[0]) < 1:
+        what = "<request id>.<sequence>" + (".<offset>" if parts == 3 else "")
+        raise FrameError(f"{name}: {show(s)} is not a resume point ({what}, as the gateway gave it)", cid)
+    return rid, *map(int, numbers)
 
 
 def messages(v, cid: str) -> list[dict[str, str]]:

@@ -137,7 +137,8 @@ class Metrics:
         self.generation_tokens = Counter("tokenbus_generation_tokens", "Tokens generated for finished requests.",
                                          ["tenant"], registry=r)
         self.recoveries = Counter("tokenbus_stream_checks", "Streams checked for missing tokens, by cause (gap: a "
-                                  "chunk came past missing ones; stall: silent for STALL_SECONDS) and by what "
+                                  "chunk came past missing ones; stall: silent for STALL_SECONDS; resume: a client "
+                                  "resumed the stream) and by what "
                                   "answered (outcome, resend: the worker, none).", ["cause", "source"], registry=r)
         self.deadlines = Counter("tokenbus_request_timeouts", "Requests ended with a timeout error at the gateway's "
                                  "--request-timeout.", ["tenant"], registry=r)

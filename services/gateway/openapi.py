@@ -110,17 +110,25 @@ def errors(*statuses: int) -> dict:
 
 
 WHY = {400: "invalid request: the message names the field or the limit", 401: "missing or wrong API key",
-       404: "no such model", 413: "body over MAX_BODY_BYTES", 429: "over the tenant's rate or concurrency limit",
+       403: "the stream to resume is another tenant's", 404: "no such model, or no such stream to resume",
+       413: "body over MAX_BODY_BYTES", 429: "over the tenant's rate or concurrency limit",
        431: "too many header fields", 500: "the pipeline failed", 502: "the worker failed",
        503: "no worker could take the request soon"}
 
 
+RESUME = {"name": "Last-Event-ID", "in": "header", "required": False,
+          "description": "resume a stream after this event of it (its id: request id, sequence, offset); the body is "
+                         "then read only for stream_options.include_usage",
+          "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}\.[0-9]{1,15}\.[0-9]{1,15}$"}}
+
+
 def operation(summary: str, body: dict, answer: dict) -> dict:
-    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+    return {"summary": summary, "parameters": [RESUME],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
             "responses": {"200": {"description": "the completion, or server-sent events when stream is true",
                                   "content": {"application/json": {"schema": answer},
                                               "text/event-stream": {"schema": EVENT}}},
-                          **errors(400, 401, 404, 413, 429, 431, 503)}}
+                          **errors(400, 401, 403, 404, 413, 429, 431, 503)}}
 
 
 def document(model: str, max_tokens: int) -> dict:

@@ -4,6 +4,12 @@ request subscribes to tb.out.<request id> before it is published; the subscripti
 hot path (decode, drop duplicates, detokenize, send). When a request ends its admission ticket is
 settled and, if it ran, its usage record goes to TB_USAGE.
 
+A stream outlives its connection: a client resumes it on any gateway from the output token it got to
+(Gateway.resume), reading the request from the request log (its sequence number is in the resume id)
+and the tokens from the Outcome or the worker; the tokens it already has go through the detokenizer
+unsent, so the text continues exactly. A client whose connection dropped has resume_grace seconds
+to do so (its requests are Parked) before they are cancelled.
+
 A stream is never silently incomplete: a chunk past a gap is held back until the gap is filled,
 from the request's Outcome (tb_outcomes) once it ended or else by the worker running it (Resend on
 tb.resend.<id>); a stream silent for STALL_SECONDS is checked the same way (its final chunk may be
@@ -35,6 +41,7 @@ from schemas.messages import (
     Outcome,
     Progress,
     Resend,
+    Resumed,
     TokenChunk,
     Usage,
     WireError,
@@ -52,6 +59,8 @@ from services.gateway.metrics import Metrics
 SWEEP_SECONDS = 1.0                  # how often deadlines, stalls and unfilled gaps are looked at
 STALL_FACTOR = 2.5                   # a sweep this many periods late: this process was stopped or starved
 RESEND_TIMEOUT = 1.0                 # seconds the worker running a request has to answer a Resend
+CLEAN_CLOSE = (1000, 1001)           # websocket close codes of a client that left on purpose: no resume
+ORIGINS = {"ws": "the websocket", "chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass(slots=True)
@@ -72,6 +81,8 @@ class Gateway:
     outcomes: KeyValue | None = None              # tb_outcomes: how each request ended
     request_timeout: float = subjects.REQUEST_DEADLINE   # seconds from arrival to the last frame, at most
     requests: dict[str, "Request"] = field(default_factory=dict)   # request id -> its stream, for checks
+    resume_grace: float = subjects.RESUME_GRACE   # seconds a dropped client's resumable streams wait for it
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])     # this gateway, in Resumed messages
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:
@@ -92,24 +103,94 @@ class Gateway:
         prompt = admission.estimate(req)
         return self.admission.admit(key, prompt, min(n, max(self.max_model_len - prompt, 1)))
 
-    async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float) -> "Request":
+    async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float,
+                    resumable: bool = False) -> "Request":
         """Subscribes to the request's tokens, then publishes it (in a task); the tenant's salt goes in."""
         req.tenant = req.cache_salt = ticket.key.tenant          # the salt is the gateway's, never the client's
         req.meter = Meter(ticket.key.id, api, self.model)
-        r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created)
+        r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created, resumable=resumable)
         try:
-            r.sub = await self.nc.subscribe(subjects.out(req.id), cb=r.on_msg)  # before the publish
-        except nats.errors.Error as e:
+            await self.follow(r)
+        except ApiError:
             self.admission.settle(ticket, 0)
-            raise ApiError(503, f"NATS is not reachable: {e}", "unavailable") from None
-        owner.inflight[cid] = self.requests[req.id] = r
+            raise
         r.task = asyncio.create_task(r.submit(req))
         return r
+
+    async def follow(self, r: "Request") -> None:
+        """Subscribes the request to its tokens and files it under its owner and this gateway."""
+        try:
+            r.sub = await self.nc.subscribe(subjects.out(r.rid), cb=r.on_msg)  # before the publish
+        except nats.errors.Error as e:
+            raise ApiError(503, f"NATS is not reachable: {e}", "unavailable") from None
+        r.conn.inflight[r.cid] = self.requests[r.rid] = r
+
+    # -- resuming -------------------------------------------------------------------------------
+
+    async def find(self, key: Key, rid: str, seq: int, offset: int, api: str) -> GenerateRequest:
+        """The request a client asks to resume, from the request log; ApiError if it is not there (404),
+        another tenant's (403), made on another API than an HTTP resume's (400) or shorter than offset (400)."""
+        req = await self.logged(rid, seq)
+        if req.tenant != key.tenant:
+            raise ApiError(403, f"id: request {rid} is not tenant {key.tenant}'s; only the tenant that made a request "
+                                "may resume it", "forbidden", "id")
+        origin = req.meter.api if req.meter else ""
+        if api != "ws" and origin != api:
+            raise ApiError(400, f"Last-Event-ID: request {rid} was made on {ORIGINS.get(origin, origin)}; resume it "
+                                "there", "invalid_request", "Last-Event-ID")
+        if offset > req.sampling.max_tokens:
+            raise ApiError(400, f"offset: {offset} is more than the request's max_tokens={req.sampling.max_tokens}",
+                           "invalid_request", "offset")
+        return req
+
+    async def logged(self, rid: str, seq: int) -> GenerateRequest:
+        """Request `rid` at sequence number `seq` of the request log; ApiError 404 if it is not there."""
+        try:
+            msg = await self.js.get_msg(subjects.REQUESTS_STREAM, seq)
+            req = decode(msg.data, GenerateRequest)
+        except (nats.js.errors.NotFoundError, WireError):
+            req = None
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            raise ApiError(503, f"{subjects.REQUESTS_STREAM} could not be read: {str(e) or type(e).__name__}",
+                           "unavailable", retry_after=1) from None
+        if req is None or req.id != rid:
+            raise ApiError(404, f"id: no request {rid} at {seq} in the request log (never accepted, or older than "
+                                f"its retention)", "not_found", "id")
+        return req
+
+    async def resume(self, owner, cid: str, key: Key, req: GenerateRequest, seq: int, offset: int,
+                     t0: float) -> "Request":
+        """Streams a request found to resume (find()) to a client that has its first `offset` output tokens. Its
+        tokens come from its Outcome if it ended, else from the worker running it (Resend from 0) and its
+        chunks; those before offset go through the detokenizer unsent. A stream of it held here or on another
+        gateway lets it go (Resumed). No admission charge: it was charged where it started."""
+        api = req.meter.api if req.meter and req.meter.api else "ws"
+        r = Request(owner, cid, req.id, req.sampling.stop, t0, Ticket(key, 0, settled=True), api, req.created,
+                    resumable=True, seq=seq, replay=offset, resumed=True)
+        if (old := self.requests.get(req.id)) is not None:
+            await old.let_go()
+        await self.follow(r)
+        self.log.info("request resumed", request_id=req.id, tenant=key.tenant, offset=offset, client_id=cid)
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(subjects.resumed(req.id), encode(Resumed(req.id, self.id)))
+        self.spawn(r.recover("resume"))
+        return r
+
+    async def on_resumed(self, msg) -> None:
+        """tb.resumed.<id>: the request's client resumed it on another gateway; a stream of it here ends."""
+        try:
+            note = decode(msg.data, Resumed)
+        except WireError as e:
+            self.log.error("bad resumed note dropped", error=str(e))
+            return
+        r = self.requests.get(note.id)
+        if r is not None and note.gateway != self.id:
+            await r.let_go()
 
     def close(self, r: "Request", reason: str | None) -> None:
         """A request ended (reason None: with an error): settle its ticket, meter what it used."""
         self.admission.settle(r.ticket, r.prompt_tokens + r.received)
-        if reason is not None:
+        if reason is not None and r.metered:
             self.spawn(self.meter(r.usage(reason, self.model)))
 
     async def meter(self, u: Usage) -> None:
@@ -146,6 +227,8 @@ class Gateway:
             for r in list(self.requests.values()):
                 if now - r.t0 >= self.request_timeout:
                     self.spawn(r.expire())
+                elif r.parked and now - r.parked >= self.resume_grace:
+                    self.spawn(r.abort())              # its client did not come back
                 elif not r.checking and (r.held or now - r.heard >= subjects.STALL_SECONDS):
                     self.spawn(r.recover("gap" if r.held else "stall"))
 
@@ -186,11 +269,12 @@ class Connection:
 
     async def run(self) -> None:
         await self.ws.accept()
+        event = {}
         try:
             while (event := await self.ws.receive())["type"] == "websocket.receive":
                 await self.on_frame(event)
         finally:
-            await self.abort_all()
+            await leave(self, event.get("code") not in CLEAN_CLOSE)
 
     async def on_frame(self, event: dict) -> None:
         t0 = time.perf_counter()
@@ -199,6 +283,8 @@ class Connection:
             kind, cid = frames.header(frame)
             if kind == "generate":
                 await self.generate(frame, cid, t0)
+            elif kind == "resume":
+                await self.resume(frame, cid, t0)
             else:
                 await self.cancel(cid)
         except FrameError as e:
@@ -209,18 +295,31 @@ class Connection:
             await self.send(error(None, "internal", f"the gateway failed on this frame: {type(e).__name__}"))
 
     async def generate(self, frame: dict, cid: str, t0: float) -> None:
+        self.room(cid)
+        req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
+        resumable = frames.resumable(frame)
+        try:
+            await self.gw.start(self, cid, req, self.gw.admit(self.key, req), "ws", t0, resumable)
+        except ApiError as e:                     # refused by a limit: an error frame with its code
+            raise refused(e, cid) from None
+
+    async def resume(self, frame: dict, cid: str, t0: float) -> None:
+        self.room(cid)
+        rid, seq, offset = frames.resume(frame)
+        try:
+            req = await self.gw.find(self.key, rid, seq, offset, "ws")
+            await self.gw.resume(self, cid, self.key, req, seq, offset, t0)
+        except ApiError as e:
+            raise refused(e, cid) from None
+
+    def room(self, cid: str) -> None:
+        """FrameError unless a request `cid` may start on this connection."""
         if cid in self.inflight:                  # id None: the error is not the in-flight request's
             raise FrameError(f"id: {frames.show(cid)} is already in flight on this connection")
         if len(self.inflight) >= subjects.MAX_INFLIGHT_PER_CONNECTION:
             raise FrameError(f"{len(self.inflight)} requests are in flight on this connection; "
                              f"MAX_INFLIGHT_PER_CONNECTION={subjects.MAX_INFLIGHT_PER_CONNECTION}", cid,
                              "too_many_requests")
-        req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
-        try:
-            await self.gw.start(self, cid, req, self.gw.admit(self.key, req), "ws", t0)
-        except ApiError as e:                     # refused by a limit: an error frame with its code
-            frame = e.frame(cid)
-            raise FrameError(e.message, cid, frame["code"], frame.get("retry_after")) from None
 
     async def cancel(self, cid: str) -> None:
         r = self.inflight.get(cid)
@@ -229,15 +328,16 @@ class Connection:
         await r.abort()
         await self.send(r.done("abort"))
 
-    async def abort_all(self) -> None:
-        for r in list(self.inflight.values()):
-            await r.abort()
-
     async def send(self, frame: dict) -> None:
         try:
             await self.ws.send_text(orjson.dumps(frame).decode())
         except Exception as e:                    # the client left: run() sees it and aborts its requests
             self.log.debug("send failed", error=repr(e))
+
+    async def accepted(self, r: "Request") -> None:
+        """The request is stored: a client that asked for it gets the id it can resume it by."""
+        if r.resumable:
+            await self.send({"type": "accepted", "id": r.cid, "resume_id": frames.resume_id(r.rid, r.seq)})
 
 
 class Exchange:
@@ -251,11 +351,46 @@ class Exchange:
     async def send(self, frame: dict) -> None:
         self.frames.put_nowait(frame)
 
+    async def accepted(self, r: "Request") -> None:
+        pass                                      # SSE events carry the resume point in their ids
+
+
+class Parked:
+    """The owner of requests whose client's connection dropped: their frames go nowhere while they wait
+    for a resume (Gateway.resume_grace), then they are cancelled."""
+
+    def __init__(self, gw: Gateway):
+        self.gw, self.log = gw, gw.log
+        self.inflight: dict[str, Request] = {}
+
+    async def send(self, frame: dict) -> None:
+        pass
+
+    async def accepted(self, r: "Request") -> None:
+        pass
+
+
+async def leave(owner: Connection | Exchange, dropped: bool) -> None:
+    """The client left: its requests end and their workers are told, except the resumable ones of a dropped
+    connection, which are Parked for the gateway's resume_grace."""
+    parked = Parked(owner.gw) if dropped and owner.gw.resume_grace > 0 else None
+    for r in list(owner.inflight.values()):
+        if parked is not None and r.resumable:
+            r.park(parked)
+        else:
+            await r.abort()
+
+
+def refused(e: ApiError, cid: str) -> FrameError:
+    """A refusal (a limit, an unknown or forbidden resume) as the error frame of request cid."""
+    frame = e.frame(cid)
+    return FrameError(e.message, cid, frame["code"], frame.get("retry_after"))
+
 
 @dataclass(slots=True, eq=False)
 class Request:
     """One generate in flight: its subscription, detokenizer and counters."""
-    conn: Connection | Exchange                   # its owner: where its frames go
+    conn: Connection | Exchange | Parked          # its owner: where its frames go
     cid: str                                      # the client's id
     rid: str                                      # the request id on the wire
     stop: tuple[str, ...]
@@ -277,6 +412,12 @@ class Request:
     heard: float = field(default_factory=time.perf_counter)    # when the last chunk came (or a check)
     checking: bool = False                        # a recovery is in flight
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one chunk at a time, in order
+    resumable: bool = False                       # its client can resume it: parked when its connection drops
+    seq: int = 0                                  # its sequence number in the request log (0: not stored yet)
+    replay: int = 0                               # resumed: the output tokens its client has (sent again unsent)
+    resumed: bool = False                         # a stream resumed here, not started here
+    parked: float = 0.0                           # perf_counter when its client's connection dropped (0: attached)
+    metered: bool = True                          # whether its end writes a usage record here
 
     @property
     def log(self) -> FilteringBoundLogger:
@@ -290,14 +431,18 @@ class Request:
     async def submit(self, req) -> None:
         gw = self.conn.gw
         try:
-            await subjects.publish(gw.js, subjects.request_new(req.tenant), encode(req), subjects.msg_id(req.id),
-                                   self.log, min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
+            ack = await subjects.publish(gw.js, subjects.request_new(req.tenant), encode(req),
+                                         subjects.msg_id(req.id), self.log,
+                                         min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
         except subjects.NotStored as e:
             reason = str(e)
             self.log.error("request publish failed", request_id=self.rid, error=reason)
             await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
             return
-        self.log.info("request accepted", request_id=self.rid, tenant=req.tenant, client_id=self.cid)
+        self.seq = ack.seq
+        self.log.info("request accepted", request_id=self.rid, tenant=req.tenant, client_id=self.cid, seq=ack.seq)
+        if not self.ended:
+            await self.conn.accepted(self)
 
     async def on_msg(self, msg) -> None:
         if self.ended:                            # messages already queued when the request ended
@@ -362,6 +507,9 @@ class Request:
             gw.metrics.recovered(cause, source)
             if chunk is not None:
                 await self.take(chunk)
+            elif cause == "resume" and time.time() - self.created > subjects.OUTCOME_TTL:
+                await self.end(error(self.cid, "not_found", f"request {self.rid} ended more than OUTCOME_TTL="
+                                                            f"{subjects.OUTCOME_TTL:g} s ago: its tokens are gone"))
             self.heard = time.perf_counter()
         finally:
             self.checking = False
@@ -383,7 +531,18 @@ class Request:
     async def deliver(self, chunk: TokenChunk | FinalChunk) -> None:
         final = type(chunk) is FinalChunk
         new, skip = self.accept(chunk)
-        stop = self.detok.push(new) if new else None
+        if self.received - len(new) < self.replay:        # resumed: tokens its client has, through unsent
+            n = min(self.replay - (self.received - len(new)), len(new))
+            self.detok.push(new[:n])
+            self.detok.release(final and n == len(new))   # a client with every token has the whole text
+            new, skip = new[n:], skip + n
+        if final and self.resumed and chunk.seq < 0:
+            self.metered = False                  # it ended before: the worker's usage record counts it
+        if final and self.received < self.replay:
+            await self.end(error(self.cid, "invalid_request", f"offset: {self.replay} is past the request's "
+                                                              f"{self.received} output tokens"))
+            return
+        stop = self.detok.push(new)                # a resume may have found the stop string in its client's part
         text = self.detok.release(final)
         if new or text:
             delta = {"type": "delta", "id": self.cid, "text": text, "token_ids": new}
@@ -440,10 +599,29 @@ class Request:
 
     async def abort(self) -> None:
         """Ends the request from outside its callback (client cancel or disconnect) and tells the worker."""
-        self.finish("abort", self.done("abort"))
-        self.task.cancel()
+        if not self.finish("abort", self.done("abort")):
+            return
+        if self.task is not None:
+            self.task.cancel()
         await self.unsubscribe()
         await self.conn.gw.publish_cancel(self.rid, "abort")
+
+    def park(self, owner: Parked) -> None:
+        """Its client's connection dropped: it streams on into `owner` (nowhere) until its client resumes it
+        or the gateway's resume_grace passes."""
+        del self.conn.inflight[self.cid]
+        self.conn, self.parked = owner, time.perf_counter()
+        owner.inflight[self.cid] = self
+        self.log.info("client dropped: stream kept for a resume", request_id=self.rid, tokens=self.received,
+                      grace_s=owner.gw.resume_grace)
+
+    async def let_go(self) -> None:
+        """Its client resumed it on another stream (of this gateway or another): it ends here without a cancel
+        or a usage record; a client still reading this connection gets an error frame "resumed"."""
+        frame = error(self.cid, "resumed", "the stream of this request was resumed on another connection")
+        if self.finish(None, frame):
+            await self.conn.send(frame)
+            await self.unsubscribe()
 
     def finish(self, reason: str | None, frame: dict) -> bool:
         """Marks the request ended with its last frame (reason None: by an error), frees its id, settles
@@ -452,9 +630,11 @@ class Request:
         if self.ended:
             return False
         self.ended = True
+        gw = self.conn.gw
         del self.conn.inflight[self.cid]
-        self.conn.gw.requests.pop(self.rid, None)
-        self.conn.gw.close(self, reason)
+        if gw.requests.get(self.rid) is self:    # not a stream of it resumed here since
+            del gw.requests[self.rid]
+        gw.close(self, reason)
         tenant = self.ticket.key.tenant
         self.conn.gw.metrics.observe(tenant, frame, self.worker_timing.get("queue_ms"))
         self.log.info("request ended", request_id=self.rid, tenant=tenant, worker=self.worker,

@@ -31,6 +31,13 @@ def test_scoring_tells_completed_wrong_refused_lost_and_cut_apart():
     assert not r.clean
 
 
+def test_a_resumed_request_counts_as_completed_when_its_tokens_are_whole_and_as_resumed():
+    resumed = done([1, 2, 3])
+    resumed.resumed = 1
+    r = scored({"a": resumed, "b": done([1, 2, 3])}, {k: [1, 2, 3] for k in "ab"})
+    assert (r.accepted, r.completed, r.resumed, r.cut, r.lost) == (2, 2, 1, 0, 0) and r.clean
+
+
 def test_the_table_has_a_row_per_scenario_under_the_issue_s_columns():
     text = table([Result("none", sent=3, accepted=3, completed=3, recovery_s=0.4), Result("poison", poison_sent=2,
                                                                                           poison_answered=2)])
@@ -58,4 +65,17 @@ def test_chaos_poison_and_broker_restart_lose_nothing(tiny_model, tmp_path):
         assert (r["lost"], r["duplicated"], r["wrong"], r["errors"]) == (0, 0, 0, 0), r
         assert r["workers_registered"] == 2, r
     assert results["poison"]["poison_answered"] == results["poison"]["poison_sent"] > 0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chaos_kill_gateway_clients_resume_on_the_other_gateway_and_lose_nothing(tiny_model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "chaos", "--model", tiny_model, "--scenarios",
+                           "kill-gateway", "--requests", "16", "--max-tokens", "32", "--patience", "60",
+                           "--data-dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=280)
+    r = json.loads(proc.stdout)[0]
+    assert r["sent"] == 16 and r["accepted"] == r["completed"] == 16, r
+    assert (r["lost"], r["duplicated"], r["wrong"], r["errors"], r["cut"]) == (0, 0, 0, 0, 0), r
+    assert r["resumed"] > 0 and r["metered"] == r["stored"], r           # cut clients came back; metered once
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -119,3 +119,26 @@ def test_a_gateway_with_keys_takes_the_api_key_and_refuses_a_chat_without_one(na
 def test_run_reports_an_unreachable_gateway_with_exit_status_1(capsys):
     assert run(f"ws://127.0.0.1:{free_port()}/ws", input_fn=scripted()) == 1
     assert "chat: ws://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_a_reply_cut_off_by_its_gateway_resumes_on_the_next_one(nats_url, tiny_model, tok):
+    slow = " a reply long enough to be cut off by its gateway and resumed on the next"
+    out = Output()
+
+    async def answer_slowly(down, req: GenerateRequest) -> None:
+        await down.stream(req, slow, 0.05)
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, answer_slowly) as two:
+            first = gateway(nats_url, tiny_model, tok, requests=False)
+            one = await first.__aenter__()
+            talk = asyncio.create_task(chat([one.ws, two.ws], input_fn=scripted("slow"), output=out))
+            while len(out.writes) < 5:                    # a few deltas in
+                await asyncio.sleep(0.01)
+            await first.__aexit__(None, None, None)       # the gateway stops: its connections close
+            await asyncio.wait_for(talk, 20)
+            return two
+
+    two = asyncio.run(body())
+    assert out.text.count(slow) == 1 and f"{slow}\n" in out.text      # printed once, whole
+    assert "resumed 1×]" in out.text and two.cancels == [] and len(two.requests) == 1

@@ -21,6 +21,7 @@ from schemas.messages import (
     Outcome,
     Progress,
     Resend,
+    Resumed,
     RouterStats,
     TokenChunk,
     TokenizedRequest,
@@ -55,6 +56,7 @@ EXAMPLES = [
     Usage("r1", "t", "0123456789ab", "tiny", "chat", "stop", 9, 4, 7, {"ttft_ms": 1.5, "e2e_ms": 9.0}, 1.0, 2.0),
     Resend("r1", 4),
     Progress("r1", [9, 10]),
+    Resumed("r1", "3f9a0c1e2b4d"),
     Outcome("r1", "t", "w0", "error", [9], error_code="engine_error", error_message="sampling failed"),
     DeadLetter(TokenizedRequest("r1", "t", SAMPLING, [5, 6]), "crashed 2 workers", 2, "w1", 3.0),
 ]

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from ops.procs import free_port
 from schemas import subjects
-from schemas.messages import Cancel, FinalChunk, GenerateRequest, Heartbeat, TokenChunk, decode, encode
+from schemas.messages import Cancel, FinalChunk, GenerateRequest, Heartbeat, Outcome, Resend, TokenChunk, decode, encode
 from services.gateway.app import create_app, server_config
 
 PROMPT_TOKENS = 9
@@ -106,6 +106,27 @@ class Downstream:
             await self.publish(req.id, self.chunk(req.id, i, [t]))
             await asyncio.sleep(0.001)                     # concurrent requests interleave
         await self.publish(req.id, self.final(req.id, len(ids) - 1, ids[-1:], reason))
+
+    async def stream(self, req: GenerateRequest, text: str, pace: float) -> None:
+        """As a worker does: text one token per chunk every `pace` seconds, Resend answered with the tokens
+        published so far, the Outcome recorded before the final chunk."""
+        ids, sent = self.ids(text), 0
+
+        async def resend(msg):
+            ask = decode(msg.data, Resend)
+            chunk = TokenChunk(req.id, -1, ask.offset, ids[ask.offset:sent], PROMPT_TOKENS, self.tail)
+            await self.nc.publish(msg.reply, encode(chunk))
+
+        sub = await self.nc.subscribe(subjects.resend(req.id), cb=resend)
+        for i in range(len(ids) - 1):
+            await self.publish(req.id, self.chunk(req.id, i, ids[i:i + 1]))
+            sent = i + 1
+            await asyncio.sleep(pace)
+        kv = await subjects.outcomes(self.nc.jetstream())
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}
+        await kv.create(req.id, encode(Outcome(req.id, req.tenant, "fake0", "length", ids, None, usage, {}, self.tail)))
+        await sub.unsubscribe()
+        await self.publish(req.id, self.final(req.id, len(ids) - 1, ids[-1:]))
 
     async def echo(self, req: GenerateRequest) -> None:
         if said(req) != "hold":

@@ -1,8 +1,11 @@
 """The web chat page in headless Chromium (Debian's chromium and chromium-driver, which
 `tests/install-chromium.sh` installs and `make test` runs), driven as a person would: typing,
 clicking, reading the page. The pipeline behind the gateway is the scripted fake."""
+import asyncio
+import contextlib
 import json
 import shutil
+import urllib.request
 
 import pytest
 from selenium import webdriver
@@ -31,13 +34,53 @@ def browser():
         driver.quit()
 
 
+SLOW = " a slow answer that streams for a while, cut off in the middle and then resumed"
+
+
 async def script(down, req):
-    """Echoes the last message slowly enough to be stopped; "hold" sends one token and holds."""
+    """Echoes the last message slowly enough to be stopped; "hold" sends one token and holds; "slow"
+    streams SLOW a token every 50 ms, as a worker (Resend answered, Outcome recorded)."""
     text = said(req)
     if text == "hold":
         await down.publish(req.id, down.chunk(req.id, 0, down.ids(" partial")))
         return
+    if text == "slow":
+        await down.stream(req, SLOW, 0.05)
+        return
     await down.reply(req, f" echo {text}")
+
+
+class Cutter:
+    """A TCP proxy in front of the gateway whose connections the test cuts, as a network blip does."""
+
+    def __init__(self, port: int):
+        self.port, self.links = port, []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self.link, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def link(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.links += [writer, up_writer]
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        for w in self.links:
+            w.transport.abort()
+        self.links.clear()
+
+    async def stop(self) -> None:
+        await self.cut()
+        self.server.close()
+
+
+async def pipe(reader, writer) -> None:
+    with contextlib.suppress(OSError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
 
 
 def wait(driver, check, timeout: float = 10):
@@ -107,3 +150,25 @@ def test_the_chat_page_streams_answers_keeps_history_stops_and_shows_ttft_and_to
         type_and_send(browser, "fresh")
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
         assert down.requests[-1].messages == [{"role": "user", "content": "fresh"}]
+
+
+def test_an_answer_cut_off_by_a_dropped_connection_resumes_by_itself(browser, nats_url, tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    with served(nats_url, tiny_model, tok, script) as down:
+        cutter = Cutter(int(down.http.rsplit(":", 1)[1]))
+        port = down.call(cutter.start())
+        try:
+            browser.get(f"http://127.0.0.1:{port}/")
+            type_and_send(browser, "slow")
+            wait(browser, lambda d: len(answers(d)[-1].text) > 10)
+            down.call(cutter.cut())                          # the page's connection drops mid-answer
+            wait(browser, lambda d: answers(d)[-1].find_elements(By.CLASS_NAME, "stats"))
+            answer = answers(browser)[-1]
+            assert answer.find_element(By.CLASS_NAME, "text").text == SLOW
+            assert "error" not in answer.get_attribute("class") and "length" in answer.text
+            assert browser.find_element(By.ID, "status").text == ""
+            assert len(down.requests) == 1 and down.cancels == []     # resumed, not asked again or cancelled
+            with urllib.request.urlopen(down.http + "/metrics", timeout=5) as r:
+                assert 'tokenbus_stream_checks_total{cause="resume"' in r.read().decode()
+        finally:
+            down.call(cutter.stop())

@@ -151,7 +151,7 @@ def test_a_request_nobody_finishes_times_out_on_http_streamed_and_not(nats_url, 
                 asyncio.to_thread(http_post, url, hold), asyncio.to_thread(http_post, url, {**part, "stream": True}))
             assert status == 504 and orjson.loads(data)["error"]["code"] == "timeout", data
             assert s_status == 200
-            events = [orjson.loads(line[6:]) for line in s_data.decode().split("\n\n") if line.startswith("data: {")]
+            events = [orjson.loads(line[6:]) for line in s_data.decode().splitlines() if line.startswith("data: {")]
             assert events[0]["choices"][0]["text"] == tok.decode(down.ids(TEXT)[:1])
             assert events[-1]["error"]["code"] == "timeout" and "--request-timeout" in events[-1]["error"]["message"]
     run(body())
