@@ -19,7 +19,14 @@ client back); lost (accepted and never answered within the client's patience); d
 completion records of one request id).
 With --json also: stored, recorded and metered (requests in the request log, and of them those with a
 completion record and a usage record: a request whose client was cut or resumed elsewhere still runs
-and is metered once)."""
+and is metered once).
+
+With --cluster every scenario runs on a 3-node nats cluster (R3 streams), each node a process with its own
+store and routes, in a network namespace of its own where the machine allows (ops/netns.py); the node
+scenarios SIGKILL the node leading TB_REQUESTS or a follower of it (it comes back NODE_DOWN_SECONDS later,
+from its store), or cut TB_REQUESTS' leader off the network for PARTITION_SECONDS. Their rows add the
+longest time a stream or bucket the node led had no leader. "throughput" adds the cost of R3 and of an
+fsync before every acknowledgement against a single server (ops/bench_cluster.py)."""
 import asyncio
 import contextlib
 import json
@@ -34,13 +41,16 @@ from pathlib import Path
 import orjson
 import websockets
 
-from ops import procs
+from ops import bench_cluster, cluster, netns, procs
 from ops.up import Stack
+from schemas import roles, subjects
 
 REFUSALS = {"unavailable", "overloaded", "rate_limit_exceeded", "concurrency_limit_exceeded", "too_many_requests"}
 SERVICES = ("worker", "router", "tokenizer", "gateway")
 SCENARIOS = ("none", *(f"kill-{s}" for s in SERVICES), *(f"stop-{s}" for s in SERVICES), "broker-restart",
              "poison", "slow-client", "overload")
+NODE_SCENARIOS = ("kill-leader-node", "kill-follower-node", "partition-node")
+CLUSTER_SCENARIOS = ("none", *NODE_SCENARIOS, "throughput")         # the default of --cluster
 POISON = [  # websocket frames no worker may crash on: each must be answered with an error
     {"prompt": "poison", "top_k": 18446744073709551615},
     {"prompt": "poison", "seed": 18446744073709551616},
@@ -56,6 +66,10 @@ BROKER_DOWN_SECONDS = 3.0
 RESTART_AFTER = 1.0                   # a killed service comes back, as its supervisor would bring it
 SLOW_CLIENT_SECONDS = 20.0
 PROBE_INTERVAL = 0.5
+CLUSTER_SIZE = 3
+NODE_DOWN_SECONDS = 5.0               # a killed node comes back, as its supervisor would bring it
+PARTITION_SECONDS = 10.0
+META = "meta"                         # JetStream's meta group: it creates streams and consumers
 
 
 @dataclass(slots=True)
@@ -85,6 +99,7 @@ class Result:
     poison_sent: int = 0
     poison_answered: int = 0
     recovery_s: float | None = None
+    leaderless_s: float | None = None     # a node scenario: the longest a stream the node led had no leader
     workers_registered: int = 0
     stored: int = 0                       # requests in TB_REQUESTS (probes included)
     recorded: int = 0                     # of them, with a completion record in TB_RESULTS
@@ -199,8 +214,12 @@ class Run:
         self.probe_done: list[float] = []
 
     def run(self) -> Result:
-        self.stack.start()
+        self.net = netns.Network(CLUSTER_SIZE).create() if self.args.cluster and not self.args.no_netns else None
+        if self.args.cluster:
+            data = self.stack.data_dir
+            self.stack.nats_nodes = self.net.nodes(data) if self.net else cluster.local_nodes(CLUSTER_SIZE, data)
         try:
+            self.stack.start()
             self.stack.wait_ready()
             asyncio.run(self.load())
             r = self.result
@@ -208,6 +227,8 @@ class Run:
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
+            if self.net:
+                self.net.delete()
         return self.result
 
     async def load(self) -> None:
@@ -244,6 +265,9 @@ class Run:
     async def fault(self, clients: list["Client"]) -> None:
         while not self.fault_at:
             await asyncio.sleep(0.05)
+        if self.scenario in NODE_SCENARIOS:
+            await self.node_fault()
+            return
         kind, _, target = self.scenario.partition("-")
         name = "w1" if target == "worker" else target
         if kind == "kill":
@@ -262,6 +286,46 @@ class Run:
             await self.poison()
         elif self.scenario == "slow-client":
             await self.slow_client()
+
+    async def node_fault(self) -> None:
+        """SIGKILL of TB_REQUESTS' leader or of the follower that leads fewest streams (back after
+        NODE_DOWN_SECONDS), or a PARTITION_SECONDS cut of TB_REQUESTS' leader; measures how long the
+        streams it led went without another leader. start_node runs in this thread, which owns the stack."""
+        nc = await subjects.connect(self.stack.nats_url, "tokenbus-chaos", role="admin")
+        js = nc.jetstream(timeout=0.5)
+        try:
+            leaders = await self.leaders(js)
+            target = leaders[subjects.REQUESTS_STREAM]
+            if self.scenario == "kill-follower-node":
+                followers = [n.name for n in self.stack.nats_nodes if n.name != target]
+                target = min(followers, key=list(leaders.values()).count)
+            led = [s for s, name in leaders.items() if name == target]
+            self.result.notes.append(f"{target} led {', '.join(led) or 'nothing'}")
+            node = next(n for n in self.stack.nats_nodes if n.name == target)
+            others = [n for n in self.stack.nats_nodes if n is not node]
+            cut, start = self.scenario == "partition-node", time.monotonic()
+            if cut:
+                self.net.cut(node)
+            else:
+                self.stack.kill(target)
+            took = [await relead(js, others, s, target, start) for s in led]
+            self.result.leaderless_s = round(max(took, default=0.0), 1)
+            down = PARTITION_SECONDS if cut else NODE_DOWN_SECONDS
+            await asyncio.sleep(max(0.0, down - (time.monotonic() - start)))
+            if cut:
+                self.net.heal(node)
+            else:
+                self.stack.start_node(target)
+        finally:
+            await nc.close()
+
+    async def leaders(self, js) -> dict[str, str]:
+        """The leader of every stream and bucket, and of JetStream's meta group (META), by server name."""
+        while True:                                                    # a look may go unanswered on a busy CPU
+            leaders = {s: await cluster.stream_leader(js, s) for s in roles.ALL_STREAMS}
+            leaders[META] = await asyncio.to_thread(cluster.meta_leader, self.stack.nats_nodes[0])
+            if None not in leaders.values():
+                return leaders
 
     async def poison(self) -> None:
         client = Client(self.stack.urls, self.outcomes)
@@ -335,6 +399,17 @@ class Run:
             r.recovery_s = round(after[0] - self.fault_at, 2)
 
 
+async def relead(js, nodes: list[cluster.Node], stream: str, old: str, start: float, timeout: float = 60.0) -> float:
+    """Seconds from start until `stream` (or META, as `nodes` see it) has a leader other than `old`."""
+    async def leader() -> str | None:
+        if stream == META:
+            return await asyncio.to_thread(cluster.meta_leader, nodes[0])
+        return await cluster.stream_leader(js, stream)
+    while await leader() in (None, old) and time.monotonic() - start < timeout:
+        await asyncio.sleep(0.1)
+    return time.monotonic() - start
+
+
 def request(cid: str, max_tokens: int) -> dict:
     return {"prompt": prompt(cid), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
@@ -355,7 +430,6 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
 async def logs(nats_url: str) -> tuple[int, int, int, int]:
     """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
     completion records beyond the first of a request id, request ids with a usage record)."""
-    from schemas import subjects
     from schemas.messages import Completion, GenerateRequest, Usage
 
     nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
@@ -383,8 +457,6 @@ async def ids(js, stream: str, subject: str, cls: type) -> list[str]:
 
 
 async def registered(nats_url: str) -> int:
-    from schemas import subjects
-
     nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
     try:
         return len(await subjects.live_workers(await subjects.registry(nc.jetstream())))
@@ -396,17 +468,20 @@ COLUMNS = ("scenario", "sent", "accepted", "completed", "lost", "duplicated", "w
            "poison", "recovery_s", "workers")
 
 
-def row(r: Result) -> list[str]:
+def row(r: Result, leaderless: bool) -> list[str]:
     poison = f"{r.poison_answered}/{r.poison_sent}" if r.poison_sent else "-"
     recovery = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}"
-    return [r.scenario, *(str(getattr(r, k)) for k in ("sent", "accepted", "completed", "lost", "duplicated",
-                                                        "wrong", "errors", "resumed", "cut")), poison, recovery,
-            str(r.workers_registered)]
+    cells = [r.scenario, *(str(getattr(r, k)) for k in ("sent", "accepted", "completed", "lost", "duplicated",
+                                                         "wrong", "errors", "resumed", "cut")), poison, recovery,
+             str(r.workers_registered)]
+    return cells + ["-" if r.leaderless_s is None else f"{r.leaderless_s:.1f}"] * leaderless
 
 
 def table(results: list[Result]) -> str:
-    rows = [list(COLUMNS), *map(row, results)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    leaderless = any(r.leaderless_s is not None for r in results)      # a cluster run
+    columns = [*COLUMNS, "leaderless_s"] if leaderless else list(COLUMNS)
+    rows = [columns, *(row(r, leaderless) for r in results)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
@@ -414,26 +489,43 @@ def table(results: list[Result]) -> str:
 def main(args) -> int:
     from workers.models.builder import default_model_dir
 
-    args.scenarios = args.scenarios or list(SCENARIOS)
-    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    known = CLUSTER_SCENARIOS + SCENARIOS if args.cluster else SCENARIOS
+    args.scenarios = args.scenarios or list(CLUSTER_SCENARIOS if args.cluster else SCENARIOS)
+    unknown = [s for s in args.scenarios if s not in known]
     if unknown:
-        raise ValueError(f"unknown scenario {unknown[0]!r}; choose from: {', '.join(SCENARIOS)}")
+        needs = " (with --cluster)" if unknown[0] in CLUSTER_SCENARIOS else ""
+        raise ValueError(f"unknown scenario {unknown[0]!r}{needs}; choose from: {', '.join(dict.fromkeys(known))}")
+    args.no_netns = netns.available() if args.cluster else None
+    faults = [s for s in args.scenarios if s != "throughput"]
     model = args.model or str(default_model_dir())
     cids = [f"c{i}" for i in range(3 * args.requests)] + [f"slow{i}" for i in range(4)]
-    print(f"tokenbus chaos: {len(args.scenarios)} scenario(s), {args.requests} greedy requests of {args.max_tokens} "
-          f"tokens each on {args.workers} workers; offline reference ...", file=sys.stderr, flush=True)
+    where = f" on a {CLUSTER_SIZE}-node nats cluster" if args.cluster else ""
+    print(f"tokenbus chaos: {len(faults)} scenario(s), {args.requests} greedy requests of {args.max_tokens} "
+          f"tokens each on {args.workers} workers{where}; offline reference ...", file=sys.stderr, flush=True)
     expected = expected_tokens(model, cids, args.max_tokens)
     results = []
     root = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="tokenbus-chaos-"))
-    for scenario in args.scenarios:
+    for scenario in faults:
+        if scenario == "partition-node" and args.no_netns:
+            results.append(Result(f"{scenario} (not run: {args.no_netns})"))
+            continue
         print(f"tokenbus chaos: {scenario} ...", file=sys.stderr, flush=True)
         r = Run(scenario, model, expected, args, root / scenario).run()
         results.append(r)
         for note in r.notes[:5]:
             print(f"  {scenario}: {note}", file=sys.stderr, flush=True)
+    rows = []
+    if "throughput" in args.scenarios:
+        print("tokenbus chaos: throughput of 1 server and of a 3-node cluster, fsync every 2 min and always ...",
+              file=sys.stderr, flush=True)
+        rows = bench_cluster.measure(model, root / "throughput", args.requests, args.workers)
+    scenarios = [{**asdict(r), "clean": r.clean} for r in results]
     if args.json:
-        print(json.dumps([{**asdict(r), "clean": r.clean} for r in results], indent=2))
+        out = {"scenarios": scenarios, "throughput": bench_cluster.as_json(rows)} if args.cluster else scenarios
+        print(json.dumps(out, indent=2))
     else:
         print(table(results))
+        if rows:
+            print(f"\n{bench_cluster.table(rows)}")
         print(f"logs: {root}")
     return 0 if all(r.clean for r in results) else 1

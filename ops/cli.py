@@ -207,7 +207,11 @@ def parser() -> argparse.ArgumentParser:
                         "duplicated, wrong tokens, recovery time")
     ch.add_argument("--scenarios", nargs="+", default=None, metavar="NAME",
                     help="which scenarios (default: all): none, kill-/stop- worker|router|tokenizer|gateway, "
-                         "broker-restart, poison, slow-client, overload")
+                         "broker-restart, poison, slow-client, overload; with --cluster (default: its own): "
+                         "kill-leader-node, kill-follower-node, partition-node, throughput")
+    ch.add_argument("--cluster", action="store_true",
+                    help="run on a 3-node nats cluster (R3; nodes in network namespaces where root allows): "
+                         "node SIGKILLs, a 10 s partition, and the throughput cost of R3 and of fsync policies")
     ch.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
     ch.add_argument("--workers", type=int, default=2, help="workers of each scenario's stack")
     ch.add_argument("--requests", type=int, default=40, help="greedy requests per scenario (3x for overload)")
@@ -225,7 +229,14 @@ def parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
     u.add_argument("--nats-port", type=int, default=4222, help="the embedded nats-server's port")
-    u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one")
+    u.add_argument("--nats-url", help="use this running nats-server (with JetStream) instead of starting one; "
+                                      "a cluster's servers separated by commas")
+    u.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                   help="start a cluster of N nats-servers (3 or more; R3 streams) on ports --nats-port and up, "
+                        "routes 2000 above, monitoring 4000 above")
+    u.add_argument("--nats-sync", default="always", metavar="always|DURATION",
+                   help="the started nats-servers' fsync: before every acknowledgement (always, the default) or "
+                        "every DURATION (2m: NATS's default); see docs/cluster.md")
     u.add_argument("--workers", type=int, default=1, help="worker replicas (processes), each with its own engine")
     u.add_argument("--gateways", type=int, default=1,
                    help="gateway processes, on --port, --port + 1, ...: a client cut off by one resumes on another")

@@ -54,15 +54,20 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def start_nats(port: int, data_dir: Path, log: Path | None = None, host: str = "127.0.0.1",
-               config: Path | None = None) -> subprocess.Popen:
+               config: Path | None = None, sync: str | None = None) -> subprocess.Popen:
     """nats-server with JetStream and file storage under data_dir, on host:port; waits until it listens.
     config: a nats-server config file (authorization, TLS: ops/bus.py); the flags win over it.
+    sync: JetStream's fsync policy, `always` (before every acknowledgement) or a duration (None: NATS's 2m).
     ValueError when something listens there already (its wait would take that for the new server)."""
     if listening(port, reachable(host)):
         raise ValueError(f"port {port} is in use (another nats-server? another `tokenbus up`?): choose another "
                          f"--nats-port, or use that server with --nats-url nats://{reachable(host)}:{port}")
     store = Path(data_dir) / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
+    if sync:                                     # no flag sets it: a file, with the given one's blocks after it
+        text = f"jetstream {{\n  sync_interval: {sync}\n}}\n" + (config.read_text() if config else "")
+        config = Path(data_dir) / "nats-server.conf"
+        config.write_text(text)
     conf = ["-c", str(config)] if config else []
     proc = spawn([nats_server_binary(), *conf, "-a", host, "-p", str(port), "-js", "-sd", str(store)], log)
     wait_port(port, proc, "nats-server", host=reachable(host))

@@ -4,6 +4,7 @@ pulling and a worker is registered, prints where to connect, and on Ctrl-C or SI
 child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops import broker, bus, procs
+from ops import broker, bus, cluster, procs
 from ops.status import heartbeats
 from schemas import subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
@@ -57,6 +58,8 @@ class Stack:
     tls: bus.Tls | None = None                    # the embedded nats-server's certificate
     tls_ca: Path | None = None                    # what every service verifies the server's certificate with
     gateways: int = 1                             # "gateway" on port, then "gateway1" on port + 1, ...
+    nats_nodes: list[cluster.Node] = field(default_factory=list)  # a nats cluster to start instead of one server
+    nats_sync: str = cluster.SYNC                 # the fsync policy of the nats-servers it starts (docs/cluster.md)
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)    # each child's own environment
     log_starts: dict[str, int] = field(default_factory=dict)  # each child's log size when it started
@@ -97,7 +100,9 @@ class Stack:
     def start(self) -> None:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        if self.nats_url is None:
+        if self.nats_nodes:
+            self.start_cluster()
+        elif self.nats_url is None:
             self.start_nats()
             self.nats_url = f"nats://{procs.reachable(self.nats_host)}:{self.nats_port}"
         asyncio.run(prepare(self.nats_url, self.credentials))
@@ -113,16 +118,44 @@ class Stack:
             self.spawn(name, "services.gateway", *common, "--model", files, "--host", self.host,
                        "--port", str(self.port + i), *keys_arg, *self.gateway_args, role="gateway")
 
+    @property
+    def secure(self) -> bool:
+        """Whether the nats-servers it starts authorize (nkeys) or serve TLS."""
+        return self.bus_creds is not None or self.tls is not None
+
     def start_nats(self) -> None:
         """The embedded nats-server, with a config file when the bus is authorized or TLS."""
-        secure = self.bus_creds is not None or self.tls is not None
-        config = bus.write_config(self.data_dir / "nats.conf", self.bus_creds, self.tls) if secure else None
+        config = bus.write_config(self.data_dir / "nats.conf", self.bus_creds, self.tls) if self.secure else None
         self.log_starts["nats"] = self.log_size("nats")
         try:
             self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.log("nats"), self.nats_host,
-                                                     config)
+                                                     config, self.nats_sync)
         except RuntimeError as e:                  # it exited before listening (a port in use, a bad store)
             raise ChildFailed(str(e), "nats", self.log("nats"), self.log_starts["nats"]) from None
+
+    def start_cluster(self) -> None:
+        """Every node of nats_nodes, then waits for their meta leader; the services get the whole list."""
+        for node in self.nats_nodes:
+            self.start_node(node.name)
+        cluster.wait_ready(self.nats_nodes)
+        self.nats_url = cluster.url(self.nats_nodes)
+
+    def start_node(self, name: str) -> None:
+        """Starts (again) the cluster node `name`, on its ports and store, with the bus's authorization and
+        TLS blocks if it has them. Call it from the thread that runs the tests: a child dies with the thread
+        that started it (PR_SET_PDEATHSIG)."""
+        node = next(n for n in self.nats_nodes if n.name == name)
+        blocks = bus.config(self.bus_creds, self.tls) if self.secure else ""
+        self.log_starts[name] = self.log_size(name)
+        try:
+            self.children[name] = cluster.start(node, self.nats_nodes, self.log(name), self.nats_sync, blocks)
+        except RuntimeError as e:
+            raise ChildFailed(str(e), name, self.log(name), self.log_starts[name]) from None
+
+    @property
+    def brokers(self) -> list[str]:
+        """The children that are nats-servers."""
+        return [name for name in self.children if name == "nats" or name in {n.name for n in self.nats_nodes}]
 
     def spawn(self, name: str, module: str, *args: str, env: dict | None = None, role: str | None = None) -> None:
         """Starts a service as `role` (default: its name) with the stack's credentials for that role."""
@@ -158,10 +191,9 @@ class Stack:
 
     def stop(self) -> None:
         """Services first (so none reconnects in a loop), nats-server last."""
-        services = [p for name, p in self.children.items() if name != "nats"]
+        services = [p for name, p in self.children.items() if name not in self.brokers]
         procs.stop(list(reversed(services)))
-        if "nats" in self.children:
-            procs.stop([self.children["nats"]])
+        procs.stop([self.children[name] for name in self.brokers])
 
     def kill(self, name: str) -> None:
         self.children[name].kill()
@@ -266,14 +298,32 @@ def interrupt(*_) -> None:
 
 
 def watch(stack: Stack) -> None:
-    """Reports a child that exits; the stack serves on without it, except without nats-server."""
-    gone = set()
-    while "nats" not in gone:
+    """Reports a child that exits; the stack serves on without it, except without nats-server (a cluster:
+    without a majority of its nodes)."""
+    gone, brokers = set(), set(stack.brokers)
+    while len(gone & brokers) <= (len(brokers) - 1) // 2:
         for name, p in stack.children.items():
             if p.poll() is not None and name not in gone:
                 gone.add(name)
                 print(f"tokenbus: {name} exited with code {p.returncode} (log: {stack.log(name)})", flush=True)
         time.sleep(0.5)
+
+
+def check_nats(args) -> None:
+    """ValueError (the CLI prints it) for an fsync policy nats-server would not take, or a cluster that
+    cannot keep a majority through one failure or is asked for what a local cluster does not do."""
+    if not re.fullmatch(r"always|\d+(ms|s|m|h)", args.nats_sync):
+        raise ValueError(f"--nats-sync {args.nats_sync!r}: always, or a duration such as 100ms, 30s, 2m")
+    if args.nats_cluster == 1:
+        return
+    if args.nats_url:
+        raise ValueError("--nats-cluster starts nats-servers; --nats-url uses running ones: give one of them")
+    if args.nats_cluster < 3:
+        raise ValueError(f"--nats-cluster {args.nats_cluster}: a cluster needs at least 3 servers to survive one "
+                         f"failure (R{subjects.REPLICAS} streams); use 1 or 3")
+    if procs.reachable(args.nats_host) != "127.0.0.1":
+        raise ValueError("--nats-cluster runs its nodes on 127.0.0.1; a cluster across hosts is started on each "
+                         "host (docs/cluster.md) and given to up with --nats-url")
 
 
 def given(args, *options: str) -> list[str]:
@@ -292,6 +342,7 @@ def failed(e: ChildFailed | TimeoutError) -> str:
 
 def main(args) -> None:
     check_keys(args.host, args.api_keys)
+    check_nats(args)
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = args.model or str(default_model_dir())
@@ -299,7 +350,10 @@ def main(args) -> None:
                                                                           "kv-cache-memory")
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
                   router_args=["--policy", args.router], tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways, **security)
+                  gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways,
+                  nats_sync=args.nats_sync, **security)
+    if args.nats_cluster > 1:
+        stack.nats_nodes = cluster.local_nodes(args.nats_cluster, data_dir, args.nats_port)
     signal.signal(signal.SIGTERM, interrupt)
     stack.api_keys, stack.host = args.api_keys, args.host
     status = 0

@@ -4,6 +4,7 @@ Subjects go broad → narrow. Streams capture tenants and worker ids, never requ
 per-request subjects (tb.out, tb.cancel) are core NATS, stored nowhere."""
 import asyncio
 import contextlib
+import dataclasses
 import re
 import signal
 import sys
@@ -28,6 +29,7 @@ RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the complet
 USAGE_STREAM, USAGE_SUBJECTS = "TB_USAGE", "tb.usage.>"            # the metering log: one record per request
 DEAD_STREAM, DEAD_SUBJECTS = "TB_DEAD", "tb.dead.>"                # dead-lettered requests, with the reason
 WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
+REGISTRY_STREAM = f"KV_{WORKERS_BUCKET}"                           # the stream under it
 OUTCOMES_BUCKET = "tb_outcomes"                                    # how each request ended, key = request id
 CANCEL_ALL = "tb.cancel.*"
 RESEND_ALL = "tb.resend.*"
@@ -127,6 +129,8 @@ LOG_MAX_BYTES = 1 << 30
 USAGE_MAX_AGE = 400 * 24 * 3600.0        # bills look back a year
 QUEUE_MAX_AGE = 3600.0
 MAX_MSG_SIZE = 4 << 20
+REPLICAS = 3                             # copies of every stream and bucket on a cluster: one server may die
+NOT_CLUSTERED = 10074                    # JetStream's "replicas > 1 not supported in non-clustered mode"
 
 STREAMS = [
     api.StreamConfig(name=REQUESTS_STREAM, subjects=[REQUESTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
@@ -205,8 +209,9 @@ QUEUE_WATERMARK = 1.0                    # a worker with this × max_num_seqs qu
 
 async def connect(url: str, name: str, log=None, role: str | None = None,
                   credentials: creds.Credentials | None = None) -> nats.NATS:
-    """A connection that keeps reconnecting: a restarted nats-server must not end a service. After a
-    reconnect every stream and bucket is made again if the server lost it (a wiped store); core
+    """A connection that keeps reconnecting: a restarted nats-server must not end a service. url is one
+    server or a cluster's comma-separated list (any order; one is picked at random, the next on failure).
+    After a reconnect every stream and bucket is made again if the server lost it (a wiped store); core
     subscriptions come back by themselves, watchers (watch()) and pull consumers (consume()) see the
     reconnect count and start over. Connection errors are one log line each (nats-py's default prints
     a traceback); a permissions violation is printed even without a log. It connects as `role`
@@ -232,11 +237,27 @@ async def connect(url: str, name: str, log=None, role: str | None = None,
                 log.warning("streams not checked after reconnect", error=str(e) or type(e).__name__)
 
     checks: set[asyncio.Task] = set()
-    nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+    servers = servers_of(url)
+    pings = {"ping_interval": CLUSTER_PING, "max_outstanding_pings": CLUSTER_PINGS} if len(servers) > 1 else {}
+    nc = await nats.connect(servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
                             connect_timeout=2, allow_reconnect=True, error_cb=error, reconnected_cb=reconnected,
-                            **(credentials or creds.from_env()).options(role or name))
+                            **pings, **(credentials or creds.from_env()).options(role or name))
     return nc
 
+
+CLUSTER_PING, CLUSTER_PINGS = 1.0, 3     # with a server list: a server that stops answering (cut off) is left in ~4 s
+
+
+def servers_of(url: str) -> list[str]:
+    """The servers of --nats-url: one URL, or several separated by commas; ValueError if none."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"--nats-url {url!r} names no server")
+    return servers
+
+
+BUS_ERRORS = (nats.errors.Error, asyncio.TimeoutError,
+              RuntimeError)              # nats-py writing to a transport that closed under it (its server died)
 
 PUBLISH_ATTEMPT = 2.0                    # seconds one JetStream publish waits for its ack
 PUBLISH_DEADLINE = 60.0                  # seconds a publish is retried, under the same Nats-Msg-Id
@@ -276,14 +297,26 @@ async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
 
 
 async def ensure_streams(js) -> None:
-    """Creates the streams and the registry bucket, or updates them to this build's config."""
+    """Creates the streams and the buckets, or updates them to this build's config."""
     for config in STREAMS:
         try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:      # exists with another config
-            await js.update_stream(config)
+            await replicated(js.add_stream, config, "num_replicas")
+        except nats.js.errors.BadRequestError:      # exists with another config: this build's, its copies kept
+            kept = (await js.stream_info(config.name)).config.num_replicas
+            await js.update_stream(dataclasses.replace(config, num_replicas=kept))
     await registry(js)
     await outcomes(js)
+
+
+async def replicated(create, config, field: str):
+    """create(config) with REPLICAS copies, or with one where the server is not in a cluster (it says so).
+    A cluster of fewer than REPLICAS servers, or with too few of them up, refuses: that is an error."""
+    try:
+        return await create(dataclasses.replace(config, **{field: REPLICAS}))
+    except nats.js.errors.APIError as e:
+        if e.err_code != NOT_CLUSTERED:
+            raise
+        return await create(dataclasses.replace(config, **{field: 1}))
 
 
 async def registry(js):
@@ -292,8 +325,8 @@ async def registry(js):
     try:
         return await js.key_value(WORKERS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(api.KeyValueConfig(bucket=WORKERS_BUCKET, ttl=WORKER_TTL, history=1,
-                                                            storage=api.StorageType.FILE))
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=WORKERS_BUCKET, ttl=WORKER_TTL, history=1, storage=api.StorageType.FILE), "replicas")
 
 
 async def outcomes(js):
@@ -302,9 +335,9 @@ async def outcomes(js):
     try:
         return await js.key_value(OUTCOMES_BUCKET)
     except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(api.KeyValueConfig(bucket=OUTCOMES_BUCKET, ttl=OUTCOME_TTL, history=1,
-                                                            storage=api.StorageType.FILE,
-                                                            max_value_size=MAX_MSG_SIZE))
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=OUTCOMES_BUCKET, ttl=OUTCOME_TTL, history=1, storage=api.StorageType.FILE,
+            max_value_size=MAX_MSG_SIZE), "replicas")
 
 
 async def live_workers(kv) -> list[Heartbeat]:
@@ -333,28 +366,40 @@ def refused(e: Exception) -> bool:
 
 
 WATCH_POLL = 0.5                         # seconds between looks at the reconnect count while a watch is idle
+WATCH_IDLE = WORKER_TTL                  # a watch that had entries and then none this long starts over
+WATCH_INACTIVE = 30.0                    # seconds the server keeps a watcher's consumer that nobody listens to
 
 
 async def watch(nc, handle, log) -> None:
     """handle(entry) for every entry of the registry bucket, forever: its current values, None once they
-    are read, then every change. After a reconnect (a restarted broker forgets the watcher's consumer)
-    or a failure the bucket is found or made again and the watch starts over from the current values."""
+    are read, then every change. After a reconnect (a restarted broker forgets the watcher's consumer),
+    WATCH_IDLE without an entry once it had some (its consumer may have died with a cluster node while
+    this connection's server lives), or a failure, the bucket is found or made again and the watch starts
+    over from the current values."""
     while True:
         reconnects = nc.stats["reconnects"]
         try:
-            watcher = await (await registry(nc.jetstream())).watchall()
+            watcher = await (await registry(nc.jetstream())).watchall(inactive_threshold=WATCH_INACTIVE)
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             log.warning("registry watch not started; retrying", error=str(e) or type(e).__name__)
             await asyncio.sleep(RECREATE_WAIT)
             continue
+        last, had, why = time.monotonic(), False, "a reconnect"
         try:
             while nc.stats["reconnects"] == reconnects:
-                with contextlib.suppress(nats.errors.TimeoutError):
-                    handle(await watcher.updates(WATCH_POLL))
+                try:
+                    entry = await watcher.updates(WATCH_POLL)
+                except nats.errors.TimeoutError:
+                    if had and time.monotonic() - last >= WATCH_IDLE:
+                        why = f"{WATCH_IDLE:g} s without an entry"
+                        break
+                    continue
+                handle(entry)
+                last, had = time.monotonic(), had or entry is not None
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
-        log.warning("registry watch restarted after a reconnect")
+        log.warning(f"registry watch restarted after {why}")
 
 
 PULL_EXPIRES = 5.0                       # seconds a pull request waits on the server

@@ -178,8 +178,8 @@ class WorkerService:
             self.suspect = rid
             try:
                 await self.heartbeat()
-            except nats.errors.Error as e:
-                self.log.warning("heartbeat failed", error=str(e))
+            except subjects.BUS_ERRORS as e:
+                self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
 
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         rid, r = req.request_id, run.item.request
@@ -472,16 +472,18 @@ class WorkerService:
                 self.log.warning("registry bucket missing; creating it")
                 with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
                     self.registry = await subjects.registry(self.js)
-            except (nats.errors.Error, asyncio.TimeoutError) as e:
+            except subjects.BUS_ERRORS as e:
                 self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
 
     async def heartbeat(self) -> None:
+        """Writes this worker's heartbeat; one not acknowledged within two heartbeat periods (a cluster
+        electing the bucket's leader) is given up for the next, which carries a fresh time."""
         s = self.engine.stats()
-        await self.registry.put(self.id, encode(Heartbeat(
+        await asyncio.wait_for(self.registry.put(self.id, encode(Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.queued_blocks(), self.suspect)))
+            self.queued_blocks(), self.suspect))), 2 * subjects.HEARTBEAT_SECONDS)
 
     def queued_blocks(self) -> int:
         return sum(self.engine.kv.num_blocks_for(r.num_tokens) for r in self.engine.scheduler.waiting)
@@ -493,7 +495,7 @@ class WorkerService:
             for run in list(self.running.values()):
                 try:
                     await run.msg.in_progress()
-                except nats.errors.Error as e:
+                except subjects.BUS_ERRORS as e:
                     self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
 
 

@@ -63,6 +63,8 @@ class RouterService:
         self.pending: OrderedDict[str, tuple[Choice, int]] = OrderedDict()   # request id -> (decision, prompt)
         self.stats = RouterStats(self.id, 0.0, self.options.policy, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self.reconnects, self.up_since = nc.stats["reconnects"], 0.0    # the first connection needs no grace
+        self.registry_leader: str | None = None     # the registry stream's leader at the last look (a cluster)
+        self.watched = 0                            # the registry stream's last sequence the watch delivered
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -97,6 +99,7 @@ class RouterService:
         """One registry entry: a worker's heartbeat, or its leaving; None marks the end of the initial values."""
         if entry is None:
             return
+        self.watched = max(self.watched, entry.revision or 0)
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             self.leave(entry.key, "deregistered")
             return
@@ -114,7 +117,26 @@ class RouterService:
     async def lapse_loop(self) -> None:
         while True:
             await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
-            self.drop_lapsed(time.time())
+            now = time.time()
+            if any(now - w.hb.ts >= subjects.WORKER_TTL for w in self.registry.workers.values()):
+                await self.check_registry(now)
+            self.drop_lapsed(now)
+
+    async def check_registry(self, now: float) -> None:
+        """Before a lapse counts, the registry bucket's stream is asked (its leader answers): no answer (a
+        cluster without its leader: no heartbeat could be stored), a new leader since the last look, or
+        heartbeats stored that the watch has not delivered (its consumer died with a node) mean no
+        worker is to blame; lapses then count WORKER_TTL later at the earliest, as after a reconnect."""
+        try:
+            info = await self.nc.jetstream(timeout=1.0).stream_info(subjects.REGISTRY_STREAM)
+        except subjects.BUS_ERRORS:
+            self.up_since = now
+            return
+        leader = info.cluster.leader if info.cluster else None
+        if leader != self.registry_leader or info.state.last_seq > self.watched:
+            self.log.info("heartbeat lapses not counted for WORKER_TTL: the registry changed leader or is ahead "
+                          "of the watch", leader=leader, last_seq=info.state.last_seq, watched=self.watched)
+            self.registry_leader, self.up_since = leader, now
 
     def drop_lapsed(self, now: float) -> None:
         if not self.settled(now):

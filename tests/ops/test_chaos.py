@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from ops.chaos import SCENARIOS, Outcome, Result, Run, table
+from ops import bench_cluster, chaos, cli
+from ops.chaos import CLUSTER_SCENARIOS, SCENARIOS, Outcome, Result, Run, table
 
 
 def scored(outcomes: dict[str, Outcome], expected: dict[str, list[int]]) -> Result:
@@ -78,4 +79,40 @@ def test_chaos_kill_gateway_clients_resume_on_the_other_gateway_and_lose_nothing
     assert r["sent"] == 16 and r["accepted"] == r["completed"] == 16, r
     assert (r["lost"], r["duplicated"], r["wrong"], r["errors"], r["cut"]) == (0, 0, 0, 0, 0), r
     assert r["resumed"] > 0 and r["metered"] == r["stored"], r           # cut clients came back; metered once
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_cluster_scenarios_need_cluster_and_their_table_adds_the_time_without_a_leader():
+    for name in ("kill-leader-node", "kill-follower-node", "partition-node", "throughput"):
+        assert name in CLUSTER_SCENARIOS
+        with pytest.raises(ValueError, match="with --cluster"):
+            chaos.main(cli.parser().parse_args(["chaos", "--scenarios", name]))
+    text = table([Result("kill-leader-node", sent=3, accepted=3, completed=3, leaderless_s=5.5),
+                  Result("partition-node (not run: no network namespaces here)")])
+    head, _, killed, skipped = text.splitlines()
+    assert head.split()[-1] == "leaderless_s" and killed.split()[-1] == "5.5" and skipped.split()[-1] == "-"
+
+
+def test_the_throughput_table_shows_each_layout_against_one_server_with_nats_default_fsync():
+    rows = [bench_cluster.Row(1, "2m", 0.1, 0.5, 20000, 4.0, 900), bench_cluster.Row(3, "always", 1.1, 5.0, 5000, 3.0,
+                                                                                      1200)]
+    head, _, base, r3 = bench_cluster.table(rows).splitlines()
+    assert "publishes/s" in head and "requests/s" in head
+    assert base.startswith("1 server, R1") and "20000" in base and "%" not in base
+    assert r3.startswith("3 servers, R3") and "5000 (-75%)" in r3 and "3 (-25%)" in r3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_chaos_cluster_kills_a_follower_node_and_loses_nothing(tiny_model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "chaos", "--cluster", "--model", tiny_model,
+                           "--scenarios", "kill-follower-node", "--requests", "8", "--max-tokens", "16",
+                           "--patience", "60", "--data-dir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=380)
+    out = json.loads(proc.stdout)
+    [r] = out["scenarios"]
+    assert r["scenario"] == "kill-follower-node" and out["throughput"] == []
+    assert r["sent"] == r["accepted"] == r["completed"] == 8, r
+    assert (r["lost"], r["duplicated"], r["wrong"], r["errors"]) == (0, 0, 0, 0), r
+    assert r["leaderless_s"] is not None and r["notes"][0].startswith("tb-"), r
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -14,11 +14,13 @@ import jsonschema
 import pytest
 import yaml
 
-from ops import up
+from ops import cluster, procs, up
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose_spec.json").read_text())
-SERVICES = {"nats", "gateway", "tokenizer", "router", "worker", "worker-cpu"}
+NODES = {"nats-1", "nats-2", "nats-3"}                  # the 3-node nats cluster
+SERVICES = {*NODES, "gateway", "tokenizer", "router", "worker", "worker-cpu"}
+NATS_URL = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
 PARSERS = {"services.gateway": "services.gateway.app", "services.tokenizer": "services.tokenizer.service",
            "services.router": "services.router.service", "workers.service": "workers.service"}
 VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
@@ -68,11 +70,32 @@ def test_the_validator_rejects_a_broken_compose_file():
     assert len(errors(doc)) == 2
 
 
-def test_nats_is_the_official_image_with_jetstream_on_a_volume():
-    nats = compose()["services"]["nats"]
-    assert nats["image"].startswith("nats:") and "-js" in nats["command"]
-    store = nats["command"][nats["command"].index("-sd") + 1]
-    assert any(v.endswith(f":{store}") and v.split(":")[0] in compose()["volumes"] for v in nats["volumes"])
+def test_nats_is_a_3_node_cluster_of_the_official_image_each_node_named_with_its_own_volume():
+    doc = compose()
+    config = (ROOT / "ops" / "nats-cluster.conf").read_text()
+    store = re.search(r'store_dir: "([^"]+)"', config)[1]
+    volumes = set()
+    for name in NODES:
+        node = doc["services"][name]
+        cmd = node["command"]
+        assert node["image"].startswith("nats:") and cmd[cmd.index("--server_name") + 1] == name
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in node["volumes"]}      # container path -> source
+        assert mounts[cmd[cmd.index("-c") + 1]] == "./ops/nats-cluster.conf"
+        assert mounts[store] in doc["volumes"]
+        volumes.add(mounts[store])
+    assert len(volumes) == 3                                            # one store per node
+
+
+def test_the_cluster_config_passes_nats_server_t_routes_to_every_node_and_fsyncs_every_write():
+    path = ROOT / "ops" / "nats-cluster.conf"
+    checked = subprocess.run([procs.nats_server_binary(), "-t", "-c", str(path)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    text = path.read_text()
+    routes = set(re.findall(r"nats-route://([\w-]+):6222", text))
+    assert routes == NODES and "sync_interval: always" in text and f"name: {cluster.CLUSTER_NAME}" in text
+    assert f'ping_interval: "{cluster.PING}"' in text and f"ping_max: {cluster.PING_MAX}" in text   # as `up`'s
+    ports = {int(p) for p in re.findall(r"0\.0\.0\.0:(\d+)", text)}
+    assert ports == {4222, 6222, 8222} and {f"nats://{n}:4222" for n in NODES} == set(NATS_URL.split(","))
 
 
 def test_settings_come_from_the_environment_gpus_tensor_parallel_size_model_and_api_keys():
@@ -88,9 +111,9 @@ def test_settings_come_from_the_environment_gpus_tensor_parallel_size_model_and_
     gateway = doc["services"]["gateway"]
     assert argv(gateway)[argv(gateway).index("--api-keys") + 1] == "/config/api-keys.json"
     assert "/etc/tb/keys.json:/config/api-keys.json:ro" in gateway["volumes"]
-    for name in SERVICES - {"nats"}:
+    for name in SERVICES - NODES:
         assert "/srv/models:/models:ro" in doc["services"][name]["volumes"], name
-        assert doc["services"][name]["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert all(doc["services"][name]["depends_on"][n]["condition"] == "service_healthy" for n in NODES)
 
 
 def up_commands(monkeypatch, tmp_path) -> dict[str, list[str]]:
@@ -112,7 +135,7 @@ def test_compose_runs_the_entry_points_of_tokenbus_up_with_flags_their_parsers_t
     started = up_commands(monkeypatch, tmp_path)
     doc = compose()
     modules = {}
-    for name in SERVICES - {"nats"}:
+    for name in SERVICES - NODES:
         cmd = argv(doc["services"][name])
         assert cmd[:2] == ["python", "-m"], cmd
         modules.setdefault(cmd[2], []).append(cmd[3:])
@@ -125,7 +148,7 @@ def test_compose_runs_the_entry_points_of_tokenbus_up_with_flags_their_parsers_t
                     i = args.index(flag)
                     args = args[:i] + args[i + 1 + n:]
             parsed = parser.parse_args(args)                 # exits (fails the test) on an unknown flag
-            assert parsed.nats_url == "nats://nats:4222"
+            assert parsed.nats_url == NATS_URL                # every service is given the whole cluster
         flags_up = {a for a in started[module] if a.startswith("--")}
         assert flags_up <= {a for a in commands[0] if a.startswith("--")}, module   # nothing up passes is missing
 
