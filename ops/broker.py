@@ -4,6 +4,7 @@ when none does, and nats-py can swallow the cancel of that loop (a timeout or Ct
 then wait forever too), so the command first asks the server for its INFO line itself, with plain
 asyncio streams, and gives up within CONNECT_TIMEOUT seconds naming the URL."""
 import asyncio
+import contextlib
 import urllib.parse
 
 import nats
@@ -22,6 +23,16 @@ async def connect(url: str, name: str, timeout: float = CONNECT_TIMEOUT, **kw) -
 
 
 async def answers(url: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """ValueError unless one server of url (one, or a cluster's comma-separated list) greets with
+    nats-server's INFO line, within timeout for them all; the error names the last one tried."""
+    *others, last = servers = subjects.servers_of(url)
+    for server in others:
+        with contextlib.suppress(ValueError):
+            return await answer(server, timeout / len(servers))
+    await answer(last, timeout / len(servers))
+
+
+async def answer(url: str, timeout: float) -> None:
     """ValueError unless what listens at url greets with nats-server's INFO line within timeout."""
     where = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
     if where.scheme not in PROBED:

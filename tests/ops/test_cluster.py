@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from nats.js import api
 
-from ops import cli, cluster, procs
+from ops import bus, cli, cluster, procs
 from schemas import subjects
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,6 +44,10 @@ def test_every_node_config_passes_nats_server_t_and_routes_to_the_other_nodes(tm
         assert node.route not in text and all(n.route in text for n in nodes if n is not node)
     single = cluster.config(nodes[0], nodes[:1], sync="2m")
     assert "cluster" not in single and "sync_interval: 2m" in single
+    secured = tmp_path / "secured.conf"                  # with the bus's nkey users (tokenbus up --bus-auth)
+    secured.write_text(cluster.config(nodes[0], nodes, blocks=bus.config(tmp_path / "seeds", None)))
+    checked = subprocess.run([procs.nats_server_binary(), "-t", "-c", str(secured)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "authorization" in secured.read_text(), checked.stderr
 
 
 def test_a_cluster_makes_every_stream_and_bucket_with_3_replicas_spread_over_its_nodes(nodes):
@@ -100,6 +104,16 @@ def test_a_connection_given_the_server_list_moves_on_when_its_server_dies_and_st
 
     ack, again = asyncio.run(main())
     assert again.duplicate and again.seq == ack.seq          # the retried message id is stored once
+
+
+def test_an_ops_command_given_the_server_list_reads_the_cluster_while_a_server_is_down(nodes, capsys):
+    nodes, children = nodes
+    dead = f"nats://127.0.0.1:{procs.free_port()}"
+    cli.main(["status", "--json", "--nats-url", f"{dead},{cluster.url(nodes)}"])      # one answering is enough
+    assert json.loads(capsys.readouterr().out) == {"workers": []}
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["status", "--nats-url", f"{dead},{dead}"])
+    assert f"no nats-server answered at {dead}" in str(exit.value)
 
 
 class _Log:
