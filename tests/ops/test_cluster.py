@@ -43,7 +43,7 @@ def test_every_node_config_passes_nats_server_t_and_routes_to_the_other_nodes(tm
         assert f"server_name: {node.name}" in text and "sync_interval: always" in text
         assert node.route not in text and all(n.route in text for n in nodes if n is not node)
     single = cluster.config(nodes[0], nodes[:1], sync="2m")
-    assert "cluster" not in single and "sync_interval: 2m" in single
+    assert "cluster {" not in single and "sync_interval: 2m" in single
     secured = tmp_path / "secured.conf"                  # with the bus's nkey users (tokenbus up --bus-auth)
     secured.write_text(cluster.config(nodes[0], nodes, blocks=bus.config(tmp_path / "seeds", None)))
     checked = subprocess.run([procs.nats_server_binary(), "-t", "-c", str(secured)], capture_output=True, text=True)
