@@ -12,7 +12,7 @@ import pytest
 from nats.js import api
 
 from ops import bus, cli, cluster, procs
-from schemas import subjects
+from schemas import roles, subjects
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,8 +59,7 @@ def test_a_cluster_makes_every_stream_and_bucket_with_3_replicas_spread_over_its
         await js.add_stream(api.StreamConfig(name=subjects.DEAD_STREAM, subjects=[subjects.DEAD_SUBJECTS],
                                              max_age=60.0, num_replicas=1))       # made before, as R1
         await subjects.ensure_streams(js)
-        names = [c.name for c in subjects.STREAMS] + [subjects.REGISTRY_STREAM, f"KV_{subjects.OUTCOMES_BUCKET}"]
-        infos = {name: await js.stream_info(name) for name in names}
+        infos = {name: await js.stream_info(name) for name in roles.ALL_STREAMS}
         await nc.close()
         return infos
 
@@ -79,8 +78,7 @@ def test_a_single_server_gets_every_stream_and_bucket_with_one_replica(nats_url)
         js = nc.jetstream()
         await subjects.ensure_streams(js)
         await subjects.ensure_streams(js)                       # again: nothing changes, nothing fails
-        names = [c.name for c in subjects.STREAMS] + [subjects.REGISTRY_STREAM, f"KV_{subjects.OUTCOMES_BUCKET}"]
-        counts = [(await js.stream_info(name)).config.num_replicas for name in names]
+        counts = [(await js.stream_info(name)).config.num_replicas for name in roles.ALL_STREAMS]
         await nc.close()
         return counts
 
