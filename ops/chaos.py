@@ -502,7 +502,7 @@ def main(args) -> int:
     where = f" on a {CLUSTER_SIZE}-node nats cluster" if args.cluster else ""
     print(f"tokenbus chaos: {len(faults)} scenario(s), {args.requests} greedy requests of {args.max_tokens} "
           f"tokens each on {args.workers} workers{where}; offline reference ...", file=sys.stderr, flush=True)
-    expected = expected_tokens(model, cids, args.max_tokens)
+    expected = expected_tokens(model, cids, args.max_tokens) if faults else {}
     results = []
     root = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="tokenbus-chaos-"))
     for scenario in faults:
@@ -524,8 +524,6 @@ def main(args) -> int:
         out = {"scenarios": scenarios, "throughput": bench_cluster.as_json(rows)} if args.cluster else scenarios
         print(json.dumps(out, indent=2))
     else:
-        print(table(results))
-        if rows:
-            print(f"\n{bench_cluster.table(rows)}")
+        print("\n\n".join([*([table(results)] if results else []), *([bench_cluster.table(rows)] if rows else [])]))
         print(f"logs: {root}")
     return 0 if all(r.clean for r in results) else 1
