@@ -222,6 +222,8 @@ class Run:
             self.stack.start()
             self.stack.wait_ready()
             asyncio.run(self.load())
+            if self.stack.nats_nodes:                 # the logs are read once the cluster is whole again
+                cluster.wait_ready(self.stack.nats_nodes)
             r = self.result
             r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
