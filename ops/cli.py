@@ -234,9 +234,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                    help="start a cluster of N nats-servers (3 or more; R3 streams) on ports --nats-port and up, "
                         "routes 2000 above, monitoring 4000 above")
-    u.add_argument("--nats-sync", default="always", metavar="always|DURATION",
-                   help="the started nats-servers' fsync: before every acknowledgement (always, the default) or "
-                        "every DURATION (2m: NATS's default); see docs/cluster.md")
+    u.add_argument("--nats-sync", metavar="always|DURATION",
+                   help="the started nats-servers' fsync: before every acknowledgement (always: the default of a "
+                        "cluster) or every DURATION (2m: NATS's default, kept by one server); see docs/cluster.md")
     u.add_argument("--workers", type=int, default=1, help="worker replicas (processes), each with its own engine")
     u.add_argument("--gateways", type=int, default=1,
                    help="gateway processes, on --port, --port + 1, ...: a client cut off by one resumes on another")

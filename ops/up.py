@@ -59,7 +59,8 @@ class Stack:
     tls_ca: Path | None = None                    # what every service verifies the server's certificate with
     gateways: int = 1                             # "gateway" on port, then "gateway1" on port + 1, ...
     nats_nodes: list[cluster.Node] = field(default_factory=list)  # a nats cluster to start instead of one server
-    nats_sync: str = cluster.SYNC                 # the fsync policy of the nats-servers it starts (docs/cluster.md)
+    nats_sync: str | None = None                  # the started nats-servers' fsync; None: always on a cluster,
+                                                  # NATS's default (2m) on one server (docs/cluster.md)
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)    # each child's own environment
     log_starts: dict[str, int] = field(default_factory=dict)  # each child's log size when it started
@@ -148,7 +149,8 @@ class Stack:
         blocks = bus.config(self.bus_creds, self.tls) if self.secure else ""
         self.log_starts[name] = self.log_size(name)
         try:
-            self.children[name] = cluster.start(node, self.nats_nodes, self.log(name), self.nats_sync, blocks)
+            self.children[name] = cluster.start(node, self.nats_nodes, self.log(name), self.nats_sync or cluster.SYNC,
+                                                blocks)
         except RuntimeError as e:
             raise ChildFailed(str(e), name, self.log(name), self.log_starts[name]) from None
 
@@ -312,7 +314,7 @@ def watch(stack: Stack) -> None:
 def check_nats(args) -> None:
     """ValueError (the CLI prints it) for an fsync policy nats-server would not take, or a cluster that
     cannot keep a majority through one failure or is asked for what a local cluster does not do."""
-    if not re.fullmatch(r"always|\d+(ms|s|m|h)", args.nats_sync):
+    if args.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", args.nats_sync):
         raise ValueError(f"--nats-sync {args.nats_sync!r}: always, or a duration such as 100ms, 30s, 2m")
     if args.nats_cluster == 1:
         return
