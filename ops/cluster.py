@@ -110,12 +110,13 @@ def wait_ready(nodes: list[Node], timeout: float = READY_TIMEOUT) -> None:
         if all(map(healthz, nodes)) and len(leaders) == 1 and None not in leaders:
             return
         time.sleep(0.2)
-    raise TimeoutError(f"the nats cluster had no JetStream meta leader within {timeout:.0f} s")
+    raise TimeoutError(f"the nats cluster was not ready within {timeout:.0f} s (every node's /healthz, one "
+                       f"JetStream meta leader)")
 
 
 async def stream_leader(js, stream: str) -> str | None:
-    """The server name of the stream's Raft leader (JetStream stream info `cluster.leader`); None while it
-    has none (the request goes unanswered within js's timeout) or the stream is not replicated."""
+    """The server name of the stream's Raft leader (JetStream stream info `cluster.leader`; a single server
+    names itself by its id); None while it has none (the request goes unanswered within js's timeout)."""
     try:
         info = await js.stream_info(stream)
     except Exception:
