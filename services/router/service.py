@@ -133,6 +133,8 @@ class RouterService:
             self.up_since = now
             return
         leader = info.cluster.leader if info.cluster else None
+        if self.registry_leader is None:            # the first look: no leader to compare with yet
+            self.registry_leader = leader
         if leader != self.registry_leader or info.state.last_seq > self.watched:
             self.log.info("heartbeat lapses not counted for WORKER_TTL: the registry changed leader or is ahead "
                           "of the watch", leader=leader, last_seq=info.state.last_seq, watched=self.watched)
