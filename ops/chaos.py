@@ -378,13 +378,13 @@ def table(results: list[Result]) -> str:
 
 
 def main(args) -> int:
-    from workers.models.builder import default_model_dir
+    from workers.models.catalogue import resolve
 
     args.scenarios = args.scenarios or list(SCENARIOS)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario {unknown[0]!r}; choose from: {', '.join(SCENARIOS)}")
-    model = args.model or str(default_model_dir())
+    model = resolve(args.model or "tiny")
     cids = [f"c{i}" for i in range(3 * args.requests)] + [f"slow{i}" for i in range(4)]
     print(f"tokenbus chaos: {len(args.scenarios)} scenario(s), {args.requests} greedy requests of {args.max_tokens} "
           f"tokens each on {args.workers} workers; offline reference ...", file=sys.stderr, flush=True)

@@ -6,6 +6,10 @@ import sys
 
 from services.router.policy import POLICIES
 
+DEFAULT_MODEL = "smollm2-135m-instruct"   # catalogue.DEFAULT, named here: importing it imports torch (slow)
+MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
+BENCH_MODEL = f"{MODEL} (default: tiny, random weights: it measures the machinery, not a language model)"
+
 
 def delegate(module: str, function: str = "main", exits: bool = False):
     """A subcommand that is `module`.`function`(args), imported only when chosen (torch is slow to
@@ -25,8 +29,13 @@ def cmd_model(args) -> None:
 
 def cmd_generate(args) -> None:
     from workers import LLM, SamplingParams
+    from workers.models.catalogue import PullError, resolve
 
-    llm = LLM(args.model)
+    try:
+        model = resolve(args.model, fallback=lambda why: print(f"tokenbus: {why}", file=sys.stderr, flush=True))
+    except PullError as e:
+        sys.exit(f"tokenbus: {e}")
+    llm = LLM(model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, ignore_eos=args.ignore_eos)
     outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params) if args.chat \
@@ -77,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="offline generation with the engine (no pipeline)")
     g.add_argument("prompts", nargs="+")
-    g.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
+    g.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -87,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench-engine", help="the engine vs HF generate on the same workload")
-    b.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    b.add_argument("--model", help=BENCH_MODEL)
     b.add_argument("--num-requests", type=int, default=64)
     b.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     b.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
@@ -100,8 +109,21 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=delegate("workers.bench"))
 
+    ev = sub.add_parser("eval", help="measure a model: perplexity of a text, the engine's beside HF transformers'")
+    evsub = ev.add_subparsers(dest="metric", required=True)
+    pp = evsub.add_parser("ppl", help="teacher-forced per-token log-likelihood and perplexity of a text, the "
+                                      "engine's and HF transformers' on the same tokens and dtype (on the CPU)")
+    pp.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
+    pp.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: an English essay of 2,272 "
+                                                   "SmolLM2 tokens shipped with tokenbus)")
+    pp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the weights' and activations' dtype on both sides (default: float32)")
+    pp.add_argument("--max-tokens", type=int, metavar="N", help="only the text's first N tokens (default: all)")
+    pp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pp.set_defaults(func=delegate("workers.eval", "ppl"))
+
     t = sub.add_parser("bench-tp", help="a tensor-parallel step split into compute and communication, per size")
-    t.add_argument("--model", help="HF checkpoint directory (default: the built-in model of --size)")
+    t.add_argument("--model", help=f"{MODEL} (default: the random-weight model of --size)")
     t.add_argument("--size", choices=["tiny", "small"], default="small", help="the built-in model (no --model)")
     t.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
     t.add_argument("--num-requests", type=int, default=32)
@@ -113,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=delegate("workers.bench_tp"))
 
     bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
-    bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    bp.add_argument("--model", help=BENCH_MODEL)
     bp.add_argument("--num-requests", type=int, default=64)
     bp.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     bp.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
@@ -126,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
     bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
-    br.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    br.add_argument("--model", help=BENCH_MODEL)
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"])
     br.add_argument("--conversations", type=int, default=15)
     br.add_argument("--turns", type=int, default=8)
@@ -155,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
     ch.add_argument("--scenarios", nargs="+", default=None, metavar="NAME",
                     help="which scenarios (default: all): none, kill-/stop- worker|router|tokenizer|gateway, "
                          "broker-restart, poison, slow-client, overload")
-    ch.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    ch.add_argument("--model", help=BENCH_MODEL)
     ch.add_argument("--workers", type=int, default=2)
     ch.add_argument("--requests", type=int, default=40, help="greedy requests per scenario (3x for overload)")
     ch.add_argument("--max-tokens", type=int, default=48, help="output tokens of each request (EOS ignored)")
@@ -177,7 +199,8 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
-    u.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
+    u.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use; the tiny model "
+                                   "when it cannot be pulled)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")
@@ -206,7 +229,7 @@ def parser() -> argparse.ArgumentParser:
     us.set_defaults(func=delegate("ops.usage"))
 
     bg = sub.add_parser("bench-gateway", help="the gateway's overhead: refused, accepted, streamed")
-    bg.add_argument("--model", help="HF checkpoint directory, for its tokenizer (default: the tiny model)")
+    bg.add_argument("--model", help=f"{MODEL}, for its tokenizer (default: tiny)")
     bg.add_argument("--requests", type=int, default=2000, help="requests per latency and throughput measurement")
     bg.add_argument("--concurrency", type=int, default=32, help="connections for the requests/s measurements")
     bg.add_argument("--streams", type=int, default=64, help="concurrent streams for the tokens/s measurement")

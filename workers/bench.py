@@ -89,10 +89,10 @@ def hf_generate(model, batch) -> None:
 
 
 def main(args) -> None:
-    from workers.models.builder import default_model_dir
+    from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig
 
-    model_dir = args.model or str(default_model_dir())
+    model_dir = resolve(args.model or "tiny")
     requests = workload(args, ModelConfig.load(model_dir).vocab_size)
     engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=args.max_num_seqs))
     run_engine(engine, requests[:4])  # warm-up
