@@ -98,9 +98,9 @@ def main(args) -> None:
     run_engine(engine, requests[:4])  # warm-up
     hf = None
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+        from workers.models.reference import hf_model
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = hf_model(model_dir)
         hf_generate(hf, requests[:4])
     engine_runs, hf_runs = [], []
     for _ in range(args.repeat):  # alternating, so the machine's changing load hits both sides alike
