@@ -8,10 +8,11 @@ import pytest
 
 from ops.cli import main
 from ops.status import read_registry
+from ops.up import Stack
 from schemas import subjects
 from schemas.messages import FinalChunk, GenerateRequest, decode, encode
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import collect, completions, connect, receive, send, tokenbus_up
+from tests.e2e.conftest import collect, completions, connect, receive, send, start_stack, tokenbus_up
 from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -38,15 +39,27 @@ def offline(llm: LLM, fields: dict, params: SamplingParams):
     return llm.generate([fields.get("prompt", fields.get("prompt_token_ids"))], params)[0]
 
 
-def test_concurrent_streams_on_one_connection_all_complete_and_equal_the_offline_engine(stack, tiny_model):
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def either(request, tmp_path_factory) -> Stack:
+    """The module's stack on the tiny model, or one worker on SmolLM2 (a trained model): the tests
+    that hold for any model run on both."""
+    if request.param == "tiny":
+        return request.getfixturevalue("stack")
+    s = start_stack(request.getfixturevalue("smollm2"), tmp_path_factory.mktemp("smollm2"), workers=1,
+                    extra_worker_args=("--threads", "1"))
+    request.addfinalizer(s.stop)
+    return s
+
+
+def test_concurrent_streams_on_one_connection_all_complete_and_equal_the_offline_engine(either):
     async def run():
-        async with connect(stack) as ws:
+        async with connect(either) as ws:
             for i, (fields, _) in enumerate(CASES):
                 await send(ws, {"type": "generate", "id": f"r{i}", **fields})
             return await collect(ws, {f"r{i}" for i in range(len(CASES))})
 
     got = asyncio.run(run())
-    llm = LLM(tiny_model)
+    llm = LLM(either.model)
     for i, (fields, params) in enumerate(CASES):
         want, have = offline(llm, fields, params), got[f"r{i}"]
         assert have["end"]["type"] == "done", have["end"]
@@ -59,14 +72,15 @@ def test_concurrent_streams_on_one_connection_all_complete_and_equal_the_offline
     assert sum(g["deltas"] > 1 for g in got.values()) >= 4        # streamed, not sent whole
 
 
-def test_a_stop_string_ends_the_request_and_cuts_the_text(stack, tiny_model):
+def test_a_stop_string_ends_the_request_and_cuts_the_text(either):
     fields = {"prompt": "The engine", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    full = LLM(tiny_model).generate(["The engine"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    full = LLM(either.model).generate(["The engine"], SamplingParams(max_tokens=40, temperature=0,
+                                                                     ignore_eos=True))[0]
     stop = full.text[len(full.text) // 2:][:3]
     assert stop.strip(), "the model's output has no usable stop string"
 
     async def run():
-        async with connect(stack) as ws:
+        async with connect(either) as ws:
             await send(ws, {"type": "generate", "id": "s", **fields, "stop": [stop]})
             return (await collect(ws, {"s"}))["s"]
 
