@@ -28,14 +28,10 @@ def cmd_model(args) -> None:
 
 
 def cmd_generate(args) -> None:
+    from ops.models import resolve
     from workers import LLM, SamplingParams
-    from workers.models.catalogue import PullError, resolve
 
-    try:
-        model = resolve(args.model, fallback=lambda why: print(f"tokenbus: {why}", file=sys.stderr, flush=True))
-    except PullError as e:
-        sys.exit(f"tokenbus: {e}")
-    llm = LLM(model)
+    llm = LLM(resolve(args.model, sys.stderr))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, ignore_eos=args.ignore_eos)
     outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params) if args.chat \
@@ -310,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.func(args)
     except ValueError as e:
+        sys.exit(f"tokenbus: {e}")
+    except RuntimeError as e:
+        from workers.models.catalogue import PullError  # imported here: torch is slow to import
+
+        if not isinstance(e, PullError):
+            raise
         sys.exit(f"tokenbus: {e}")
 
 

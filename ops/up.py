@@ -5,18 +5,17 @@ child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops import procs
+from ops.models import resolve
 from ops.status import heartbeats
 from schemas import subjects
 from services.gateway import keys
 from workers.models.builder import tokenbus_home
-from workers.models.catalogue import PullError, resolve
 from workers.models.gguf import hf_dir
 
 READY_TIMEOUT = 180.0
@@ -177,10 +176,7 @@ def watch(stack: Stack) -> None:
 def main(args) -> None:
     check_keys(args.host, args.api_keys)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
-    try:
-        model = resolve(args.model, fallback=lambda why: print(f"tokenbus: {why}", flush=True))
-    except PullError as e:
-        sys.exit(f"tokenbus: {e}")
+    model = resolve(args.model)
     worker_args = ["--tp", str(args.tp)] if args.tp > 1 else []
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
                   router_args=["--policy", args.router])
