@@ -86,5 +86,5 @@ def table(r: dict) -> str:
         s = r[key]
         rows.append(f"{name:18}{s['mean_logprob']:>21.5f}{s['perplexity']:>12.4f}{s['seconds']:>9.1f}")
     return "\n".join([f"{r['model']} ({r['dtype']}) on {r['text']}: {r['tokens']} tokens, {r['predicted']} predicted",
-                      *rows, f"relative difference of the perplexity: {r['relative_difference']:.4%}; largest "
-                      f"per-token difference of the log-likelihood: {r['max_token_difference']:.4f}"])
+                      *rows, f"relative difference of the perplexity: {r['relative_difference']:.2g}; largest "
+                      f"per-token difference of the log-likelihood: {r['max_token_difference']:.2g}"])
