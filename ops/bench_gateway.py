@@ -35,7 +35,7 @@ from ops.procs import free_port, python_module, spawn, start_nats, stop
 from schemas import subjects
 from schemas.messages import GenerateRequest, Heartbeat, decode, encode
 from schemas.sampling import SamplingParams
-from workers.models.builder import default_model_dir
+from workers.models.catalogue import resolve
 
 KEYS = {"bench": {"tenant": "bench"}, "limited": {"tenant": "limited", "tokens_per_minute": 1000}}
 HOLD = "hold"                                   # a prompt the fake worker never answers
@@ -255,7 +255,7 @@ async def measure(args, port: int, nats_url: str, pid: int) -> dict:
 
 
 def main(args) -> dict:
-    model = args.model or str(default_model_dir())
+    model = resolve(args.model or "tiny")
     with tempfile.TemporaryDirectory() as tmp:
         nats_port, port = free_port(), free_port()
         nats_url = f"nats://127.0.0.1:{nats_port}"

@@ -27,7 +27,7 @@ from ops.up import Stack
 from schemas.sampling import SamplingParams
 from workers import LLM
 from workers.engine.engine import LLMEngine
-from workers.models.builder import default_model_dir
+from workers.models.catalogue import resolve
 
 
 def workload(seed: int, n: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:
@@ -100,7 +100,7 @@ async def paired_ttfts(url: str, engine: LLMEngine, requests) -> list[tuple[floa
 # -- the run --------------------------------------------------------------------------------------
 
 def main(args) -> dict:
-    model = args.model or str(default_model_dir())
+    model = resolve(args.model or "tiny")
     engine_args = ["--max-num-seqs", str(args.max_num_seqs)]
     llm = LLM(model, max_num_seqs=args.max_num_seqs)
     vocab = llm.engine.model_cfg.vocab_size

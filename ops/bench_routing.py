@@ -38,7 +38,7 @@ from ops.up import Stack
 from schemas import subjects
 from schemas.hashing import hash_blocks
 from schemas.messages import Completion, RouterStats, decode
-from workers.models.builder import default_model_dir
+from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
 
 WORKERS = 3
@@ -255,7 +255,7 @@ def ceiling(recs: list[Completion]) -> dict:
 # -- the run --------------------------------------------------------------------------------------
 
 def main(args) -> dict:
-    model = args.model or str(default_model_dir())
+    model = resolve(args.model or "tiny")
     vocab = ModelConfig.load(model).vocab_size
     worker_args = ["--num-kv-blocks", str(args.kv_blocks), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(BLOCK_SIZE)]

@@ -489,7 +489,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(args) -> int:
-    from workers.models.builder import default_model_dir
+    from workers.models.catalogue import resolve
 
     known = CLUSTER_SCENARIOS + SCENARIOS if args.cluster else SCENARIOS
     args.scenarios = args.scenarios or list(CLUSTER_SCENARIOS if args.cluster else SCENARIOS)
@@ -499,7 +499,7 @@ def main(args) -> int:
         raise ValueError(f"unknown scenario {unknown[0]!r}{needs}; choose from: {', '.join(dict.fromkeys(known))}")
     args.no_netns = netns.available() if args.cluster else None
     faults = [s for s in args.scenarios if s != "throughput"]
-    model = args.model or str(default_model_dir())
+    model = resolve(args.model or "tiny")
     cids = [f"c{i}" for i in range(3 * args.requests)] + [f"slow{i}" for i in range(4)]
     where = f" on a {CLUSTER_SIZE}-node nats cluster" if args.cluster else ""
     print(f"tokenbus chaos: {len(faults)} scenario(s), {args.requests} greedy requests of {args.max_tokens} "

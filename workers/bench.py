@@ -89,18 +89,18 @@ def hf_generate(model, batch) -> None:
 
 
 def main(args) -> None:
-    from workers.models.builder import default_model_dir
+    from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig
 
-    model_dir = args.model or str(default_model_dir())
+    model_dir = resolve(args.model or "tiny")
     requests = workload(args, ModelConfig.load(model_dir).vocab_size)
     engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=args.max_num_seqs))
     run_engine(engine, requests[:4])  # warm-up
     hf = None
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+        from workers.models.reference import hf_model
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = hf_model(model_dir)
         hf_generate(hf, requests[:4])
     engine_runs, hf_runs = [], []
     for _ in range(args.repeat):  # alternating, so the machine's changing load hits both sides alike

@@ -63,10 +63,10 @@ def table(results: dict) -> str:
 
 
 def main(args) -> None:
-    from workers.models.builder import default_model_dir
+    from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig
 
-    model_dir = args.model or str(default_model_dir(args.size))
+    model_dir = resolve(args.model or args.size)
     requests = workload(args, ModelConfig.load(model_dir).vocab_size)
     results = {tp: measure(model_dir, tp, requests, args) for tp in args.tp}
     if args.json:

@@ -1,11 +1,13 @@
 """The offline API: `LLM(model_dir).generate(prompts, params)`."""
 import itertools
+import warnings
 from dataclasses import dataclass
 
 from schemas.detokenizer import Detokenizer
 from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request, TokenLogprobs
+from workers.models import catalogue
 
 
 @dataclass(slots=True)
@@ -22,12 +24,11 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, tokenizer=None, **options):
-        """`model`: an HF checkpoint directory or a GGUF file (default: the tiny model, built on first use).
-        Options are EngineConfig's fields (block_size, num_kv_blocks, max_num_batched_tokens,
-        tensor_parallel_size, ...)."""
-        if model is None:
-            from workers.models.builder import default_model_dir
-            model = str(default_model_dir())
+        """`model`: an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct (the
+        default, pulled on first use; the tiny model, with a warning, when it cannot be), or tiny and
+        small (random weights, built on first use). Options are EngineConfig's fields (block_size,
+        num_kv_blocks, max_num_batched_tokens, tensor_parallel_size, ...)."""
+        model = catalogue.resolve(model, lambda why: warnings.warn(why, stacklevel=4))
         if tokenizer is None:
             from transformers import AutoTokenizer
 

@@ -49,6 +49,7 @@ from schemas.sampling import SamplingParams
 from workers.distributed import WorkerFailure
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
+from workers.models import catalogue
 
 LEAVE_WAIT = 2.0               # seconds a stopping worker waits for the ends it is storing
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
@@ -541,7 +542,8 @@ def logprobs(req: Request, start: int) -> Logprobs | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workers.service", description="A tokenbus worker.")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--model", required=True, help="HF checkpoint directory or GGUF file")
+    p.add_argument("--model", required=True, help="an HF checkpoint directory, a GGUF file or a model name "
+                   "(smollm2-135m-instruct, pulled on first use; tiny or small, built)")
     p.add_argument("--id", default=f"w-{os.getpid()}", help="worker id (a subject token)")
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -570,7 +572,7 @@ def engine_config(args) -> EngineConfig:
 
 
 async def serve(args) -> None:
-    model = args.model
+    model = catalogue.resolve(args.model)
     log = configure("worker").bind(worker=args.id)
     nc = await subjects.connect(args.nats_url, f"worker-{args.id}", log, role="worker")
     blamed = await last_suspect(nc, args.id)

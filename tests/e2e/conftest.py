@@ -2,6 +2,11 @@
 127.0.0.1 ports, stopped after the module."""
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
 
 import orjson
 import pytest
@@ -25,6 +30,45 @@ def start_stack(model: str, data_dir, workers: int = 2, extra_worker_args: tuple
         stack.stop()
         raise
     return stack
+
+
+@dataclass
+class Up:
+    """A running `tokenbus up`: its process, the lines it printed, its gateway."""
+    process: subprocess.Popen
+    lines: list[str]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def tokenbus_up(data_dir, *args: str, env: dict | None = None):
+    """`tokenbus up` as a user runs it (plus free ports and `data_dir`), until it says it is up;
+    SIGTERM (killed if it does not stop within 30 s) when the block ends."""
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--nats-port", str(free_port()),
+                           "--data-dir", str(data_dir), *args], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {})})
+    try:
+        lines = []
+        while "Ctrl-C stops everything." not in lines[-1:]:
+            line = up.stdout.readline()
+            assert line, f"tokenbus up ended early: {lines}"
+            lines.append(line.strip())
+        yield Up(up, lines, port)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
 
 
 @pytest.fixture(scope="module")

