@@ -1,4 +1,5 @@
-"""Every code block of the README runs as written, against a stack started as the README starts one:
+"""Every code block of the README, and of the docs it sends a user to first (the APIs, operations), runs
+as written, against a stack started as the README starts one:
 `tokenbus up` with the default $TOKENBUS_HOME (~/.cache/tokenbus, under a fresh $HOME). Shell blocks
 run in bash (set -e, pipefail) with `tokenbus` on the PATH, Python blocks in Python, JSON blocks are
 parsed (and an --api-keys file is loaded as the gateway loads it). Two things in a block's text are
@@ -26,21 +27,23 @@ BLOCK = re.compile(r"(?:<!--\s*not run:(?P<why>.*?)-->\s*\n)?^```(?P<lang>\S*)\n
 EXAMPLE_ID = "7c31ba34422240909a8d2be2049e46af"   # the log-grep example's request id
 SHELL, PYTHON, JSON = {"sh", "bash", "shell"}, {"python", "py"}, {"json"}
 SHOWN = {"", "text", "console"}                     # output or a diagram: nothing to run
+PAGES = ["README.md", "docs/api.md", "docs/operations.md"]
 
 
 def blocks() -> list:
-    text = (ROOT / "README.md").read_text()
     found = []
-    for m in BLOCK.finditer(text):
-        line = text.count("\n", 0, m.start("code"))
-        if m["lang"] not in SHOWN:
-            marks = [pytest.mark.skip(reason=f"not run: {m['why'].strip()}")] if m["why"] is not None else []
-            found.append(pytest.param(m["lang"], m["code"], id=f"{m['lang']}@README.md:{line}", marks=marks))
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start("code"))
+            if m["lang"] not in SHOWN:
+                marks = [pytest.mark.skip(reason=f"not run: {m['why'].strip()}")] if m["why"] is not None else []
+                found.append(pytest.param(m["lang"], m["code"], id=f"{m['lang']}@{page}:{line}", marks=marks))
     return found
 
 
 def test_the_readme_has_snippets_in_languages_the_runner_knows_and_says_why_any_is_not_run():
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join((ROOT / page).read_text() for page in PAGES)
     ran = [m for m in BLOCK.finditer(text) if m["lang"] not in SHOWN and m["why"] is None]
     assert {m["lang"] for m in BLOCK.finditer(text)} <= SHELL | PYTHON | JSON | SHOWN
     assert all(m["why"].strip() for m in BLOCK.finditer(text) if m["why"] is not None)

@@ -1,0 +1,41 @@
+"""The documentation a user clones is whole: every relative link of the README and docs/ resolves to a
+file of the repository (and its #anchor to a heading there), and nothing points outside it."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes."""
+    headings = re.findall(r"^#+\s+(.*)$", FENCE.sub("", path.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def links(path: Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", path.read_text()))
+
+
+def test_every_relative_link_resolves_inside_the_repository():
+    broken = []
+    for doc in DOCS:
+        for target in links(doc):
+            if re.match(r"[a-z]+:", target):      # http(s), mailto: not ours to check offline
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (doc.parent / file).resolve() if file else doc
+            if not dest.is_relative_to(ROOT) or not dest.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_docs_name_nothing_outside_the_repository_and_no_issue_numbers():
+    for doc in DOCS:
+        text = doc.read_text()
+        assert "../shared" not in text and "DESIGN.md" not in text, doc
+        assert not re.search(r"\bissue #?\d+", text, re.I), doc
