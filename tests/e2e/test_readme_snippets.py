@@ -10,6 +10,7 @@ language and marker, not by position."""
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -28,6 +29,7 @@ EXAMPLE_ID = "7c31ba34422240909a8d2be2049e46af"   # the log-grep example's reque
 SHELL, PYTHON, JSON = {"sh", "bash", "shell"}, {"python", "py"}, {"json"}
 SHOWN = {"", "text", "console"}                     # output or a diagram: nothing to run
 PAGES = ["README.md", "docs/api.md", "docs/operations.md"]
+SERVED = "smollm2-135m-instruct"                    # the default model, which the snippets name
 
 
 def blocks() -> list:
@@ -76,15 +78,18 @@ class Readme:
 
 def served_request(port: int) -> str:
     """The request id of one completion (an HTTP response's id after its `cmpl-`)."""
-    body = json.dumps({"model": "tiny", "prompt": "The engine", "max_tokens": 4}).encode()
+    body = json.dumps({"model": SERVED, "prompt": "The engine", "max_tokens": 4}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["id"].removeprefix("cmpl-")
 
 
 @pytest.fixture(scope="module")
-def readme(tmp_path_factory):
+def readme(tmp_path_factory, smollm2_wheel):
     home, work = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("work")
+    wheels = home / ".cache" / "tokenbus" / "wheels"     # the download, done once per machine, is not the point
+    wheels.mkdir(parents=True)
+    shutil.copy(smollm2_wheel, wheels)
     port, nats_port = free_port(), free_port()
     r = Readme(home, work, port, nats_port, "")
     up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--nats-port", str(nats_port)],
