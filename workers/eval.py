@@ -15,7 +15,6 @@ from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
 
 TEXT = Path(__file__).parent / "models" / "data" / "ppl.txt"   # written for tokenbus, ships with it
-DTYPES = ("float32", "bfloat16")
 
 
 def engine_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -46,24 +45,31 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def summary(logprobs: torch.Tensor, seconds: float) -> dict:
-    nll = -logprobs.double().mean().item()
-    return {"mean_logprob": -nll, "perplexity": math.exp(nll), "seconds": seconds}
+    mean = logprobs.double().mean().item()
+    return {"mean_logprob": mean, "perplexity": math.exp(-mean), "seconds": seconds}
 
 
 def ppl(args) -> None:
     from transformers import AutoTokenizer
 
     from workers.models.catalogue import resolve
+    from workers.models.config import ModelConfig
     from workers.models.gguf import hf_dir
     from workers.models.reference import hf_model
 
     model = resolve(args.model)
     text = Path(args.text or TEXT)
+    if not text.is_file():
+        raise ValueError(f"--text {text}: no such file")
     ids = AutoTokenizer.from_pretrained(hf_dir(model)).encode(text.read_text())
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     if len(ids) < 2:
         raise ValueError(f"--text {text} has {len(ids)} token(s): at least 2 are needed")
+    context = ModelConfig.load(model).max_model_len
+    if len(ids) >= context:
+        raise ValueError(f"--text {text} has {len(ids)} tokens, more than the model's context takes ({context - 1}): "
+                         f"evaluate the first N with --max-tokens N")
     engine = LLMEngine(model, EngineConfig(dtype=args.dtype, max_model_len=len(ids) + 1,
                                            num_kv_blocks=len(ids) // 16 + 2, device="cpu"))
     start = time.perf_counter()

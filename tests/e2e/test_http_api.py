@@ -24,6 +24,7 @@ QUESTION = [{"role": "system", "content": "Answer as an engineer."},
 ARGS = ["--threads", "1",            # steadier than two threads on a busy CPU
         "--num-kv-blocks", "520"]    # room for a prompt past SmolLM2's context (8,192 tokens), refused for that
 
+
 @pytest.fixture(scope="module", params=["tiny_model", "smollm2"], ids=["tiny", "smollm2"])
 def stack(request, tmp_path_factory):
     """On the tiny model, then on SmolLM2 (a trained model)."""
