@@ -32,6 +32,17 @@ def start_stack(model: str, data_dir, workers: int = 2, extra_worker_args: tuple
     return stack
 
 
+@contextlib.contextmanager
+def running(stack: Stack):
+    """The stack started and ready for the block; stopped however the block ends."""
+    try:
+        stack.start()
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.stop()
+
+
 @dataclass
 class Up:
     """A running `tokenbus up`: its process, the lines it printed, its gateway."""

@@ -8,7 +8,7 @@ import pytest
 
 from ops.procs import free_port
 from ops.up import Stack
-from tests.e2e.conftest import WORKER_ARGS
+from tests.e2e.conftest import WORKER_ARGS, running
 from tests.workers.gguf_files import write_gguf
 from workers import LLM, SamplingParams
 
@@ -25,13 +25,9 @@ def stack(gguf_file, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKENBUS_HOME", str(tmp / "home"))
-        s = Stack(str(gguf_file), free_port(), tmp, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS)
-        try:
-            s.start()
-            s.wait_ready()
+        stack = Stack(str(gguf_file), free_port(), tmp, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS)
+        with running(stack) as s:
             yield s
-        finally:
-            s.stop()
 
 
 def test_a_stack_on_a_gguf_answers_as_the_engine_does_on_the_source_checkpoint(stack, gguf_file, tiny_model):

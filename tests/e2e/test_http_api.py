@@ -11,7 +11,7 @@ import pytest
 from ops.cli import main
 from ops.procs import free_port
 from ops.up import Stack
-from tests.e2e.conftest import WORKER_ARGS
+from tests.e2e.conftest import WORKER_ARGS, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -31,14 +31,9 @@ def stack(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
     model = request.getfixturevalue(request.param)
-    s = Stack(model, free_port(), tmp, nats_port=free_port(), workers=1,   # one worker: one prefix cache
-              worker_args=[*WORKER_ARGS, *ARGS], api_keys=str(tmp / "keys.json"))
-    try:
-        s.start()
-        s.wait_ready()
+    with running(Stack(model, free_port(), tmp, nats_port=free_port(), workers=1,   # one worker: one prefix cache
+              worker_args=[*WORKER_ARGS, *ARGS], api_keys=str(tmp / "keys.json"))) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def client(stack, key: str) -> openai.OpenAI:

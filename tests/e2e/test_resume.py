@@ -21,7 +21,7 @@ from ops.up import Stack
 from schemas import subjects
 from schemas.messages import Usage, decode
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import WORKER_ARGS, receive, send
+from tests.e2e.conftest import WORKER_ARGS, receive, running, send
 from workers import LLM
 from workers.service import USAGE_BACKUP_SECONDS
 
@@ -37,14 +37,9 @@ LONG = {"max_tokens": 160, "temperature": 0.0, "ignore_eos": True, "stop": [STOP
 def stack(tiny_model, tmp_path_factory):
     home = tmp_path_factory.mktemp("resume")
     (home / "keys.json").write_text(json.dumps(KEYS))
-    s = Stack(tiny_model, free_port(), home, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS,
-              api_keys=str(home / "keys.json"), gateways=2)
-    try:
-        s.start()
-        s.wait_ready()
+    with running(Stack(tiny_model, free_port(), home, nats_port=free_port(), workers=1, worker_args=WORKER_ARGS,
+              api_keys=str(home / "keys.json"), gateways=2)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def offline(model: str, prompt: str, max_tokens: int):

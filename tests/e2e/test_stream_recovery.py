@@ -16,7 +16,7 @@ from ops.up import Stack
 from schemas import subjects
 from schemas.messages import FinalChunk, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import WORKER_ARGS, collect, completions, connect, send
+from tests.e2e.conftest import WORKER_ARGS, collect, completions, connect, running, send
 from workers import LLM
 from workers.service import DROP_CHUNKS
 
@@ -27,14 +27,9 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    s = Stack(tiny_model, free_port(), tmp_path_factory.mktemp("drops"), nats_port=free_port(), workers=1,
-              worker_args=WORKER_ARGS, worker_env={DROP_CHUNKS: "2,final"})
-    try:
-        s.start()
-        s.wait_ready()
+    with running(Stack(tiny_model, free_port(), tmp_path_factory.mktemp("drops"), nats_port=free_port(), workers=1,
+              worker_args=WORKER_ARGS, worker_env={DROP_CHUNKS: "2,final"})) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def offline(model: str, prompt: str) -> list[int]:
