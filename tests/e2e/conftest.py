@@ -21,8 +21,12 @@ WORKER_ARGS = ["--max-num-seqs", "16", "--num-kv-blocks", "512"]
 
 
 def start_stack(model: str, data_dir, workers: int = 2, extra_worker_args: tuple[str, ...] = ()) -> Stack:
-    stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
-                  worker_args=[*WORKER_ARGS, *extra_worker_args])
+    return started(Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
+                         worker_args=[*WORKER_ARGS, *extra_worker_args]))
+
+
+def started(stack: Stack) -> Stack:
+    """The stack started and ready, or stopped and the error raised."""
     try:
         stack.start()
         stack.wait_ready()
@@ -35,9 +39,8 @@ def start_stack(model: str, data_dir, workers: int = 2, extra_worker_args: tuple
 @contextlib.contextmanager
 def running(stack: Stack):
     """The stack started and ready for the block; stopped however the block ends."""
+    started(stack)
     try:
-        stack.start()
-        stack.wait_ready()
         yield stack
     finally:
         stack.stop()
@@ -132,3 +135,12 @@ async def completions(nats_url: str, wait: float = 1.0) -> list[Completion]:
             records.append(decode((await sub.next_msg(timeout=wait)).data, Completion))
     await nc.close()
     return records
+
+
+def tokens(frames: list[dict]) -> list[int]:
+    """The token ids of a stream's delta frames, in order."""
+    return [t for f in frames if f["type"] == "delta" for t in f["token_ids"]]
+
+
+def text(frames: list[dict]) -> str:
+    return "".join(f["text"] for f in frames if f["type"] == "delta")

@@ -17,7 +17,7 @@ from ops.procs import free_port
 from ops.up import Stack
 from schemas import subjects
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import WORKER_ARGS, collect, connect, receive, send
+from tests.e2e.conftest import WORKER_ARGS, collect, connect, receive, send, started
 from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -40,14 +40,7 @@ def network():
 
 def cluster_stack(model: str, data_dir, network) -> Stack:
     nodes = network.nodes(data_dir) if network else cluster.local_nodes(3, data_dir)
-    stack = Stack(model, free_port(), data_dir, workers=1, worker_args=WORKER_ARGS, nats_nodes=nodes)
-    try:
-        stack.start()
-        stack.wait_ready()
-    except BaseException:
-        stack.stop()
-        raise
-    return stack
+    return started(Stack(model, free_port(), data_dir, workers=1, worker_args=WORKER_ARGS, nats_nodes=nodes))
 
 
 async def leader(stack: Stack, stream: str) -> str | None:

@@ -21,7 +21,7 @@ from ops.up import Stack
 from schemas import subjects
 from schemas.messages import Usage, decode
 from schemas.sampling import SamplingParams
-from tests.e2e.conftest import WORKER_ARGS, receive, running, send
+from tests.e2e.conftest import WORKER_ARGS, receive, running, send, text, tokens
 from workers import LLM
 from workers.service import USAGE_BACKUP_SECONDS
 
@@ -55,13 +55,6 @@ async def frames_until_end(ws, cid: str) -> list[dict]:
         got.append(f)
     return got
 
-
-def tokens(frames: list[dict]) -> list[int]:
-    return [t for f in frames if f["type"] == "delta" for t in f["token_ids"]]
-
-
-def text(frames: list[dict]) -> str:
-    return "".join(f["text"] for f in frames if f["type"] == "delta")
 
 
 async def usage_records(nats_url: str) -> list[Usage]:

@@ -21,6 +21,7 @@ from websockets.asyncio.client import connect
 from schemas import subjects
 from schemas.messages import GenerateRequest, Usage, decode, encode
 from schemas.sampling import SamplingParams
+from tests.e2e.conftest import text, tokens
 from tests.services.fake_pipeline import gateway, said
 
 TEXT = " Héllo wörld 🙂 and more words xyz end"   # é, ö and 🙂 are split across tokens
@@ -73,13 +74,6 @@ async def until_end(ws, cid: str) -> list[dict]:
         got.append(f)
     return got
 
-
-def tokens(frames: list[dict]) -> list[int]:
-    return [t for f in frames if f["type"] == "delta" for t in f["token_ids"]]
-
-
-def text(frames: list[dict]) -> str:
-    return "".join(f["text"] for f in frames if f["type"] == "delta")
 
 
 async def started(ws, cid: str, n: int) -> tuple[str, list[dict]]:
