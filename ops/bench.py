@@ -167,9 +167,13 @@ class WsClient:
             t.cancel()
 
     async def request(self, messages: list[dict], max_tokens: int) -> Result:
+        return await self.send({"messages": messages, "max_tokens": max_tokens})
+
+    async def send(self, fields: dict) -> Result:
+        """One generate frame of `fields` (a prompt and max_tokens) and the options; its Result."""
         i = min(range(self.n), key=lambda k: len(self.pending[k]))
         rid = str(next(self.ids))
-        frame = {"type": "generate", "id": rid, "messages": messages, "max_tokens": max_tokens, **self.options}
+        frame = {"type": "generate", "id": rid, **fields, **self.options}
         r, done = Result(time.perf_counter()), asyncio.get_running_loop().create_future()
         self.pending[i][rid] = (r, done)
         await self.conns[i].send(orjson.dumps(frame).decode())
@@ -210,15 +214,17 @@ class WsClient:
 
 
 class HttpClient:
-    """OpenAI chat completions streamed as server-sent events, on plain asyncio streams (HTTP/1.1,
-    keep-alive connections reused): a few µs of parsing per chunk."""
+    """OpenAI chat completions (or, with endpoint="/completions", text completions) streamed as
+    server-sent events, on plain asyncio streams (HTTP/1.1, keep-alive connections reused): a few µs
+    of parsing per chunk."""
 
-    def __init__(self, url: str, model: str | None, api_key: str | None, options: dict):
+    def __init__(self, url: str, model: str | None, api_key: str | None, options: dict,
+                 endpoint: str = "/chat/completions"):
         u = urllib.parse.urlsplit(url)
         self.base, self.api_key = f"{u.scheme}://{u.netloc}", api_key
         self.tls = u.scheme == "https"
         self.host, self.port = u.hostname, u.port or (443 if self.tls else 80)
-        self.path = u.path if u.path.endswith("/chat/completions") else u.path.rstrip("/") + "/v1/chat/completions"
+        self.path = u.path if u.path.endswith(endpoint) else u.path.rstrip("/") + "/v1" + endpoint
         self.head = (f"POST {self.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
                      f"Accept: text/event-stream\r\n" + (f"Authorization: Bearer {api_key}\r\n" if api_key else ""))
         self.model, self.options = model, options
@@ -233,7 +239,11 @@ class HttpClient:
             w.close()
 
     async def request(self, messages: list[dict], max_tokens: int) -> Result:
-        body = orjson.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+        return await self.send({"messages": messages, "max_tokens": max_tokens})
+
+    async def send(self, fields: dict) -> Result:
+        """One streamed request of `fields` (a prompt and max_tokens) and the options; its Result."""
+        body = orjson.dumps({"model": self.model, **fields, "stream": True,
                              "stream_options": {"include_usage": True}, **self.options})
         head = f"{self.head}Content-Length: {len(body)}\r\n\r\n".encode()
         r = Result(time.perf_counter())
@@ -327,7 +337,7 @@ class SseEvents:
             r.error = error_code(payload, 200)
             return
         for choice in obj.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content")
+            text = (choice.get("delta") or {}).get("content") or choice.get("text")   # chat or text completions
             if text:
                 r.chunks.append(t)
                 r.parts.append(text)

@@ -79,13 +79,15 @@ def timed_hf_run(model, requests, batch_size: int) -> float:
 
 
 @torch.inference_mode()
-def hf_generate(model, batch) -> None:
+def hf_generate(model, batch, streamer=None) -> None:
+    """One static batch of (prompt, output length): left-padded, run for its longest output; `streamer`
+    (transformers' BaseStreamer) is handed every step's tokens."""
     width = max(len(p) for p, _ in batch)
     ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
     n = max(n for _, n in batch)
     model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                   eos_token_id=None, pad_token_id=0)
+                   eos_token_id=None, pad_token_id=0, streamer=streamer)
 
 
 def main(args) -> None:
