@@ -1,0 +1,673 @@
+"""`tokenbus bench-peers`: the tokenbus engine against the engines a user could pick instead, on one
+workload, from one client, in one run.
+
+Engines (--engines), each in turn, alone on the machine:
+- engine, engine-bf16: the tokenbus engine offline, stepped as LLM.generate steps it (a detokenizer
+  per request), in float32 / bfloat16;
+- pipeline-ws, pipeline-openai: the whole stack of `tokenbus up` (one worker), over the websocket
+  protocol and over the OpenAI API (/v1/completions);
+- hf-generate: HF transformers' `generate` in static batches of the concurrency (left-padded, each
+  batch run for its longest output, as workers/bench.py runs it); hf-cb: HF's continuous batching
+  (`init_continuous_batching`, requests added and collected as they end);
+- llama-f32, llama-f16, llama-bf16: llama.cpp's `llama-server` (ops/llamacpp.py: built once from
+  the llama-cpp-python sdist) serving our checkpoint written as GGUF in that type, with --parallel
+  equal to the concurrency and each slot's context the workload's longest request; llama-q4_1: the
+  same server on the catalogue's own Q4_1 file, as a user would run it (another precision).
+
+Workloads (--workloads), the same token ids for every engine: token-id prompts where the engine
+takes them (/v1/completions' and the websocket's token-id prompts, the engine's and HF's ids),
+greedy, EOS ignored, every request run to its output length:
+- concurrent: --num-requests random prompts, --concurrency in flight;
+- single: one request at a time, --single-input-len prompts: TTFT and TPOT unloaded;
+- chat: --conversations of --turns turns behind one shared system prompt, --chat-concurrency
+  conversations at a time; a turn's prompt is the history (the reply in it a fixed stand-in, so that
+  every engine gets the same prompts), sent when the conversation's previous turn ended.
+A client keeps `concurrency` conversations in flight (a closed loop), over HTTP or websocket for the
+servers and in the engine's own loop for the engines in a process; HF generate's static batches
+start together. Each round (--repeat) draws fresh prompts, the same for every engine, so that no
+prefix cache carries over; an engine's best round counts (noise from the machine's neighbours only
+ever slows a run).
+
+Per engine: output tokens/s (output tokens / the seconds from the first request sent to the last
+token), TTFT and TPOT p50/p99 (TPOT = (end − first token) / (output tokens − 1)), peak RSS, the
+ratio to llama.cpp at the same precision, and the share of the CPU's matmul peak that its FLOPs
+reach (the ceiling). Peak RSS is the kernel's high-water mark (VmHWM) summed over the engine's
+processes: the spawned process that ran an in-process engine (its imports, weights and runs), the
+llama-server process, every process of the stack (nats-server, tokenizer, router, worker, gateway);
+each engine gets fresh processes for each workload.
+"""
+import asyncio
+import collections
+import itertools
+import math
+import random
+import resource
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import orjson
+
+from ops import llamacpp
+from ops.bench import HttpClient, Result, WsClient, stats
+from workers.models import catalogue
+
+WORKLOADS = ("concurrent", "single", "chat")
+OPTIONS = {"temperature": 0, "ignore_eos": True}      # greedy, every request to its output length
+BLOCK_SIZE = 16                                        # the engine's KV block
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    precision: str         # fp32, bf16, f16, q4_1
+    about: str
+
+
+ENGINES = {
+    "engine": Engine("fp32", "tokenbus engine, offline"),
+    "engine-bf16": Engine("bf16", "tokenbus engine, offline, bf16"),
+    "pipeline-ws": Engine("fp32", "tokenbus pipeline, websocket"),
+    "pipeline-openai": Engine("fp32", "tokenbus pipeline, OpenAI API"),
+    "hf-generate": Engine("fp32", "HF generate, static batches"),
+    "hf-cb": Engine("fp32", "HF continuous batching"),
+    "llama-f32": Engine("fp32", "llama.cpp server, F32 GGUF"),
+    "llama-f16": Engine("f16", "llama.cpp server, F16 GGUF"),
+    "llama-bf16": Engine("bf16", "llama.cpp server, BF16 GGUF"),
+    "llama-q4_1": Engine("q4_1", "llama.cpp server, original Q4_1"),
+}
+PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "f16": "bf16"}   # the matmul peak an engine's precision can reach
+
+
+# -- workloads ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    conversations: list[list[Turn]]
+    concurrency: int
+
+    @property
+    def turns(self) -> list[Turn]:
+        return [t for c in self.conversations for t in c]
+
+    @property
+    def context(self) -> int:
+        """Tokens one request holds at most: its prompt and its output."""
+        return max(len(t.prompt) + t.max_tokens for t in self.turns)
+
+
+def build(name: str, args, vocab: int, seed: int) -> Workload:
+    rng = random.Random(f"{name}:{seed}")
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(16, vocab) for _ in range(n)]     # no special tokens
+
+    if name == "concurrent":
+        return Workload(name, [[Turn(ids(rng.randint(*args.input_len)), args.output_len)]
+                               for _ in range(args.num_requests)], args.concurrency)
+    if name == "single":
+        return Workload(name, [[Turn(ids(args.single_input_len), args.single_output_len)]
+                               for _ in range(args.single_requests)], 1)
+    system, conversations = ids(args.system_len), []
+    for _ in range(args.conversations):
+        history, turns = system, []
+        for _ in range(args.turns):
+            prompt = history + ids(rng.randint(*args.user_len))
+            turns.append(Turn(prompt, args.reply_len))
+            history = prompt + ids(args.reply_len)              # the reply's stand-in
+        conversations.append(turns)
+    return Workload(name, conversations, args.chat_concurrency)
+
+
+def warmup(w: Workload, vocab: int) -> Workload:
+    """A few of w's first requests, shorter and of other tokens: the first call's costs stay out of the
+    runs, and no round's prompt is cached by it."""
+    rng = random.Random("warmup")
+    return Workload("warmup", [[Turn([rng.randrange(16, vocab) for _ in t.prompt], min(t.max_tokens, 4))]
+                               for t in w.turns[:min(w.concurrency, 4)]], w.concurrency)
+
+
+def describe(w: Workload) -> str:
+    prompts = [len(t.prompt) for t in w.turns]
+    outputs = sorted({t.max_tokens for t in w.turns})
+    shape = f"{len(w.conversations)} conversations of {len(w.conversations[0])} turns" if w.name == "chat" \
+        else f"{len(prompts)} requests"
+    return (f"{w.name}: {shape}, {w.concurrency} at a time, prompts {min(prompts)}-{max(prompts)} token ids, "
+            f"outputs {'/'.join(map(str, outputs))}; greedy, EOS ignored")
+
+
+# -- the two drivers: a client over the network, a loop around an engine in this process ------------
+
+async def drive(workload: Workload, send) -> tuple[list[Result], float]:
+    """Runs the workload through `send` (a Turn -> its Result, awaited): `concurrency` clients, each
+    taking the next conversation and sending its turns in order, a turn when the one before it ended.
+    The results and the seconds from the first send to the last end."""
+    queue = collections.deque(workload.conversations)
+    results: list[Result] = []
+
+    async def client() -> None:
+        while queue:
+            for turn in queue.popleft():
+                results.append(await send(turn))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(min(workload.concurrency, len(queue)))))
+    return results, time.perf_counter() - start
+
+
+def closed_loop(workload: Workload, engine) -> tuple[list[Result], float]:
+    """drive()'s schedule around an engine in this process: engine.submit(key, turn) queues a turn,
+    engine.poll() advances the engine and returns the (key, Result) of the turns that ended."""
+    queue: collections.deque[Iterator[Turn]] = collections.deque(iter(c) for c in workload.conversations)
+    live: dict[int, Iterator[Turn]] = {}                  # key -> the rest of its conversation
+    keys, results = itertools.count(), []
+
+    def send_next(turns: Iterator[Turn]) -> bool:
+        turn = next(turns, None)
+        if turn is not None:
+            key = next(keys)
+            live[key] = turns
+            engine.submit(key, turn)
+        return turn is not None
+
+    def refill() -> None:
+        while len(live) < workload.concurrency and queue:
+            send_next(queue.popleft())
+
+    start = time.perf_counter()
+    refill()
+    while live:
+        for key, result in engine.poll():
+            results.append(result)
+            if not send_next(live.pop(key)):
+                refill()
+    return results, time.perf_counter() - start
+
+
+# -- the figures ----------------------------------------------------------------------------------
+
+def figures(workload: Workload, results: list[Result], seconds: float) -> dict:
+    ok = [r for r in results if r.error is None and r.chunks]
+    out = sum(r.output_tokens for r in ok)
+    return {
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(out / seconds, 2),
+        "requests": len(results), "failed": len(results) - len(ok),
+        "errors": dict(collections.Counter(r.error for r in results if r.error is not None)),
+        "output_tokens": out, "output_tokens_asked": sum(t.max_tokens for t in workload.turns),
+        "ttft_ms": stats([r.ttft * 1e3 for r in ok]),
+        "tpot_ms": stats([r.tpot * 1e3 for r in ok if r.tpot is not None]),
+    }
+
+
+def best(runs: list[dict]) -> dict:
+    """The fastest round, with every round's throughput beside it."""
+    top = max(runs, key=lambda r: r["output_tokens_per_s"])
+    return {**top, "rounds_output_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+
+
+def model_flops(cfg, workload: Workload) -> float:
+    """The workload's forward FLOPs, no prefix cache: 2 × the non-embedding weights per position run
+    (prompt and fed-back outputs), the lm_head per sampled token, and attention (QKᵀ and AV: 4 × the
+    query width per layer for each (query, earlier key) pair)."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dense = 2 * cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    head, attention = 2 * d * cfg.vocab_size, 4 * cfg.num_layers * q
+    total = 0.0
+    for t in workload.turns:
+        positions = len(t.prompt) + t.max_tokens - 1        # the last token is sampled, never run
+        total += dense * positions + head * t.max_tokens + attention * positions * (positions + 1) / 2
+    return total
+
+
+def peak_gflops(dtype: str = "float32", n: int = 2048, seconds: float = 1.0) -> float:
+    """The CPU's matmul peak as measured here: the best GFLOP/s of n×n @ n×n torch.mm in `dtype`
+    (float32, bfloat16) over about `seconds`, on torch's threads."""
+    import torch
+
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
+    torch.mm(a, b)
+    top, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end or top == 0:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        top = max(top, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
+    return top
+
+
+# -- engines in a process of their own ------------------------------------------------------------
+
+class EngineLoop:
+    """The tokenbus engine stepped as LLM.generate steps it: a detokenizer per request."""
+
+    def __init__(self, model: str, workload: Workload, dtype: str):
+        from workers import LLM
+
+        blocks = workload.concurrency * math.ceil(workload.context / BLOCK_SIZE)
+        self.llm = LLM(model, max_num_seqs=workload.concurrency, num_kv_blocks=blocks, block_size=BLOCK_SIZE,
+                       dtype=dtype)
+        self.live: dict[str, tuple[int, Result, object]] = {}
+
+    def submit(self, key: int, turn: Turn) -> None:
+        from schemas.detokenizer import Detokenizer
+        from schemas.sampling import SamplingParams
+
+        r = Result(time.perf_counter(), prompt_tokens=len(turn.prompt))
+        self.llm.engine.add_request(str(key), turn.prompt, SamplingParams(max_tokens=turn.max_tokens, **OPTIONS))
+        self.live[str(key)] = (key, r, Detokenizer(self.llm.tokenizer.backend_tokenizer, turn.prompt))
+
+    def poll(self) -> list[tuple[int, Result]]:
+        done = []
+        for req in self.llm.engine.step():
+            t = time.perf_counter()
+            key, r, detok = self.live[req.request_id]
+            detok.push(req.token_ids[-1:])
+            r.chunks.append(t)
+            if req.finished:
+                r.end, r.output_tokens = t, req.num_output_tokens
+                del self.live[req.request_id]
+                done.append((key, r))
+        return done
+
+    def close(self) -> None:
+        pass
+
+
+class HfContinuous:
+    """HF's continuous batching: requests added to its manager, their results collected as they end
+    (each with its tokens' timestamps)."""
+
+    def __init__(self, model: str, workload: Workload):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        from workers.models.reference import hf_model
+
+        page = 256
+        config = ContinuousBatchingConfig(
+            page_size=page, num_blocks=workload.concurrency * math.ceil(workload.context / page) + 1,
+            max_requests_per_batch=workload.concurrency, max_batch_tokens=2048)
+        greedy = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=workload.context)
+        self.manager = hf_model(model).init_continuous_batching(greedy, config)
+        self.manager.start()
+        self.live: dict[str, tuple[int, Result]] = {}
+
+    def submit(self, key: int, turn: Turn) -> None:
+        self.live[str(key)] = (key, Result(time.perf_counter(), prompt_tokens=len(turn.prompt)))
+        self.manager.add_request(turn.prompt, str(key), max_new_tokens=turn.max_tokens, record_timestamps=True,
+                                 eos_token_id=-1)
+
+    def poll(self) -> list[tuple[int, Result]]:
+        out = self.manager.get_result(timeout=1)
+        if out is None:
+            if not self.manager.is_running():
+                raise RuntimeError("HF's continuous batching thread stopped")
+            return []
+        if not out.is_finished():
+            return []
+        key, r = self.live.pop(out.request_id)
+        r.end, r.chunks, r.output_tokens = time.perf_counter(), list(out.timestamps or ()), len(out.generated_tokens)
+        r.error = out.error and "hf_error"
+        return [(key, r)]
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=10)
+
+
+class HfStatic:
+    """HF generate in static batches of the concurrency: a batch's requests start together; each
+    request's tokens are timed as generate streams the batch's steps."""
+
+    def __init__(self, model: str, workload: Workload):
+        from workers.models.reference import hf_model
+
+        self.model = hf_model(model)
+
+    def run(self, workload: Workload) -> tuple[list[Result], float]:
+        convs, c, results = workload.conversations, workload.concurrency, []
+        start = time.perf_counter()
+        for g in range(0, len(convs), c):
+            group = convs[g:g + c]
+            for i in range(max(map(len, group))):             # a group's i-th turns, one batch
+                results += self.batch([conv[i] for conv in group if i < len(conv)])
+        return results, time.perf_counter() - start
+
+    def batch(self, turns: list[Turn]) -> list[Result]:
+        from workers.bench import hf_generate
+
+        clock, sent = Clock(), time.perf_counter()
+        hf_generate(self.model, [(t.prompt, t.max_tokens) for t in turns], clock)
+        return [Result(sent, chunks=clock.times[1:t.max_tokens + 1], end=clock.times[t.max_tokens],
+                       prompt_tokens=len(t.prompt), output_tokens=t.max_tokens) for t in turns]
+
+    def close(self) -> None:
+        pass
+
+
+class Clock:
+    """A streamer for HF generate (its put/end): put() gets the prompt, then each step's tokens; the
+    times they came."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def local(name: str, model: str, rounds: list[Workload], threads: int) -> dict:
+    """Runs in a spawned process: the engine `name` on the warm-up, then on each round."""
+    import torch
+
+    torch.set_num_threads(threads)
+    first = rounds[0]
+    shape = Workload(first.name, [[t] for w in rounds for t in w.turns], first.concurrency)  # sized for every round
+    if name in ("engine", "engine-bf16"):
+        engine = EngineLoop(model, shape, "bfloat16" if name == "engine-bf16" else "float32")
+    elif name == "hf-cb":
+        engine = HfContinuous(model, shape)
+    else:
+        engine = HfStatic(model, shape)
+    run = engine.run if isinstance(engine, HfStatic) else lambda w: closed_loop(w, engine)
+    try:
+        run(warmup(first, vocab_size(model)))
+        runs = [figures(w, *run(w)) for w in rounds]
+    finally:
+        engine.close()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "the process that ran it (spawned for this workload)"}
+
+
+def in_process(name: str, model: str, rounds: list[Workload], threads: int) -> dict:
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(local, name, model, rounds, threads).result()
+
+
+# -- engines behind a server ----------------------------------------------------------------------
+
+def served(rounds: list[Workload], connect, vocab: int) -> list[dict]:
+    """The warm-up, then each round, each through a fresh client."""
+    asyncio.run(through(connect, warmup(rounds[0], vocab)))
+    return [figures(w, *asyncio.run(through(connect, w))) for w in rounds]
+
+
+async def through(connect, w: Workload) -> tuple[list[Result], float]:
+    """drive() with a client from `connect()` (an opened client, and the function that sends a Turn
+    with it), closed after."""
+    client, send = await connect()
+    try:
+        return await drive(w, send)
+    finally:
+        await client.close()
+
+
+def openai(url: str):
+    """A connect() for /v1/completions with token-id prompts."""
+    async def connect():
+        client = HttpClient(url, None, None, OPTIONS, endpoint="/completions")
+        await client.open()
+        return client, lambda t: client.send({"prompt": t.prompt, "max_tokens": t.max_tokens})
+    return connect
+
+
+def websocket(url: str, concurrency: int):
+    async def connect():
+        client = WsClient(url, min(concurrency, 16), None, OPTIONS)
+        await client.open()
+        return client, lambda t: client.send({"prompt_token_ids": t.prompt, "max_tokens": t.max_tokens})
+    return connect
+
+
+def pipeline(name: str, model: str, rounds: list[Workload], threads: int, vocab: int, data_dir: Path) -> dict:
+    from ops.procs import free_port
+    from ops.up import Stack
+
+    w = rounds[0]
+    context = max(r.context for r in rounds)
+    worker = ["--max-num-seqs", str(w.concurrency), "--block-size", str(BLOCK_SIZE), "--threads", str(threads),
+              "--num-kv-blocks", str(w.concurrency * math.ceil(context / BLOCK_SIZE))]
+    stack = Stack(model, free_port(), data_dir / f"{name}-{w.name}", nats_port=free_port(), workers=1,
+                  worker_args=worker)
+    try:
+        stack.start()
+        stack.wait_ready()
+        connect = websocket(stack.url, w.concurrency) if name == "pipeline-ws" else openai(stack.http)
+        runs = served(rounds, connect, vocab)
+        rss = sum(tree_peak_rss(p.pid) for p in stack.children.values())
+    finally:
+        stack.stop()
+    return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "every process of the stack, summed"}
+
+
+class Llama:
+    """llama-server, built (or its build's failure) once per run."""
+
+    def __init__(self, binary: str | None, log_dir: Path):
+        self.binary, self.error, self.log_dir = Path(binary) if binary else None, None, log_dir
+
+    def server(self) -> Path:
+        if self.binary is None and self.error is None:
+            try:
+                self.binary = llamacpp.ensure_server(log=lambda line: print(f"bench-peers: {line}", flush=True))
+            except (llamacpp.PeerError, OSError) as e:
+                self.error = f"cannot build llama-server: {e}"
+        if self.error:
+            raise llamacpp.PeerError(self.error)
+        return self.binary
+
+    def run(self, name: str, model_name: str, model: str, rounds: list[Workload], threads: int, vocab: int) -> dict:
+        kind = name.removeprefix("llama-")
+        if model_name not in catalogue.CATALOGUE:
+            raise llamacpp.PeerError(f"llama.cpp serves a catalogue model here (its GGUF's tokenizer metadata is "
+                                     f"copied), not {model_name}")
+        binary = self.server()
+        weights = llamacpp.original(model_name) if kind == "q4_1" else llamacpp.converted(model_name, model, kind)
+        w = rounds[0]
+        slot = max(r.context for r in rounds) + 8                # llama.cpp counts a few more than prompt + output
+        log = self.log_dir / f"{name}-{w.name}.log"
+        with llamacpp.serve(binary, weights, w.concurrency, slot, threads, log) as (proc, url):
+            runs = served(rounds, openai(url), vocab)
+            rss = tree_peak_rss(proc.pid)
+        return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "the llama-server process",
+                "gguf": str(weights), "flags": {"parallel": w.concurrency, "ctx": w.concurrency * slot,
+                                                "threads": threads}}
+
+
+def tree_peak_rss(pid: int) -> int:
+    """Bytes: the peak resident set (VmHWM) of pid and of each of its descendants, summed."""
+    total = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) * 1024
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += sum(tree_peak_rss(int(c)) for c in (task / "children").read_text().split())
+    except OSError:                                       # it exited meanwhile
+        pass
+    return total
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+def vocab_size(model: str) -> int:
+    from workers.models.config import ModelConfig
+
+    return ModelConfig.load(model).vocab_size
+
+
+def measure(name: str, args, model: str, rounds: list[Workload], llama: Llama, data_dir: Path, vocab: int) -> dict:
+    """One engine on one workload's rounds: its figures, or the reason it could not run."""
+    threads = args.threads
+    try:
+        if name.startswith("llama-"):
+            result = llama.run(name, args.model, model, rounds, threads, vocab)
+        elif name.startswith("pipeline-"):
+            result = pipeline(name, model, rounds, threads, vocab, data_dir)
+        else:
+            result = in_process(name, model, rounds, threads)
+    except llamacpp.PeerError as e:
+        return {"error": str(e)}
+    except Exception as e:                                  # a peer that cannot run is reported, the rest go on
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {**best(result.pop("runs")), **result}
+
+
+def compare(rows: dict[str, dict], flops: float, peaks: dict[str, float]) -> None:
+    """Adds each row's ratio to llama.cpp at its precision and its share of the matmul peak."""
+    bases = {ENGINES[n].precision: r for n, r in rows.items() if n.startswith("llama-") and "error" not in r}
+    for name, r in rows.items():
+        if "error" in r:
+            continue
+        precision = ENGINES[name].precision
+        base = bases.get(precision)
+        r["precision"] = precision
+        r["vs_llama_cpp"] = None if base is None else {
+            "output_tokens_per_s": round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 3),
+            **{f"{k}_p50": ratio(r[k]["p50"], base[k]["p50"]) for k in ("ttft_ms", "tpot_ms")}}
+        peak = peaks.get(PEAK_OF.get(precision, ""))
+        r["share_of_peak"] = round(flops / r["seconds"] / (peak * 1e9), 4) if peak else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def main(args) -> dict:
+    from workers.models.catalogue import resolve
+    from workers.models.config import ModelConfig
+
+    model = resolve(args.model)
+    cfg = ModelConfig.load(model)
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        raise ValueError(f"--engines: {', '.join(unknown)} unknown (one of {', '.join(ENGINES)})")
+    peaks = {"fp32": args.peak_gflops or peak_gflops("float32"),
+             "bf16": args.peak_gflops_bf16 or peak_gflops("bfloat16")}
+    report = {"model": model, "threads": args.threads, "repeat": args.repeat, "engines": args.engines,
+              "peak_gflops": {k: round(v, 1) for k, v in peaks.items()},
+              "peak_measured": {"fp32": not args.peak_gflops, "bf16": not args.peak_gflops_bf16},
+              "workloads": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(args.data_dir or tmp)
+        llama = Llama(args.llama_server, llamacpp.peers_dir() / "logs")
+        for wname in args.workloads:
+            rounds = [build(wname, args, cfg.vocab_size, args.seed + r) for r in range(args.repeat)]
+            print(f"bench-peers: {describe(rounds[0])}", flush=True)
+            rows = {}
+            for name in args.engines:
+                rows[name] = measure(name, args, model, rounds, llama, data_dir, cfg.vocab_size)
+                print(f"bench-peers:   {name}: {line(rows[name])}", flush=True)
+            flops = sum(model_flops(cfg, w) for w in rounds) / len(rounds)
+            compare(rows, flops, peaks)
+            report["workloads"][wname] = {"about": describe(rounds[0]), "flops": flops,
+                                          "output_tokens": sum(t.max_tokens for t in rounds[0].turns),
+                                          "engines": rows}
+    report["llama_cpp_build"] = llamacpp.build_info()
+    report["ceiling"] = ceiling(cfg, report)
+    print(table(report))
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def ceiling(cfg, report: dict) -> dict:
+    """The model's FLOPs per token and the output tokens/s the measured peaks would allow at most."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    weights = cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    per_output = {w: r["flops"] / r["output_tokens"] for w, r in report["workloads"].items()}
+    return {"non_embedding_weights": weights, "dense_flops_per_token": 2 * weights,
+            "lm_head_flops_per_sampled_token": 2 * d * cfg.vocab_size,
+            "flops_per_output_token": {w: round(f) for w, f in per_output.items()},
+            "max_output_tokens_per_s": {w: {p: round(g * 1e9 / f, 1) for p, g in report["peak_gflops"].items()}
+                                        for w, f in per_output.items()}}
+
+
+def line(r: dict) -> str:
+    if "error" in r:
+        return f"unavailable: {r['error'].splitlines()[0]}"
+    return (f"{r['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {fmt(r['ttft_ms']['p50'])} ms, "
+            f"TPOT p50 {fmt(r['tpot_ms']['p50'])} ms")
+
+
+def fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(report: dict) -> str:
+    c = report["ceiling"]
+    peaks = report["peak_gflops"]
+    measured = ", ".join(f"{p} {g:.0f}" + ("" if report["peak_measured"][p] else " (given)") for p, g in peaks.items())
+    lines = [f"bench-peers: {report['model']}, {report['threads']} threads, best of {report['repeat']} rounds",
+             f"matmul peak (GFLOP/s): {measured}; the model: {c['dense_flops_per_token'] / 1e6:.0f} MFLOP per token "
+             f"(2 × {c['non_embedding_weights'] / 1e6:.1f} M non-embedding weights), lm_head "
+             f"{c['lm_head_flops_per_sampled_token'] / 1e6:.1f} MFLOP per sampled token, plus attention"]
+    build = report.get("llama_cpp_build")
+    if build:
+        lines.append(f"llama-server: {build['sdist']}, built in {build['seconds']:.0f} s with {build['jobs']} jobs "
+                     f"({' '.join(build['flags'])})")
+    head = (f"{'':34}{'prec':>6}{'tok/s':>9}{'vs llama':>9}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
+            f"{'peak RSS':>10}{'% peak':>8}")
+    for wname, w in report["workloads"].items():
+        per = c["flops_per_output_token"][wname]
+        most = c["max_output_tokens_per_s"][wname]
+        lines += ["", w["about"],
+                  f"ceiling: {per / 1e6:.0f} MFLOP per output token → at most "
+                  + ", ".join(f"{v:.0f} tok/s at the {p} peak" for p, v in most.items()), head]
+        for name, r in w["engines"].items():
+            label = f"{name} ({ENGINES[name].about})"[:33]
+            if "error" in r:
+                lines.append(f"{label:34}unavailable: {r['error'].splitlines()[0]}")
+                continue
+            vs = r["vs_llama_cpp"]
+            short = "" if r["output_tokens"] == r["output_tokens_asked"] else \
+                f"  ({r['output_tokens']} of {r['output_tokens_asked']} tokens, {r['failed']} failed)"
+            lines.append(f"{label:34}{r['precision']:>6}{r['output_tokens_per_s']:>9.1f}"
+                         f"{fmt(vs and vs['output_tokens_per_s'], '.2f') + ('x' if vs else ''):>9}"
+                         f"{fmt(r['ttft_ms']['p50']):>10}{fmt(r['ttft_ms']['p99']):>9}"
+                         f"{fmt(r['tpot_ms']['p50'], '.2f'):>10}{fmt(r['tpot_ms']['p99'], '.2f'):>8}"
+                         f"{r['peak_rss_bytes'] / 2**20:>8.0f}Mi"
+                         f"{fmt(r['share_of_peak'] and 100 * r['share_of_peak']):>7}%{short}")
+    lines += ["", "tok/s: output tokens per second; TTFT, TPOT in ms; vs llama: tok/s over llama.cpp's at the same "
+              "precision; peak RSS: VmHWM summed over the engine's processes; % peak: the workload's FLOPs per second "
+              "over the matmul peak at the engine's precision (fp32; bf16 for bf16 and f16)"]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Output tokens/s and TPOT p50 per engine, a row of bars per workload (PNG or SVG by the name)."""
+    from matplotlib.figure import Figure
+
+    workloads = report["workloads"]
+    fig = Figure(figsize=(13, 3.2 * len(workloads)))
+    axes = fig.subplots(len(workloads), 2, squeeze=False)
+    for (tput, tpot), (wname, w) in zip(axes, workloads.items()):
+        rows = {n: r for n, r in w["engines"].items() if "error" not in r}
+        names = list(rows)
+        colours = ["tab:blue" if n.startswith(("engine", "pipeline")) else "tab:orange" if n.startswith("llama")
+                   else "tab:gray" for n in names]
+        tput.barh(names, [rows[n]["output_tokens_per_s"] for n in names], color=colours)
+        tput.set(title=f"{wname}: output tokens/s", xlabel="tokens/s")
+        tput.invert_yaxis()
+        tpot.barh(names, [rows[n]["tpot_ms"]["p50"] or 0 for n in names], color=colours)
+        tpot.set(title=f"{wname}: TPOT p50", xlabel="ms")
+        tpot.invert_yaxis()
+        for ax in (tput, tpot):
+            ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
