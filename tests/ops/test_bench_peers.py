@@ -195,7 +195,6 @@ def test_the_cli_takes_every_flag():
         parser().parse_args(["bench-peers", "--workloads", "nope"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["engine", "hf-generate", "hf-cb"])
 def test_each_in_process_engine_runs_every_request_to_its_length(name, tiny_model):
     w = bp.build("chat", workload_args(conversations=2, turns=2), vocab=256, seed=0)
