@@ -552,9 +552,6 @@ def main(args) -> dict:
 
     model = resolve(args.model)
     cfg = ModelConfig.load(model)
-    unknown = [e for e in args.engines if e not in ENGINES]
-    if unknown:
-        raise ValueError(f"--engines: {', '.join(unknown)} unknown (one of {', '.join(ENGINES)})")
     peaks = {"fp32": args.peak_gflops or peak_gflops("float32"),
              "bf16": args.peak_gflops_bf16 or peak_gflops("bfloat16")}
     report = {"model": model, "threads": args.threads, "repeat": args.repeat, "engines": args.engines,
@@ -602,7 +599,15 @@ def line(r: dict) -> str:
     if "error" in r:
         return f"unavailable: {r['error'].splitlines()[0]}"
     return (f"{r['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {fmt(r['ttft_ms']['p50'])} ms, "
-            f"TPOT p50 {fmt(r['tpot_ms']['p50'])} ms")
+            f"TPOT p50 {fmt(r['tpot_ms']['p50'])} ms{shortfall(r)}")
+
+
+def shortfall(r: dict) -> str:
+    """What did not run: tokens missing and failed requests by error code; empty when nothing."""
+    if r["output_tokens"] == r["output_tokens_asked"] and not r["failed"]:
+        return ""
+    errors = "".join(f", {code}: {n}" for code, n in r["errors"].items())
+    return f"  ({r['output_tokens']} of {r['output_tokens_asked']} tokens; {r['failed']} failed{errors})"
 
 
 def fmt(v, spec: str = ".1f") -> str:
@@ -635,14 +640,12 @@ def table(report: dict) -> str:
                 lines.append(f"{label:34}unavailable: {r['error'].splitlines()[0]}")
                 continue
             vs = r["vs_llama_cpp"]
-            short = "" if r["output_tokens"] == r["output_tokens_asked"] else \
-                f"  ({r['output_tokens']} of {r['output_tokens_asked']} tokens, {r['failed']} failed)"
             lines.append(f"{label:34}{r['precision']:>6}{r['output_tokens_per_s']:>9.1f}"
                          f"{fmt(vs and vs['output_tokens_per_s'], '.2f') + ('x' if vs else ''):>9}"
                          f"{fmt(r['ttft_ms']['p50']):>10}{fmt(r['ttft_ms']['p99']):>9}"
                          f"{fmt(r['tpot_ms']['p50'], '.2f'):>10}{fmt(r['tpot_ms']['p99'], '.2f'):>8}"
                          f"{r['peak_rss_bytes'] / 2**20:>8.0f}Mi"
-                         f"{fmt(r['share_of_peak'] and 100 * r['share_of_peak']):>7}%{short}")
+                         f"{fmt(r['share_of_peak'] and 100 * r['share_of_peak']):>7}%{shortfall(r)}")
     lines += ["", "tok/s: output tokens per second; TTFT, TPOT in ms; vs llama: tok/s over llama.cpp's at the same "
               "precision; peak RSS: VmHWM summed over the engine's processes; % peak: the workload's FLOPs per second "
               "over the matmul peak at the engine's precision (fp32; bf16 for bf16 and f16)"]

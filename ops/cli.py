@@ -33,6 +33,8 @@ class Parser(argparse.ArgumentParser):
 DEFAULT_MODEL = "smollm2-135m-instruct"   # catalogue.DEFAULT, named here: importing it imports torch (slow)
 MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
 BENCH_MODEL = f"{MODEL} (default: tiny, random weights: it measures the machinery, not a language model)"
+PEER_ENGINES = ("engine", "engine-bf16", "pipeline-ws", "pipeline-openai", "hf-generate", "hf-cb", "llama-f32",
+                "llama-f16", "llama-bf16", "llama-q4_1")   # ops.bench_peers.ENGINES, named here: it imports torch
 
 
 def delegate(module: str, function: str = "main", exits: bool = False):
@@ -196,9 +198,8 @@ def parser() -> argparse.ArgumentParser:
     bpe = sub.add_parser("bench-peers", help="the engine vs llama.cpp's server and HF on the same workloads, "
                                              "one client, each engine in turn")
     bpe.add_argument("--model", default=DEFAULT_MODEL, help=f"{MODEL}; llama.cpp needs a catalogue model")
-    bpe.add_argument("--engines", nargs="+", metavar="NAME", default=[
-        "engine", "engine-bf16", "pipeline-ws", "pipeline-openai", "hf-generate", "hf-cb", "llama-f32", "llama-f16",
-        "llama-bf16", "llama-q4_1"], help="which engines, in this order (default: all)")
+    bpe.add_argument("--engines", nargs="+", choices=PEER_ENGINES, default=list(PEER_ENGINES), metavar="NAME",
+                     help=f"which engines, in this order: {', '.join(PEER_ENGINES)} (default: all)")
     bpe.add_argument("--workloads", nargs="+", choices=["concurrent", "single", "chat"],
                      default=["concurrent", "single", "chat"], help="which workloads, in this order")
     bpe.add_argument("--num-requests", type=int, default=64, help="concurrent: requests")

@@ -2,9 +2,9 @@
 `llama-cpp-python` sdist (downloaded with pip, never installed), fed our checkpoint's weights as
 GGUF, started and stopped like the stack's own processes.
 
-    binary = ensure_server()                      # $TOKENBUS_HOME/peers/llama-server, built on first use
-    model = gguf_file(model_dir, "f16")           # $TOKENBUS_HOME/peers/<model>-f16.gguf, written on first use
-    with serve(binary, model, parallel=64, ctx_per_slot=640) as server: ...server.url...
+    binary = ensure_server()                        # $TOKENBUS_HOME/peers/llama-server, built on first use
+    weights = converted(name, model_dir, "f16")     # $TOKENBUS_HOME/peers/<name>-f16.gguf, written on first use
+    with serve(binary, weights, parallel=64, ctx_per_slot=640, threads=2, log=path) as (proc, url): ...
 
 Everything lives under $TOKENBUS_HOME/peers: the sdist, its build tree, the binary, a build.json
 that says how long the build took, and the converted GGUFs."""

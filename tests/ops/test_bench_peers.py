@@ -191,8 +191,10 @@ def test_the_cli_takes_every_flag():
     args = parser().parse_args(["bench-peers", "--engines", "engine", "llama-f32", "--workloads", "single",
                                 "--peak-gflops", "300", "--peak-gflops-bf16", "1500", "--repeat", "2"])
     assert args.engines == ["engine", "llama-f32"] and args.peak_gflops == 300 and args.func is not None
-    with pytest.raises(SystemExit):
-        parser().parse_args(["bench-peers", "--workloads", "nope"])
+    assert parser().parse_args(["bench-peers"]).engines == list(bp.ENGINES)     # all, in the module's order
+    for bad in (["--workloads", "nope"], ["--engines", "vllm"]):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["bench-peers", *bad])
 
 
 @pytest.mark.parametrize("name", ["engine", "hf-generate", "hf-cb"])
