@@ -469,6 +469,17 @@ class Llama:
         return self.binary
 
     def run(self, name: str, model_name: str, model: str, rounds: list[Workload], threads: int, vocab: int) -> dict:
+        """Its figures with llama-server's defaults; if those crash it at load, with --no-repack (no
+        AMX or repacked weights: the Q4_1 file crashed the AMX path on a Sapphire Rapids CPU)."""
+        try:
+            return self.serve(name, model_name, model, rounds, threads, vocab)
+        except llamacpp.Crashed as e:
+            first = str(e).splitlines()[0].rstrip(":")
+            result = self.serve(name, model_name, model, rounds, threads, vocab, ("--no-repack",))
+            return {**result, "note": f"its defaults crashed it at load ({first}): run with --no-repack"}
+
+    def serve(self, name: str, model_name: str, model: str, rounds: list[Workload], threads: int, vocab: int,
+              extra: tuple[str, ...] = ()) -> dict:
         kind = name.removeprefix("llama-")
         if model_name not in catalogue.CATALOGUE:
             raise llamacpp.PeerError(f"llama.cpp serves a catalogue model here (its GGUF's tokenizer metadata is "
@@ -478,12 +489,12 @@ class Llama:
         w = rounds[0]
         slot = max(r.context for r in rounds) + 8                # llama.cpp counts a few more than prompt + output
         log = self.log_dir / f"{name}-{w.name}.log"
-        with llamacpp.serve(binary, weights, w.concurrency, slot, threads, log) as (proc, url):
+        with llamacpp.serve(binary, weights, w.concurrency, slot, threads, log, extra) as (proc, url):
             runs = served(rounds, openai(url), vocab)
             rss = tree_peak_rss(proc.pid)
-        return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "the llama-server process",
-                "gguf": str(weights), "flags": {"parallel": w.concurrency, "ctx": w.concurrency * slot,
-                                                "threads": threads}}
+        return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "the llama-server process", "gguf": str(weights),
+                "flags": {"parallel": w.concurrency, "ctx": w.concurrency * slot, "threads": threads,
+                          "extra": list(extra)}}
 
 
 def tree_peak_rss(pid: int) -> int:
@@ -646,6 +657,8 @@ def table(report: dict) -> str:
                          f"{fmt(r['tpot_ms']['p50'], '.2f'):>10}{fmt(r['tpot_ms']['p99'], '.2f'):>8}"
                          f"{r['peak_rss_bytes'] / 2**20:>8.0f}Mi"
                          f"{fmt(r['share_of_peak'] and 100 * r['share_of_peak']):>7}%{shortfall(r)}")
+            if "note" in r:
+                lines.append(f"{'':34}({r['note']})")
     lines += ["", "tok/s: output tokens per second; TTFT, TPOT in ms; vs llama: tok/s over llama.cpp's at the same "
               "precision; peak RSS: VmHWM summed over the engine's processes; % peak: the workload's FLOPs per second "
               "over the matmul peak at the engine's precision (fp32; bf16 for bf16 and f16)"]

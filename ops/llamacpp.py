@@ -41,6 +41,10 @@ class PeerError(RuntimeError):
     """The peer cannot be built or started; the message says why."""
 
 
+class Crashed(PeerError):
+    """llama-server died of a signal (a segmentation fault, say) before it served."""
+
+
 def peers_dir() -> Path:
     return tokenbus_home() / "peers"
 
@@ -178,13 +182,15 @@ def encode(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGML
 # -- the server -----------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def serve(binary: Path, model: Path, parallel: int, ctx_per_slot: int, threads: int, log: Path):
+def serve(binary: Path, model: Path, parallel: int, ctx_per_slot: int, threads: int, log: Path,
+          extra: tuple[str, ...] = ()):
     """llama-server on a free port with `parallel` slots of `ctx_per_slot` tokens each (the slots share
-    -c), continuous batching, `threads` threads; yields its base URL once it has loaded the model."""
+    -c), continuous batching, `threads` threads and the `extra` flags; yields the process and its
+    base URL once it has loaded the model."""
     port = procs.free_port()
     args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
             "-tb", str(threads), "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
-            "--no-webui"]
+            "--no-webui", *extra]
     log.parent.mkdir(parents=True, exist_ok=True)
     since = log.stat().st_size if log.exists() else 0
     proc = procs.spawn(args, log)
@@ -203,7 +209,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, since: int) -> Non
             with open(log, "rb") as f:
                 f.seek(since)
                 tail = b"".join(f.readlines()[-10:]).decode(errors="replace").rstrip()
-            raise PeerError(f"llama-server exited with code {proc.returncode}:\n{tail}")
+            kind = Crashed if proc.returncode < 0 else PeerError
+            raise kind(f"llama-server exited with code {proc.returncode}:\n{tail}")
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             if r.status == 200:
                 return

@@ -166,6 +166,27 @@ def test_a_server_that_exits_is_reported_with_the_tail_of_its_log(tmp_path):
         pass
 
 
+def test_a_server_that_crashes_at_load_is_run_again_with_no_repack_and_says_so(monkeypatch, tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'load_tensors: AMX model buffer size = 95 MiB'\nkill -SEGV $$\n")
+    fake.chmod(0o755)
+    with pytest.raises(llamacpp.Crashed, match="exited with code -11"), \
+            llamacpp.serve(fake, tmp_path / "m.gguf", parallel=1, ctx_per_slot=64, threads=1, log=tmp_path / "l.log"):
+        pass
+    calls = []
+
+    def serve(self, name, model_name, model, rounds, threads, vocab, extra=()):
+        calls.append(extra)
+        if not extra:
+            raise llamacpp.Crashed("llama-server exited with code -11:\nload_tensors: AMX")
+        return {"runs": [], "flags": {"extra": list(extra)}}
+
+    monkeypatch.setattr(bp.Llama, "serve", serve)
+    r = bp.Llama(str(fake), tmp_path).run("llama-q4_1", "smollm2-135m-instruct", "m", [], 1, 1000)
+    assert calls == [(), ("--no-repack",)]
+    assert r["note"] == "its defaults crashed it at load (llama-server exited with code -11): run with --no-repack"
+
+
 def test_a_failed_build_is_tried_once_and_each_llama_engine_says_why(monkeypatch, tmp_path):
     calls = []
 
