@@ -621,6 +621,10 @@ def shortfall(r: dict) -> str:
     return f"  ({r['output_tokens']} of {r['output_tokens_asked']} tokens; {r['failed']} failed{errors})"
 
 
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
 def fmt(v, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -656,7 +660,7 @@ def table(report: dict) -> str:
                          f"{fmt(r['ttft_ms']['p50']):>10}{fmt(r['ttft_ms']['p99']):>9}"
                          f"{fmt(r['tpot_ms']['p50'], '.2f'):>10}{fmt(r['tpot_ms']['p99'], '.2f'):>8}"
                          f"{r['peak_rss_bytes'] / 2**20:>8.0f}Mi"
-                         f"{fmt(r['share_of_peak'] and 100 * r['share_of_peak']):>7}%{shortfall(r)}")
+                         f"{percent(r['share_of_peak']):>8}{shortfall(r)}")
             if "note" in r:
                 lines.append(f"{'':34}({r['note']})")
     lines += ["", "tok/s: output tokens per second; TTFT, TPOT in ms; vs llama: tok/s over llama.cpp's at the same "
