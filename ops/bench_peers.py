@@ -57,7 +57,6 @@ from ops import llamacpp
 from ops.bench import HttpClient, Result, WsClient, stats
 from workers.models import catalogue
 
-WORKLOADS = ("concurrent", "single", "chat")
 OPTIONS = {"temperature": 0, "ignore_eos": True}      # greedy, every request to its output length
 BLOCK_SIZE = 16                                        # the engine's KV block
 
@@ -212,9 +211,9 @@ def figures(workload: Workload, results: list[Result], seconds: float) -> dict:
 
 
 def best(runs: list[dict]) -> dict:
-    """The fastest round, with every round's throughput beside it."""
-    top = max(runs, key=lambda r: r["output_tokens_per_s"])
-    return {**top, "rounds_output_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+    """The fastest round (and which it was), with every round's throughput beside it."""
+    i = max(range(len(runs)), key=lambda k: runs[k]["output_tokens_per_s"])
+    return {**runs[i], "round": i, "rounds_output_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
 
 
 def model_flops(cfg, workload: Workload) -> float:
@@ -537,8 +536,9 @@ def measure(name: str, args, model: str, rounds: list[Workload], llama: Llama, d
     return {**best(result.pop("runs")), **result}
 
 
-def compare(rows: dict[str, dict], flops: float, peaks: dict[str, float]) -> None:
-    """Adds each row's ratio to llama.cpp at its precision and its share of the matmul peak."""
+def compare(rows: dict[str, dict], flops: list[float], peaks: dict[str, float]) -> None:
+    """Adds each row's ratio to llama.cpp at its precision and its share of the matmul peak (its
+    best round's FLOPs, of `flops` by round, per second)."""
     bases = {ENGINES[n].precision: r for n, r in rows.items() if n.startswith("llama-") and "error" not in r}
     for name, r in rows.items():
         if "error" in r:
@@ -547,10 +547,10 @@ def compare(rows: dict[str, dict], flops: float, peaks: dict[str, float]) -> Non
         base = bases.get(precision)
         r["precision"] = precision
         r["vs_llama_cpp"] = None if base is None else {
-            "output_tokens_per_s": round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 3),
+            "output_tokens_per_s": ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]),
             **{f"{k}_p50": ratio(r[k]["p50"], base[k]["p50"]) for k in ("ttft_ms", "tpot_ms")}}
         peak = peaks.get(PEAK_OF.get(precision, ""))
-        r["share_of_peak"] = round(flops / r["seconds"] / (peak * 1e9), 4) if peak else None
+        r["share_of_peak"] = round(flops[r["round"]] / r["seconds"] / (peak * 1e9), 4) if peak else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -558,10 +558,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main(args) -> dict:
-    from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig
 
-    model = resolve(args.model)
+    model = catalogue.resolve(args.model)
     cfg = ModelConfig.load(model)
     peaks = {"fp32": args.peak_gflops or peak_gflops("float32"),
              "bf16": args.peak_gflops_bf16 or peak_gflops("bfloat16")}
@@ -579,9 +578,9 @@ def main(args) -> dict:
             for name in args.engines:
                 rows[name] = measure(name, args, model, rounds, llama, data_dir, cfg.vocab_size)
                 print(f"bench-peers:   {name}: {line(rows[name])}", flush=True)
-            flops = sum(model_flops(cfg, w) for w in rounds) / len(rounds)
+            flops = [model_flops(cfg, w) for w in rounds]
             compare(rows, flops, peaks)
-            report["workloads"][wname] = {"about": describe(rounds[0]), "flops": flops,
+            report["workloads"][wname] = {"about": describe(rounds[0]), "flops": flops[0],
                                           "output_tokens": sum(t.max_tokens for t in rounds[0].turns),
                                           "engines": rows}
     report["llama_cpp_build"] = llamacpp.build_info()

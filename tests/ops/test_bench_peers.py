@@ -129,6 +129,7 @@ def test_figures_from_known_timings():
     assert f["failed"] == 1 and f["errors"] == {"http_500": 1}
     top = bp.best([{**f, "output_tokens_per_s": 20.0}, f])
     assert top["output_tokens_per_s"] == 25.0 and top["rounds_output_tokens_per_s"] == [20.0, 25.0]
+    assert top["round"] == 1
 
 
 def test_the_flops_count_weights_per_position_the_head_per_sampled_token_and_attention_per_pair():
@@ -143,12 +144,13 @@ def test_the_flops_count_weights_per_position_the_head_per_sampled_token_and_att
 
 def test_ratios_are_to_llama_cpp_at_the_same_precision_and_the_peak_at_the_engines():
     def row(tps, ttft, tpot, seconds=1.0):
-        return {"output_tokens_per_s": tps, "seconds": seconds, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}}
+        return {"output_tokens_per_s": tps, "seconds": seconds, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot},
+                "round": 1}
 
     rows = {"engine": row(300, 50, 10), "engine-bf16": row(400, 40, 8), "hf-cb": {"error": "no"},
             "llama-f32": row(200, 100, 20), "llama-bf16": {"error": "cannot build llama-server: no cmake"},
             "llama-q4_1": row(100, 10, 5)}
-    bp.compare(rows, flops=1e9, peaks={"fp32": 10.0, "bf16": 100.0})
+    bp.compare(rows, flops=[5e9, 1e9], peaks={"fp32": 10.0, "bf16": 100.0})   # the best rounds were the second
     assert rows["engine"]["vs_llama_cpp"] == {"output_tokens_per_s": 1.5, "ttft_ms_p50": 0.5, "tpot_ms_p50": 0.5}
     assert rows["engine-bf16"]["vs_llama_cpp"] is None                  # its peer could not run
     assert rows["llama-q4_1"]["vs_llama_cpp"]["output_tokens_per_s"] == 1.0    # its own precision
