@@ -23,18 +23,29 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
-typedef float v16_un __attribute__((vector_size(64), aligned(4)));  // an unaligned load or store
 typedef int32_t i16 __attribute__((vector_size(64)));
 typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t h16_un __attribute__((vector_size(32), aligned(2)));
 
-constexpr int LANES = 16, TILE = 32, GROUP = 4, MAX_CHUNKS = 16;  // head_dim up to 256
+constexpr int LANES = 16, TILE = 32, MAX_CHUNKS = 16;  // head_dim up to 256
 
 static const float NEG_INF = -__builtin_inff();
 
-static inline v16 splat(float x) { return v16{} + x; }
-static inline v16 load(const float* p) { return *(const v16_un*)p; }
-static inline void store(float* p, v16 x) { *(v16_un*)p = x; }
+static inline v16 splat(float x) {  // a broadcast (v16{} + x would add 0.0f to x first)
+#if defined(__AVX512F__)
+  return (v16)_mm512_set1_ps(x);
+#else
+  v16 v;
+  for (int i = 0; i < LANES; i++) v[i] = x;
+  return v;
+#endif
+}
+static inline v16 load(const float* p) {  // unaligned (memcpy: GCC's unaligned vector type goes through the stack)
+  v16 x;
+  memcpy(&x, p, sizeof x);
+  return x;
+}
+static inline void store(float* p, v16 x) { memcpy(p, &x, sizeof x); }
 
 static inline v16 fmadd(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
@@ -44,8 +55,12 @@ static inline v16 fmadd(v16 a, v16 b, v16 c) {
 #endif
 }
 
-static inline v16 bf16_to_float(const uint16_t* p) {
+static inline v16 bf16_to_float(const uint16_t* p) {  // bfloat16 is float32's upper half
+#if defined(__AVX512F__)
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+#else
   return (v16)(__builtin_convertvector(*(const h16_un*)p, u16) << 16);
+#endif
 }
 
 static inline uint16_t float_to_bf16(float x) {  // round to nearest even, as torch does
@@ -145,7 +160,7 @@ struct Batch {  // one call's arguments
 };
 
 struct Scratch {  // one thread's buffers; rows are padded to whole chunks
-  std::vector<float> q, acc, m, l, keys, values, p;
+  std::vector<float> q, acc, m, l, keys, values, p, corr;
   std::vector<int32_t> valid;
   std::vector<const float*> kp, vp;
 };
@@ -156,6 +171,7 @@ struct Item {
   Scratch& s;
   int64_t seq, first, count, h0, h1, group, start;  // start: position of the item's first query
   static constexpr int64_t width = NC * LANES;
+  static constexpr int GROUP = NC <= 4 ? 4 : 16 / NC;  // rows whose values are added together (in registers)
 
   void run() {
     int64_t rows = (h1 - h0) * count * group;
@@ -164,6 +180,7 @@ struct Item {
     s.m.assign(rows, NEG_INF);
     s.l.assign(rows, 0.0f);
     s.p.resize(GROUP * TILE);
+    s.corr.resize(GROUP);
     s.valid.resize(GROUP);
     load_queries();
     int64_t last = start + count - 1;
@@ -244,82 +261,85 @@ struct Item {
     return dst;
   }
 
-  // Rows r .. r+n-1 (one KV head's, consecutive) against the tile at `base`.
+  // Rows r .. r+n-1 (one KV head's, consecutive; n <= GROUP) against the tile at `base`.
+  template <int N = 1>
   void attend(int64_t head, int64_t r, int64_t n, int64_t base) {
-    const float* const* kp = &s.kp[head * TILE];
-    const float* const* vp = &s.vp[head * TILE];
-    float corr[GROUP];
-    int32_t lo = TILE, hi = 0;
-    for (int64_t i = 0; i < n; i++) {
+    if constexpr (N < GROUP)
+      if (n > N) return attend<N + 1>(head, r, n, base);
+    for (int i = 0; i < N; i++) {
       int64_t valid = position(r + i) - base + 1;
       s.valid[i] = valid < TILE ? (int32_t)valid : TILE;
+    }
+    weights<N>(r, &s.kp[head * TILE]);
+    values<N>(r, &s.vp[head * TILE]);
+  }
+
+  // The rows' scores over the tile's first `valid` keys, and their softmax weights into s.p (zero
+  // past `valid`); updates each row's maximum and sum and sets its factor for earlier values. Done
+  // stage by stage over the rows, whose chains of dependent steps then overlap.
+  template <int N>
+  void weights(int64_t r, const float* const* kp) {
+    constexpr int T = TILE / LANES;
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16 x[N][T];
+    float before[N], now[N];
+    for (int i = 0; i < N; i++) {
+      v16 q[NC];
+      for (int c = 0; c < NC; c++) q[c] = load(&s.q[(r + i) * width + c * LANES]);
+      for (int t = 0; t < T; t++)  // past the row's keys: -inf, the same as computing and masking
+        x[i][t] = t * LANES >= s.valid[i] ? splat(NEG_INF) : dots16<NC>(q, kp + t * LANES);
+    }
+    for (int i = 0; i < N; i++) {
+      float top = NEG_INF;
+      for (int t = 0; t < T; t++) {
+        x[i][t] = lane + t * LANES < s.valid[i] ? x[i][t] : splat(NEG_INF);
+        top = vmax(top, hmax(x[i][t]));
+      }
+      before[i] = s.m[r + i];
+      now[i] = vmax(before[i], top);
+    }
+    v16 shift = v16{};  // every row's correction in one exp: lane i is row i's
+    for (int i = 0; i < N; i++) shift[i] = before[i] - now[i];
+    v16 corr = vexp(shift);
+    for (int i = 0; i < N; i++) {
+      v16 sum = v16{};
+      for (int t = 0; t < T; t++) {
+        v16 e = vexp(x[i][t] - now[i]);
+        e = lane + t * LANES < s.valid[i] ? e : v16{};
+        store(&s.p[i * TILE + t * LANES], e);
+        sum += e;
+      }
+      s.corr[i] = before[i] == NEG_INF ? 0.0f : corr[i];
+      s.m[r + i] = now[i];
+      s.l[r + i] = s.l[r + i] * s.corr[i] + hsum(sum);
+    }
+  }
+
+  // The rows' values: scaled by their correction, then each row's weighted values added key after
+  // key, over its own keys only (adding a zero past them would turn a -0 into +0).
+  template <int N>
+  void values(int64_t r, const float* const* vp) {
+    int32_t lo = TILE, hi = 0;
+    v16 acc[N][NC];
+    for (int i = 0; i < N; i++) {
       lo = s.valid[i] < lo ? s.valid[i] : lo;
       hi = s.valid[i] > hi ? s.valid[i] : hi;
-      corr[i] = softmax(r + i, kp, s.valid[i], &s.p[i * TILE]);
+      for (int c = 0; c < NC; c++) acc[i][c] = load(&s.acc[(r + i) * width + c * LANES]) * s.corr[i];
     }
-    v16 acc[GROUP][NC];
-    for (int64_t i = 0; i < n; i++)
-      for (int c = 0; c < NC; c++) acc[i][c] = load(&s.acc[(r + i) * width + c * LANES]) * corr[i];
-    if (n == GROUP) {
-      for (int32_t j = 0; j < lo; j++) add_value<GROUP>(acc, vp[j], j);
-    } else {
-      for (int32_t j = 0; j < lo; j++)
-        for (int64_t i = 0; i < n; i++) add_value_row(acc[i], vp[j], s.p[i * TILE + j]);
-    }
-    for (int32_t j = lo; j < hi; j++)  // the diagonal tile: each row's own keys only
-      for (int64_t i = 0; i < n; i++)
-        if (j < s.valid[i]) add_value_row(acc[i], vp[j], s.p[i * TILE + j]);
-    for (int64_t i = 0; i < n; i++)
-      for (int c = 0; c < NC; c++) store(&s.acc[(r + i) * width + c * LANES], acc[i][c]);
-  }
-
-  template <int N>
-  void add_value(v16 (&acc)[GROUP][NC], const float* v, int32_t j) {
-    v16 w[N];
-    for (int i = 0; i < N; i++) w[i] = splat(s.p[i * TILE + j]);
-    for (int c = 0; c < NC; c++) {
-      v16 x = load(v + c * LANES);
-      for (int i = 0; i < N; i++) acc[i][c] = fmadd(w[i], x, acc[i][c]);
-    }
-  }
-
-  static void add_value_row(v16 (&acc)[NC], const float* v, float p) {
-    v16 w = splat(p);
-    for (int c = 0; c < NC; c++) acc[c] = fmadd(w, load(v + c * LANES), acc[c]);
-  }
-
-  // One row's scores over the tile's first `valid` keys: writes the weights to p (zero past
-  // `valid`), updates the row's maximum and sum, returns the factor for its earlier values.
-  float softmax(int64_t row, const float* const* kp, int32_t valid, float* p) {
-    v16 q[NC];
-    for (int c = 0; c < NC; c++) q[c] = load(&s.q[row * width + c * LANES]);
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16 x[TILE / LANES];
-    float top = NEG_INF;
-    for (int t = 0; t < TILE / LANES; t++) {
-      if (t * LANES >= valid) {  // past the row's keys (the same values as computing and masking)
-        x[t] = splat(NEG_INF);
-        continue;
+    for (int32_t j = 0; j < lo; j++) {
+      v16 w[N];
+      for (int i = 0; i < N; i++) w[i] = splat(s.p[i * TILE + j]);
+      for (int c = 0; c < NC; c++) {
+        v16 x = load(vp[j] + c * LANES);
+        for (int i = 0; i < N; i++) acc[i][c] = fmadd(w[i], x, acc[i][c]);
       }
-      x[t] = dots16<NC>(q, kp + t * LANES);
-      x[t] = lane + t * LANES < valid ? x[t] : splat(NEG_INF);
     }
-    for (int t = 0; t < TILE / LANES; t++) {
-      float mt = hmax(x[t]);
-      top = mt > top ? mt : top;
-    }
-    float before = s.m[row], now = before > top ? before : top;
-    v16 sum = v16{};
-    for (int t = 0; t < TILE / LANES; t++) {
-      v16 e = vexp(x[t] - now);
-      e = lane + t * LANES < valid ? e : v16{};
-      store(p + t * LANES, e);
-      sum += e;
-    }
-    float corr = before == NEG_INF ? 0.0f : vexp(splat(before - now))[0];
-    s.m[row] = now;
-    s.l[row] = s.l[row] * corr + hsum(sum);
-    return corr;
+    for (int32_t j = lo; j < hi; j++)  // the diagonal tile
+      for (int i = 0; i < N; i++)
+        if (j < s.valid[i])
+          for (int c = 0; c < NC; c++) acc[i][c] = fmadd(splat(s.p[i * TILE + j]), load(vp[j] + c * LANES), acc[i][c]);
+    for (int i = 0; i < N; i++)
+      for (int c = 0; c < NC; c++) store(&s.acc[(r + i) * width + c * LANES], acc[i][c]);
   }
 
   void write_out() {
