@@ -1,10 +1,16 @@
-"""`python -m kernels.bench [--json]`: the Triton kernels against their references on a CUDA device.
+"""`python -m kernels.bench [--json] [--cpu]`: the Triton kernels against their references on a CUDA device.
 
 Per kernel and shape: time (triton.testing.do_bench, median) and achieved memory bandwidth (bytes
 the kernel must move / time) against the card's peak; decode attention at context 1k-32k and batch
 1-256 for a Llama-70B shard at TP 8 (Hq 8, Hkv 1, D 128) and an 8B model (Hq 32, Hkv 8, D 128);
 and the engine's decode tokens/s with the Triton kernels vs the reference. Goal on H100: decode
 attention at long context above 70% of peak HBM bandwidth. Without CUDA it says so and exits 0.
+
+With --cpu: the native CPU attention (kernels.cpu) against the reference on this machine, with
+SmolLM2-135M's heads (9 query heads over 3 KV heads of 64), in float32 and bfloat16: 64 decodes of
+200-500 positions, a 512-token prefill, both in one batch, and one decode; each side's best of 7
+rounds, taken in turns (this machine's neighbours come and go), and the native kernel's KV read
+rate (bytes of K and V it must read / time).
 """
 import argparse
 import json
@@ -164,10 +170,66 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def paged_case(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, hq: int = 9, hkv: int = 3,
+               d: int = 64) -> tuple:
+    """CPU kernel arguments: each sequence's last q_lens[b] queries over kv_lens[b] positions, its
+    blocks shuffled over a pool just large enough."""
+    counts = [-(-n // BLOCK_SIZE) for n in kv_lens]
+    pool = torch.randn(2, sum(counts), BLOCK_SIZE, hkv, d).to(dtype)
+    ids = torch.randperm(sum(counts)).to(torch.int32)
+    tables = torch.zeros(len(kv_lens), max(counts), dtype=torch.int32)
+    for b, used in enumerate(torch.tensor([0, *counts]).cumsum(0)[:-1].tolist()):
+        tables[b, :counts[b]] = ids[used:used + counts[b]]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d).to(dtype)
+    return q, pool[0], pool[1], cu, torch.tensor(kv_lens, dtype=torch.int32), tables
+
+
+def cpu_attention() -> dict:
+    import random
+
+    import kernels.cpu as native
+    import kernels.reference as ref
+    from workers.microbench import best_ms
+
+    rng = random.Random(0)
+    decodes = [rng.randint(200, 500) for _ in range(64)]
+    cases = {"64 decodes, 200-500 positions": ([1] * 64, decodes),
+             "a 512-token prefill": ([512], [512]),
+             "64 decodes and a 512-token prefill": ([1] * 64 + [512], decodes + [512]),
+             "one decode, 500 positions": ([1], [500])}
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (q_lens, kv_lens) in cases.items():
+            args = paged_case(q_lens, kv_lens, dtype)
+            ref_plan, plan = ref.plan_attention(*args[3:], BLOCK_SIZE), native.plan_attention(*args[3:], BLOCK_SIZE)
+            t = best_ms({"reference": lambda a=args, p=ref_plan: ref.unified_attention(*a, 0.125, p),
+                         "native": lambda a=args, p=plan: native.unified_attention(*a, 0.125, p)}, rounds=7, number=3)
+            kv_bytes = 2 * sum(kv_lens) * args[1].shape[2] * args[1].shape[3] * args[1].element_size()
+            rows.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "reference_ms": t["reference"],
+                         "native_ms": t["native"], "speedup": t["reference"] / t["native"],
+                         "kv_gb_per_s": kv_bytes / t["native"] / 1e6})
+    return {"threads": torch.get_num_threads(), "cases": rows}
+
+
+def cpu_table(report: dict) -> str:
+    lines = [f"CPU attention, SmolLM2 heads (9 over 3 KV heads of 64), {report['threads']} threads, best of 7 "
+             "in turns", f"{'case':38}{'dtype':>10}{'ref ms':>10}{'native ms':>11}{'speedup':>9}{'KV GB/s':>9}"]
+    for r in report["cases"]:
+        lines.append(f"{r['case']:38}{r['dtype']:>10}{r['reference_ms']:>10.3f}{r['native_ms']:>11.3f}"
+                     f"{r['speedup']:>8.1f}x{r['kv_gb_per_s']:>9.1f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="the native CPU attention against the reference, on this CPU")
     args = p.parse_args(argv)
+    if args.cpu:
+        report = cpu_attention()
+        print(json.dumps(report, indent=2) if args.json else cpu_table(report))
+        return
     if not torch.cuda.is_available():
         print("kernels.bench: no CUDA device here; the Triton kernels are checked on CPU by the tests "
               "(TRITON_INTERPRET=1) and measured on a GPU machine with this command.")

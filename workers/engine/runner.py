@@ -1,12 +1,14 @@
 """Runs one step's batch through the model: flattens every scheduled token into one varlen batch
 (positions, slot mapping, block tables, cu_seqlens), runs the model once, computes logits only
 for the requests that sample this step, and samples them."""
+import os
 import time
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+import kernels.cpu
 import kernels.reference
 from workers.distributed import SINGLE, STEP, TPGroup
 from workers.engine.request import TokenLogprobs
@@ -20,13 +22,16 @@ from workers.models.loader import load_weights
 
 
 def attention_kernels(device: torch.device) -> ModuleType:
-    """Triton kernels on CUDA once they exist (their own issue); the PyTorch reference otherwise."""
+    """Triton kernels on CUDA; on CPU the native paged attention, unless TOKENBUS_CPU_ATTENTION is
+    `reference` or it cannot be built (logged); the PyTorch reference otherwise."""
     if device.type == "cuda":
         try:
             import kernels.triton as triton_kernels
             return triton_kernels
         except ImportError:
             pass
+    if device.type == "cpu" and os.environ.get("TOKENBUS_CPU_ATTENTION") != "reference" and kernels.cpu.available():
+        return kernels.cpu
     return kernels.reference
 
 

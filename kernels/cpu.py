@@ -1,0 +1,163 @@
+"""Paged attention for the CPU: a native kernel (kernels/cpu_attention.cpp) that reads the KV pool
+in place, where the reference copies every sequence's blocks out of it each step. Same signatures
+and semantics as kernels.reference (which it is tested against), float32 or bfloat16 queries and
+pool, accumulating in float32, and the same promise: a query's output is the same bits whatever
+else is in the batch, decode or prefill, at any thread count.
+
+The library is compiled with the system's C++ compiler on first use (about 2 s) and cached under
+$TOKENBUS_HOME/kernels, keyed by the source, the flags, the compiler and the CPU; it runs on
+torch's OpenMP threads (torch.get_num_threads()). Without a compiler, `available()` is False and
+the engine keeps the reference (see workers.engine.runner.attention_kernels).
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+import kernels.reference as reference
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+QUERY_TILE = 16    # prefill queries per work item
+MAX_HEAD_DIM = 256
+
+store_kv = reference.store_kv
+
+
+class Batch(ctypes.Structure):
+    """The kernel's arguments (struct Batch in cpu_attention.cpp)."""
+    _fields_ = [("q", ctypes.c_void_p), ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
+                ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("stride_block", ctypes.c_int64),
+                ("stride_slot", ctypes.c_int64), ("stride_head", ctypes.c_int64), ("out", ctypes.c_void_p),
+                ("cu_seqlens_q", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+                ("table_stride", ctypes.c_int64), ("items", ctypes.c_void_p), ("num_items", ctypes.c_int64),
+                ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("scale", ctypes.c_float), ("q_bf16", ctypes.c_int32),
+                ("kv_bf16", ctypes.c_int32)]
+
+
+@dataclass(slots=True)
+class Plan:
+    """One step's batch as the kernel reads it, made once for all layers."""
+    cu_seqlens_q: torch.Tensor   # int32, contiguous
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    items: torch.Tensor          # int32 [N, 3]: sequence, first query, query count; costliest first
+
+    def to(self, device: torch.device) -> "Plan":
+        return self
+
+
+def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int) -> Plan:
+    """Work items: every sequence's queries in tiles of QUERY_TILE, the longest KV first, so that
+    the threads taking them in turn end together."""
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    items = []
+    for b, end in enumerate(lens):
+        first_pos = end - (cu[b + 1] - cu[b])
+        for first in range(0, cu[b + 1] - cu[b], QUERY_TILE):
+            count = min(QUERY_TILE, cu[b + 1] - cu[b] - first)
+            items.append((-(first_pos + first + count) * count, b, first, count))
+    items.sort()
+    table = torch.tensor([item[1:] for item in items], dtype=torch.int32).reshape(-1, 3)
+    i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    return Plan(i32(cu_seqlens_q), i32(seq_lens), i32(block_tables), table)
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, plan: Plan | None = None) -> torch.Tensor:
+    """kernels.reference.unified_attention, natively: [T, Hq, D] in q's dtype. Shapes the kernel
+    does not take (other dtypes, head_dim over 256) go to the reference."""
+    if not supports(q, k_cache, v_cache):
+        return reference.unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    if plan is None:
+        plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if not len(plan.items):
+        return out
+    batch = Batch(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+                  out.data_ptr(), plan.cu_seqlens_q.data_ptr(), plan.seq_lens.data_ptr(),
+                  plan.block_tables.data_ptr(), plan.block_tables.stride(0), plan.items.data_ptr(), len(plan.items),
+                  q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, q.dtype == torch.bfloat16,
+                  k_cache.dtype == torch.bfloat16)
+    if library().paged_attention(ctypes.byref(batch), torch.get_num_threads()) != 0:
+        raise ValueError(f"paged_attention: {q.shape[1]} query heads over {k_cache.shape[2]} KV heads of "
+                         f"{q.shape[2]} is not a shape it takes")
+    return out
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(3) == 1 and q.shape[1] % k_cache.shape[2] == 0)
+
+
+# -- the library: built once per machine, loaded once per process -----------------------------------
+
+_library: ctypes.CDLL | None = None
+
+
+def available() -> bool:
+    """Whether the native kernel can run here (building it on first call); False with the reason
+    logged when no compiler is found or the build fails."""
+    try:
+        library()
+        return True
+    except (OSError, subprocess.CalledProcessError) as e:  # no compiler, a failed build, an unloadable library
+        structlog.get_logger().warning("native CPU attention unavailable, using the reference",
+                                       reason=str(e).strip()[-500:])
+        return False
+
+
+def library() -> ctypes.CDLL:
+    global _library
+    if _library is None:
+        lib = ctypes.CDLL(str(build()))
+        lib.paged_attention.argtypes = [ctypes.POINTER(Batch), ctypes.c_int32]
+        lib.paged_attention.restype = ctypes.c_int
+        _library = lib
+    return _library
+
+
+def build(flags: list[str] = FLAGS) -> Path:
+    """The cached library, compiled first if needed: into a temporary file renamed into place, so
+    that processes starting together each find either no file or a whole one."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (g++ or c++) on PATH, nor CXX set")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), *flags, compiler, version, cpu_flags()]).encode())
+    home = Path(os.environ.get("TOKENBUS_HOME") or Path.home() / ".cache" / "tokenbus")  # kernels import no workers
+    final = home / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=final.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, final)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return final
+
+
+def cpu_flags() -> str:
+    """What -march=native compiles for: a library built on one CPU is not loaded on another."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()

@@ -1,0 +1,400 @@
+// Paged causal attention on the CPU, reading the KV pool in place (see kernels/cpu.py).
+//
+// Work items are (sequence, tile of its queries), or with few of them (sequence, tile, KV head);
+// threads take items in turn from a shared counter. A "row" is one query under one query head.
+// Batch invariance: a row's arithmetic depends only on its own position, query and KV. Its KV is
+// walked in tiles of TILE positions from position 0, at fixed offsets; within a tile each score is
+// one fixed summation tree over the head dimension, the softmax's maximum, sum and rescaling are
+// per tile (online softmax), and the weighted values are added key after key over the row's own
+// keys only. Which other rows share an item, a tile or a thread changes nothing.
+//
+// Written with GCC vector extensions (16 float lanes; one AVX-512 register where the CPU has it)
+// and built with -ffp-contract=off: the only fused multiply-adds are the explicit ones.
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint16_t h16_un __attribute__((vector_size(32), aligned(2)));
+
+constexpr int LANES = 16, TILE = 32, MAX_CHUNKS = 16;  // head_dim up to 256
+
+static const float NEG_INF = -__builtin_inff();
+
+static inline v16 splat(float x) {  // a broadcast (v16{} + x would add 0.0f to x first)
+#if defined(__AVX512F__)
+  return (v16)_mm512_set1_ps(x);
+#else
+  v16 v;
+  for (int i = 0; i < LANES; i++) v[i] = x;
+  return v;
+#endif
+}
+static inline v16 load(const float* p) {  // unaligned (memcpy: GCC's unaligned vector type goes through the stack)
+  v16 x;
+  memcpy(&x, p, sizeof x);
+  return x;
+}
+static inline void store(float* p, v16 x) { memcpy(p, &x, sizeof x); }
+
+static inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;  // two roundings, but the same ones for every row
+#endif
+}
+
+static inline v16 bf16_to_float(const uint16_t* p) {  // bfloat16 is float32's upper half
+#if defined(__AVX512F__)
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+#else
+  return (v16)(__builtin_convertvector(*(const h16_un*)p, u16) << 16);
+#endif
+}
+
+static inline uint16_t float_to_bf16(float x) {  // round to nearest even, as torch does
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// e^x for x <= 0 (Cephes' expf: within 2 ulp); x is floored at -87, where e^x is still normal
+// (the denormal range is 10-100x slower and its weights are noise next to the maximum's 1).
+static inline v16 vexp(v16 x) {
+  const v16 floor = splat(-87.0f), round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < floor ? floor : x;
+  v16 n = (x * 1.44269504088896341f + round) - round;
+  v16 r = fmadd(n, splat(-0.693359375f), x);
+  r = fmadd(n, splat(2.12194440e-4f), r);
+  v16 p = splat(1.9875691500e-4f);
+  p = fmadd(p, r, splat(1.3981999507e-3f));
+  p = fmadd(p, r, splat(8.3334519073e-3f));
+  p = fmadd(p, r, splat(4.1665795894e-2f));
+  p = fmadd(p, r, splat(1.6666665459e-1f));
+  p = fmadd(p, r, splat(5.0000001201e-1f));
+  p = fmadd(p, r * r, r + 1.0f);
+  return p * (v16)((__builtin_convertvector(n, i16) + 127) << 23);
+}
+
+template <typename V>
+static inline V vmax(V a, V b) { return a > b ? a : b; }
+
+static inline v8 low(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8 high(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline v4 low(v8 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); }
+static inline v4 high(v8 v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); }
+
+static inline float hmax(v16 v) {
+  v4 b = vmax(low(vmax(low(v), high(v))), high(vmax(low(v), high(v))));
+  return vmax(vmax(b[0], b[2]), vmax(b[1], b[3]));
+}
+
+static inline float hsum(v16 v) {  // a fixed tree: lanes i + i+8, then i + i+4, ...
+  v8 a = low(v) + high(v);
+  v4 b = low(a) + high(a);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Two vectors of per-lane partial sums (one key each, or keys interleaved by an earlier step)
+// folded into one: each key's partials halve. Four steps take 16 keys' partials to 16 sums, every
+// key by the same tree; the lanes end in bit-reversed key order.
+static inline v16 fold8(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline v16 fold4(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+static inline v16 fold2(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+static inline v16 fold1(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+template <int NC>
+static inline v16 partials(const v16* q, const float* k) {  // lane l: sum over chunks c of q[c][l] * k[c][l]
+  v16 s = q[0] * load(k);
+  for (int c = 1; c < NC; c++) s = fmadd(q[c], load(k + c * LANES), s);
+  return s;
+}
+
+// Scores of one query against 16 keys, in key order.
+template <int NC>
+static inline v16 dots16(const v16* q, const float* const* keys) {
+  static const int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};  // bit-reversed
+  v16 a[8], b[4];
+  for (int i = 0; i < 8; i++)
+    a[i] = fold8(partials<NC>(q, keys[order[2 * i]]), partials<NC>(q, keys[order[2 * i + 1]]));
+  for (int i = 0; i < 4; i++) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+  return fold1(fold2(b[0], b[1]), fold2(b[2], b[3]));
+}
+
+struct Batch {  // one call's arguments
+  const void* q;
+  int64_t q_stride_t, q_stride_h;
+  const void *k, *v;
+  int64_t stride_block, stride_slot, stride_head;
+  void* out;  // contiguous [T, Hq, D], q's dtype
+  const int32_t *cu_seqlens_q, *seq_lens, *block_tables;
+  int64_t table_stride;
+  const int32_t* items;  // [num_items, 3]: sequence, first query, query count
+  int64_t num_items, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int32_t q_bf16, kv_bf16;
+};
+
+struct Scratch {  // one thread's buffers; rows are padded to whole chunks
+  std::vector<float> q, acc, m, l, keys, values, p, corr;
+  std::vector<int32_t> valid;
+  std::vector<const float*> kp, vp;
+};
+
+template <int NC>
+struct Item {
+  const Batch& a;
+  Scratch& s;
+  int64_t seq, first, count, h0, h1, group, start;  // start: position of the item's first query
+  static constexpr int64_t width = NC * LANES;
+  static constexpr int GROUP = NC <= 4 ? 4 : 16 / NC;  // rows whose values are added together (in registers)
+
+  void run() {
+    int64_t rows = (h1 - h0) * count * group;
+    s.q.assign(rows * width, 0.0f);
+    s.acc.assign(rows * width, 0.0f);
+    s.m.assign(rows, NEG_INF);
+    s.l.assign(rows, 0.0f);
+    s.p.resize(GROUP * TILE);
+    s.corr.resize(GROUP);
+    s.valid.resize(GROUP);
+    load_queries();
+    int64_t last = start + count - 1;
+    for (int64_t base = 0; base <= last; base += TILE) {
+      int64_t keys = last + 1 - base < TILE ? last + 1 - base : TILE;
+      load_tile(base, keys);
+      for (int64_t h = h0; h < h1; h++) {
+        int64_t head_rows = count * group, r0 = (h - h0) * head_rows;
+        int64_t skip = base > start ? (base - start) * group : 0;  // rows before the tile: none of its keys
+        for (int64_t r = r0 + skip; r < r0 + head_rows; r += GROUP)
+          attend(h - h0, r, r + GROUP < r0 + head_rows ? GROUP : r0 + head_rows - r, base);
+      }
+    }
+    write_out();
+  }
+
+  int64_t position(int64_t row) const { return start + row % (count * group) / group; }
+
+  void load_queries() {
+    for (int64_t h = h0; h < h1; h++)
+      for (int64_t i = 0; i < count; i++)
+        for (int64_t g = 0; g < group; g++) {
+          float* dst = &s.q[(((h - h0) * count + i) * group + g) * width];
+          int64_t off = (a.cu_seqlens_q[seq] + first + i) * a.q_stride_t + (h * group + g) * a.q_stride_h;
+          for (int64_t d = 0; d < a.head_dim; d++)
+            dst[d] = (a.q_bf16 ? bf16_value(((const uint16_t*)a.q)[off + d]) : ((const float*)a.q)[off + d]) * a.scale;
+        }
+  }
+
+  static float bf16_value(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+
+  // Pointers to the tile's keys and values of each head of the item: into the pool itself when it
+  // is float32 and rows are whole chunks, else into float32 copies. Past `keys`, a zero row.
+  void load_tile(int64_t base, int64_t keys) {
+    int64_t heads = h1 - h0;
+    bool direct = !a.kv_bf16 && a.head_dim == width;
+    s.kp.resize(heads * TILE);
+    s.vp.resize(heads * TILE);
+    if (!direct) {
+      s.keys.resize(heads * TILE * width);
+      s.values.resize(heads * TILE * width);
+    }
+    static const float zero[MAX_CHUNKS * LANES] = {};
+    const int32_t* table = a.block_tables + seq * a.table_stride;
+    for (int64_t j = 0; j < TILE; j++) {
+      int64_t pos = base + j, slot = 0;
+      if (j < keys) slot = table[pos / a.block_size] * a.stride_block + pos % a.block_size * a.stride_slot;
+      for (int64_t h = 0; h < heads; h++) {
+        int64_t at = h * TILE + j, off = slot + (h0 + h) * a.stride_head;
+        if (j >= keys) {
+          s.kp[at] = s.vp[at] = zero;
+        } else if (direct) {
+          s.kp[at] = (const float*)a.k + off;
+          s.vp[at] = (const float*)a.v + off;
+        } else {
+          s.kp[at] = copy_row(a.k, off, &s.keys[at * width]);
+          s.vp[at] = copy_row(a.v, off, &s.values[at * width]);
+        }
+      }
+    }
+  }
+
+  const float* copy_row(const void* src, int64_t off, float* dst) {
+    if (a.kv_bf16) {
+      const uint16_t* x = (const uint16_t*)src + off;
+      int64_t d = 0;
+      for (; d + LANES <= a.head_dim; d += LANES) store(dst + d, bf16_to_float(x + d));
+      for (; d < width; d++) dst[d] = d < a.head_dim ? bf16_value(x[d]) : 0.0f;
+    } else {
+      const float* x = (const float*)src + off;
+      for (int64_t d = 0; d < width; d++) dst[d] = d < a.head_dim ? x[d] : 0.0f;
+    }
+    return dst;
+  }
+
+  // Rows r .. r+n-1 (one KV head's, consecutive; n <= GROUP) against the tile at `base`.
+  template <int N = 1>
+  void attend(int64_t head, int64_t r, int64_t n, int64_t base) {
+    if constexpr (N < GROUP)
+      if (n > N) return attend<N + 1>(head, r, n, base);
+    for (int i = 0; i < N; i++) {
+      int64_t valid = position(r + i) - base + 1;
+      s.valid[i] = valid < TILE ? (int32_t)valid : TILE;
+    }
+    weights<N>(r, &s.kp[head * TILE]);
+    values<N>(r, &s.vp[head * TILE]);
+  }
+
+  // The rows' scores over the tile's first `valid` keys, and their softmax weights into s.p (zero
+  // past `valid`); updates each row's maximum and sum and sets its factor for earlier values. Done
+  // stage by stage over the rows, whose chains of dependent steps then overlap.
+  template <int N>
+  void weights(int64_t r, const float* const* kp) {
+    constexpr int T = TILE / LANES;
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16 x[N][T];
+    float before[N], now[N];
+    for (int i = 0; i < N; i++) {
+      v16 q[NC];
+      for (int c = 0; c < NC; c++) q[c] = load(&s.q[(r + i) * width + c * LANES]);
+      for (int t = 0; t < T; t++)  // past the row's keys: -inf, the same as computing and masking
+        x[i][t] = t * LANES >= s.valid[i] ? splat(NEG_INF) : dots16<NC>(q, kp + t * LANES);
+    }
+    for (int i = 0; i < N; i++) {
+      float top = NEG_INF;
+      for (int t = 0; t < T; t++) {
+        x[i][t] = lane + t * LANES < s.valid[i] ? x[i][t] : splat(NEG_INF);
+        top = vmax(top, hmax(x[i][t]));
+      }
+      before[i] = s.m[r + i];
+      now[i] = vmax(before[i], top);
+    }
+    v16 shift = v16{};  // every row's correction in one exp: lane i is row i's
+    for (int i = 0; i < N; i++) shift[i] = before[i] - now[i];
+    v16 corr = vexp(shift);
+    for (int i = 0; i < N; i++) {
+      v16 sum = v16{};
+      for (int t = 0; t < T; t++) {
+        v16 e = vexp(x[i][t] - now[i]);
+        e = lane + t * LANES < s.valid[i] ? e : v16{};
+        store(&s.p[i * TILE + t * LANES], e);
+        sum += e;
+      }
+      s.corr[i] = before[i] == NEG_INF ? 0.0f : corr[i];
+      s.m[r + i] = now[i];
+      s.l[r + i] = s.l[r + i] * s.corr[i] + hsum(sum);
+    }
+  }
+
+  // The rows' values: scaled by their correction, then each row's weighted values added key after
+  // key, over its own keys only (adding a zero past them would turn a -0 into +0).
+  template <int N>
+  void values(int64_t r, const float* const* vp) {
+    int32_t lo = TILE, hi = 0;
+    v16 acc[N][NC];
+    for (int i = 0; i < N; i++) {
+      lo = s.valid[i] < lo ? s.valid[i] : lo;
+      hi = s.valid[i] > hi ? s.valid[i] : hi;
+      for (int c = 0; c < NC; c++) acc[i][c] = load(&s.acc[(r + i) * width + c * LANES]) * s.corr[i];
+    }
+    for (int32_t j = 0; j < lo; j++) {
+      v16 w[N];
+      for (int i = 0; i < N; i++) w[i] = splat(s.p[i * TILE + j]);
+      for (int c = 0; c < NC; c++) {
+        v16 x = load(vp[j] + c * LANES);
+        for (int i = 0; i < N; i++) acc[i][c] = fmadd(w[i], x, acc[i][c]);
+      }
+    }
+    for (int32_t j = lo; j < hi; j++)  // the diagonal tile
+      for (int i = 0; i < N; i++)
+        if (j < s.valid[i])
+          for (int c = 0; c < NC; c++) acc[i][c] = fmadd(splat(s.p[i * TILE + j]), load(vp[j] + c * LANES), acc[i][c]);
+    for (int i = 0; i < N; i++)
+      for (int c = 0; c < NC; c++) store(&s.acc[(r + i) * width + c * LANES], acc[i][c]);
+  }
+
+  void write_out() {
+    for (int64_t h = h0; h < h1; h++)
+      for (int64_t i = 0; i < count; i++)
+        for (int64_t g = 0; g < group; g++) {
+          int64_t row = ((h - h0) * count + i) * group + g;
+          int64_t off = ((a.cu_seqlens_q[seq] + first + i) * a.num_heads + h * group + g) * a.head_dim;
+          float o[MAX_CHUNKS * LANES];
+          for (int c = 0; c < NC; c++) store(o + c * LANES, load(&s.acc[row * width + c * LANES]) / s.l[row]);
+          for (int64_t d = 0; d < a.head_dim; d++) {
+            if (a.q_bf16)
+              ((uint16_t*)a.out)[off + d] = float_to_bf16(o[d]);
+            else
+              ((float*)a.out)[off + d] = o[d];
+          }
+        }
+  }
+};
+
+template <int NC>
+static void run_item(const Batch& a, Scratch& s, int64_t index, int64_t heads_per_item) {
+  int64_t parts = a.num_kv_heads / heads_per_item;
+  const int32_t* it = a.items + index / parts * 3;
+  int64_t seq = it[0], h0 = index % parts * heads_per_item;
+  int64_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
+  Item<NC>{a, s, seq, it[1], it[2], h0, h0 + heads_per_item, a.num_heads / a.num_kv_heads,
+           a.seq_lens[seq] - q_len + it[1]}.run();
+}
+
+typedef void (*ItemFn)(const Batch&, Scratch&, int64_t, int64_t);
+
+// Rows are padded to 1, 2, 4, 8 or 16 chunks (fewer variants to compile; the padding adds zeros).
+template <int NC>
+static ItemFn pick(int64_t chunks) {
+  if constexpr (NC > MAX_CHUNKS) return nullptr;
+  else return chunks <= NC ? run_item<NC> : pick<2 * NC>(chunks);
+}
+
+extern "C" int paged_attention(const Batch* a, int32_t threads) {
+  ItemFn fn = pick<1>((a->head_dim + LANES - 1) / LANES);
+  if (!fn || a->num_heads % a->num_kv_heads) return -1;
+  // few items: one per KV head, so that every thread has work
+  int64_t per = a->num_items >= 4 * threads ? a->num_kv_heads : 1;
+  int64_t total = a->num_items * (a->num_kv_heads / per);
+  if (threads <= 1 || total <= 1) {
+    Scratch s;
+    for (int64_t i = 0; i < total; i++) fn(*a, s, i, per);
+    return 0;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch s;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) fn(*a, s, i, per);
+  }
+  return 0;
+}
