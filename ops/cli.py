@@ -149,6 +149,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     b.add_argument("--repeat", type=int, default=3, help="runs per side; the fastest counts")
     b.add_argument("--profile", action="store_true", help="also print where a decode step's time goes")
+    b.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="the engine's weights and activations (default: the engine's choice for the machine)")
+    b.add_argument("--peak", action="store_true", help="also measure the CPU's peak matmul FLOP/s (float32, "
+                                                       "bfloat16) and state the engine's share of it")
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=delegate("workers.bench"))

@@ -15,6 +15,7 @@ import torch
 
 from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
+from workers.microbench import PEAK_SIZE, peak_flops
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -38,7 +39,7 @@ def timed_engine_run(engine: LLMEngine, requests) -> tuple[float, list]:
     return run_engine(engine, requests), engine.trace
 
 
-def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], output_tokens: int) -> dict:
+def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], output_tokens: int, flops: int) -> dict:
     seconds, trace = min(runs, key=lambda r: r[0])
     big = [s for s in trace if s.num_requests >= 32]
     decode = [s for s in trace if s.num_tokens == s.num_requests]
@@ -46,6 +47,8 @@ def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], output_tok
     return {
         "seconds": seconds,
         "output_tokens_per_s": output_tokens / seconds,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "model_flops_per_s": flops / seconds,  # the workload's FLOPs (ModelConfig.request_flops) per second
         "steps": len(trace),
         "overhead_share_batch_ge_32": outside,
         "mean_batch_size": sum(s.num_requests for s in trace) / len(trace),
@@ -55,11 +58,11 @@ def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], output_tok
     }
 
 
-def profile_decode(model_dir: str, requests, max_num_seqs: int, steps: int = 10) -> str:
+def profile_decode(model_dir: str, requests, config: EngineConfig, steps: int = 10) -> str:
     """torch.profiler's table of `steps` engine steps at full decode batch (after every prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=max_num_seqs))
+    engine = LLMEngine(model_dir, config)
     for i, (prompt, _) in enumerate(requests):
         engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
     while engine.scheduler.waiting or any(r.num_output_tokens < 2 for r in engine.scheduler.running):
@@ -95,8 +98,10 @@ def main(args) -> None:
     from workers.models.config import ModelConfig
 
     model_dir = resolve(args.model or "tiny")
-    requests = workload(args, ModelConfig.load(model_dir).vocab_size)
-    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=args.max_num_seqs))
+    model_cfg = ModelConfig.load(model_dir)
+    requests = workload(args, model_cfg.vocab_size)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+    engine = LLMEngine(model_dir, config)
     run_engine(engine, requests[:4])  # warm-up
     hf = None
     if not args.skip_hf:
@@ -110,15 +115,20 @@ def main(args) -> None:
         if hf is not None:
             hf_runs.append(timed_hf_run(hf, requests, args.hf_batch_size))
     output_tokens = sum(n for _, n in requests)
+    flops = sum(model_cfg.request_flops(len(p), n) for p, n in requests)
     result = {"model": model_dir, "num_requests": len(requests), "threads": torch.get_num_threads(),
-              "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, output_tokens)}
+              "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, output_tokens, flops)}
+    if args.peak:
+        result["peak_flops_per_s"] = {name: peak_flops(getattr(torch, name)) for name in ("float32", "bfloat16")}
+        result["share_of_peak"] = result["engine"]["model_flops_per_s"] / result["peak_flops_per_s"][
+            result["engine"]["dtype"]]
     if hf is not None:
         tokens_per_s = output_tokens / min(hf_runs)
         result["hf_generate"] = {"seconds": min(hf_runs), "output_tokens_per_s": tokens_per_s}
         result["ratio"] = result["engine"]["output_tokens_per_s"] / tokens_per_s
     print(json.dumps(result) if args.json else table(result, args))
     if args.profile:
-        print(profile_decode(model_dir, requests, args.max_num_seqs))
+        print(profile_decode(model_dir, requests, config))
 
 
 def table(r: dict, args) -> str:
@@ -127,7 +137,7 @@ def table(r: dict, args) -> str:
              f"outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, EOS ignored; {r['threads']} threads; "
              f"best of {r['repeat']} runs",
              f"{'':28}{'seconds':>10}{'output tok/s':>14}",
-             f"{'tokenbus engine':28}{e['seconds']:>10.2f}{e['output_tokens_per_s']:>14.0f}"]
+             f"{'tokenbus engine (' + e['dtype'] + ')':28}{e['seconds']:>10.2f}{e['output_tokens_per_s']:>14.0f}"]
     if "hf_generate" in r:
         h = r["hf_generate"]
         lines += [f"{f'HF generate (batches of {args.hf_batch_size})':28}{h['seconds']:>10.2f}"
@@ -137,5 +147,11 @@ def table(r: dict, args) -> str:
               "step time outside the model forward at batch >= 32: "
               + ("n/a (no such step)" if share is None else f"{share:.1%}"),
               f"KV waste: {e['kv_waste_slots_per_request']:.1f} allocated-but-unused slots per running request "
-              f"(block size {e['block_size']})"]
+              f"(block size {e['block_size']})",
+              f"model FLOP/s: {e['model_flops_per_s'] / 1e9:.0f} GFLOP/s"]
+    if "peak_flops_per_s" in r:
+        peak = r["peak_flops_per_s"]
+        lines += [f"the CPU's peak (one {PEAK_SIZE}-square matmul): float32 {peak['float32'] / 1e12:.2f} TFLOP/s, "
+                  f"bfloat16 {peak['bfloat16'] / 1e12:.2f} TFLOP/s; the engine reaches {r['share_of_peak']:.1%} of "
+                  f"its dtype's"]
     return "\n".join(lines)

@@ -3,9 +3,11 @@
 Each line times one choice the engine made against its alternatives, taking turns between them
 (this machine's neighbours come and go) and reporting each one's best round, in milliseconds:
 decode-attention group size, 3-D vs 4-D prefill attention, prepacked oneDNN vs sgemm linear
-layers, and the sampler's top-candidates path vs a full sort.
+layers, and the sampler's top-candidates path vs a full sort. `python -m workers.microbench peak`
+measures only the CPU's ceiling: a large matmul's FLOP/s in float32 and bfloat16.
 """
 import random
+import sys
 import time
 
 import torch
@@ -16,7 +18,7 @@ import workers.engine.sampler as sampler_module
 from schemas.sampling import SamplingParams
 from workers.distributed import SINGLE
 from workers.engine.request import Request
-from workers.layers.linear import ColumnParallelLinear, prepack_for_cpu
+from workers.layers.linear import ColumnParallelLinear, onednn, prepack_for_cpu
 
 
 def best_ms(fns: dict, rounds: int = 7, number: int = 10) -> dict[str, float]:
@@ -99,10 +101,33 @@ def top_p_sampling() -> list[str]:
             f"full sort {t['sort']:6.2f} ms"]
 
 
+PEAK_SIZE = 2048
+
+
+def peak_flops(dtype: torch.dtype, size: int = PEAK_SIZE, rounds: int = 5) -> float:
+    """FLOP/s of the best of `rounds` [size, size] x [size, size] products in one oneDNN call, the
+    weight prepacked once (the engine's linear kernel at its most efficient), at torch's current
+    thread count."""
+    weight = torch.randn(size, size).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, size)
+    x = torch.randn(size, size).to(dtype)
+    ms = best_ms({"mm": lambda: onednn(x, packed, None)}, rounds=rounds, number=2)["mm"]
+    return 2 * size ** 3 / (ms / 1e3)
+
+
+def peak() -> list[str]:
+    return [f"peak, one [{PEAK_SIZE}, {PEAK_SIZE}] x [{PEAK_SIZE}, {PEAK_SIZE}] matmul: {name} "
+            f"{peak_flops(dtype) / 1e12:.2f} TFLOP/s" for name, dtype in (("float32", torch.float32),
+                                                                          ("bfloat16", torch.bfloat16))]
+
+
 def main() -> None:
     torch.manual_seed(0)
+    if sys.argv[1:] == ["peak"]:
+        print("\n".join(peak()))
+        return
     print(f"CPU microbenchmarks, {torch.get_num_threads()} threads, best of 7 rounds of 10 calls, in turns")
-    for section in (decode_groups, prefill_layout, linear_layers, top_p_sampling):
+    for section in (decode_groups, prefill_layout, linear_layers, top_p_sampling, peak):
         print("\n".join(section()))
 
 

@@ -16,7 +16,7 @@ from workers.engine.runner import ModelRunner
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Batch
 from workers.layers.activation import silu_and_mul
-from workers.layers.linear import PACK_BATCH_HINT, linear
+from workers.layers.linear import linear, pack_hint
 from workers.models.config import ModelConfig
 
 LONG = 2000
@@ -95,9 +95,9 @@ def test_2000_token_generations_are_identical_with_1_and_2_threads(tiny_model, b
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_model):
-    runner = ModelRunner(tiny_model, ModelConfig.load(tiny_model), torch.float32, torch.device("cpu"), BLOCK)
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def runner(tiny_model, request):
+    runner = ModelRunner(tiny_model, ModelConfig.load(tiny_model), request.param, torch.device("cpu"), BLOCK)
     runner.allocate_kv(160)
     return runner
 
@@ -195,7 +195,7 @@ def test_a_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_and_at_1_or_
     gen = torch.Generator().manual_seed(inputs)
     weight = torch.randn(outputs, inputs, generator=gen) * 0.05
     x = torch.randn(37, inputs, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_hint(weight.dtype))
     with threads(2):
         batch = linear(x, weight, None, packed)
         flipped = linear(x.flip(0), weight, None, packed).flip(0)
@@ -207,8 +207,37 @@ def test_a_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_and_at_1_or_
     assert torch.equal(one_thread, batch)
 
 
-def test_silu_and_mul_gives_a_row_the_same_bits_alone_and_at_1_2_or_3_threads():
-    x = torch.randn(163, 1408, generator=torch.Generator().manual_seed(0)) * 3
+# SmolLM2's projections (q/k/v, o, gate/up, down, LM head), the tiny model's, and two wider ones
+BF16_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (256, 704), (704, 256),
+               (2048, 512), (4096, 11008)]
+
+
+@pytest.mark.parametrize("inputs, outputs", BF16_SHAPES)
+def test_a_bf16_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_of_any_size_and_at_1_2_or_3_threads(
+        inputs, outputs):
+    """oneDNN's AMX kernels alone are not: a row's bits change with the row count (from 2 rows up)
+    and, for some shapes, with the thread count (calls of fixed size fix both)."""
+    gen = torch.Generator().manual_seed(inputs + outputs)
+    weight = (torch.randn(outputs, inputs, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(150, inputs, generator=gen).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_hint(weight.dtype))
+    with threads(2):
+        batch = linear(x, weight, None, packed)
+        flipped = linear(x.flip(0), weight, None, packed).flip(0)
+        alone = torch.cat([linear(x[i:i + 1], weight, None, packed) for i in range(0, len(x), 7)])
+        sizes = [linear(x[:n], weight, None, packed) for n in (2, 5, 31, 33, 64, 100)]
+    for count in (1, 3):
+        with threads(count):
+            assert torch.equal(linear(x, weight, None, packed), batch), count
+    assert torch.equal(flipped, batch)
+    assert torch.equal(alone, batch[::7])
+    for part in sizes:
+        assert torch.equal(part, batch[:len(part)]), len(part)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_gives_a_row_the_same_bits_alone_and_at_1_2_or_3_threads(dtype):
+    x = (torch.randn(163, 1408, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     with threads(1):
         one_thread = silu_and_mul(x)
         alone = torch.cat([silu_and_mul(x[i:i + 1]) for i in range(len(x))])

@@ -4,6 +4,10 @@ import torch
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """The SwiGLU gate: silu(gate) * up, for x = [gate | up] along the last dimension. Spelled with
     exp, which torch's vector and scalar loops compute alike: F.silu's two loops differ in the last
-    bit, and which elements take which depends on the row count and the thread count."""
+    bit, and which elements take which depends on the row count and the thread count. In 16 bits the
+    SiLU is computed in float32 and rounded once, as torch's (and so HF's) F.silu does."""
     gate, up = x.chunk(2, dim=-1)
-    return gate / (1 + torch.exp(-gate)) * up
+    if x.dtype == torch.float32:
+        return gate / (1 + torch.exp(-gate)) * up
+    gate = gate.float()
+    return (gate / (1 + torch.exp(-gate))).to(x.dtype) * up

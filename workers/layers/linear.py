@@ -14,9 +14,31 @@ from workers.distributed import TPGroup
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.dtype != torch.float32:
+        return in_fixed_calls(x, packed, bias)
     if x.shape[0] == 1:  # oneDNN sums a single row in another order (seen from 2048 inputs): take the 2-row path
-        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, bias, "none", [], "")[:1]
+        return onednn(x.expand(2, -1), packed, bias)[:1]
+    return onednn(x, packed, bias)
+
+
+def onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+ROWS_PER_CALL = 32
+
+
+def in_fixed_calls(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A 16-bit linear as calls of exactly ROWS_PER_CALL rows, the last padded with zeros. oneDNN's
+    AMX kernels choose their blocking, and with several threads whether to split the sum over the
+    inputs, from the row count: at a fixed count a row's result depends neither on the other rows
+    nor on its place among them, nor (1-8 threads, tests/workers/test_batch_invariance.py) on the
+    thread count."""
+    n = x.shape[0]
+    x = F.pad(x, (0, 0, 0, -n % ROWS_PER_CALL))
+    if len(x) == ROWS_PER_CALL:
+        return onednn(x, packed, bias)[:n]
+    return torch.cat([onednn(part, packed, bias) for part in x.split(ROWS_PER_CALL)])[:n]
 
 
 def prepack_for_cpu(model: nn.Module) -> bool:
@@ -29,7 +51,8 @@ def prepack_for_cpu(model: nn.Module) -> bool:
     nothing, where oneDNN cannot take a weight."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     try:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_BATCH_HINT) for m in layers]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), pack_hint(m.weight.dtype))
+                  for m in layers]
     except (RuntimeError, AttributeError):
         return False
     for m, p in zip(layers, packed):
@@ -38,6 +61,11 @@ def prepack_for_cpu(model: nn.Module) -> bool:
 
 
 PACK_BATCH_HINT = 64
+
+
+def pack_hint(dtype: torch.dtype) -> int:
+    """The row count oneDNN lays the weight out for: the engine's typical batch, or the fixed call size."""
+    return PACK_BATCH_HINT if dtype == torch.float32 else ROWS_PER_CALL
 
 
 def copy_weight(param: torch.Tensor, loaded) -> None:

@@ -13,11 +13,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # torch's fused kernel computes exactly HF's formula in float32
+        """torch's fused kernel computes exactly HF's formula in float32; in 16 bits HF rounds the
+        normalized row to the activations' dtype before the weight scales it."""
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -44,6 +44,27 @@ class ModelConfig:
         except KeyError as e:
             raise ValueError(f"model: {path} lacks the field {e.args[0]!r}") from None
 
+    def matmul_params(self) -> int:
+        """Weights of the decoder layers' matmuls: the parameters every token multiplies through
+        (the embedding is a lookup, the norms are vectors)."""
+        d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (d * (q + 2 * kv) + q * d + 3 * d * self.intermediate_size)
+
+    def flops_per_token(self, context: int, sampled: bool = True) -> int:
+        """FLOPs (2 per multiply-add) of one token that attends to `context` positions (its own
+        included): the decoder's matmuls, the attention's scores and weighted sum, and the LM head
+        when the token is sampled."""
+        attention = 4 * self.num_layers * self.num_heads * self.head_dim * context
+        head = 2 * self.hidden_size * self.vocab_size if sampled else 0
+        return 2 * self.matmul_params() + attention + head
+
+    def request_flops(self, prompt_len: int, output_len: int) -> int:
+        """FLOPs of a whole request: every prompt token and every output token but the last is
+        computed, each at its own context; the last prompt token and the output tokens but the last
+        are sampled (output_len draws)."""
+        last = prompt_len + output_len - 1
+        return sum(self.flops_per_token(c, sampled=c >= prompt_len) for c in range(1, last + 1))
+
     @classmethod
     def from_hf(cls, c: dict, generation_eos: tuple[int, ...] = ()) -> "ModelConfig":
         kind = c.get("model_type")
