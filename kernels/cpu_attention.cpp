@@ -32,7 +32,7 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t h16_un __attribute__((vector_size(32), aligned(2)));
 
-constexpr int LANES = 16, TILE = 32, MAX_CHUNKS = 16;  // head_dim up to 256
+constexpr int LANES = 16, TILE = 64, MAX_CHUNKS = 16;  // head_dim up to 256
 
 static const float NEG_INF = -__builtin_inff();
 
