@@ -76,8 +76,8 @@ def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, plan: Plan | None = None) -> torch.Tensor:
-    """kernels.reference.unified_attention, natively: [T, Hq, D] in q's dtype. Shapes the kernel
-    does not take (other dtypes, head_dim over 256) go to the reference."""
+    """kernels.reference.unified_attention, natively: [T, Hq, D] in q's dtype. What the kernel does
+    not take (other dtypes, q's unlike the pool's, head_dim over 256) goes to the reference."""
     if not supports(q, k_cache, v_cache):
         return reference.unified_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
     if plan is None:
@@ -98,7 +98,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == v_cache.dtype == q.dtype
             and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
             and k_cache.stride(3) == 1 and q.shape[1] % k_cache.shape[2] == 0)
 

@@ -8,12 +8,17 @@
 // per tile (online softmax), and the weighted values are added key after key over the row's own
 // keys only. Which other rows share an item, a tile or a thread changes nothing.
 //
+// A float32 pool is read as it is. A bfloat16 pool's scores take bfloat16 pairs, as AVX512_BF16's
+// vdpbf16ps does (each product exact in float32, added odd element first; emulated where the CPU
+// lacks it), and its values are widened to float32; everything accumulates in float32.
+//
 // Written with GCC vector extensions (16 float lanes; one AVX-512 register where the CPU has it)
 // and built with -ffp-contract=off: the only fused multiply-adds are the explicit ones.
 #include <stdint.h>
 #include <string.h>
 
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -27,7 +32,7 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t h16_un __attribute__((vector_size(32), aligned(2)));
 
-constexpr int LANES = 16, TILE = 32, MAX_CHUNKS = 16;  // head_dim up to 256
+constexpr int LANES = 16, TILE = 64, MAX_CHUNKS = 16;  // head_dim up to 256
 
 static const float NEG_INF = -__builtin_inff();
 
@@ -40,7 +45,7 @@ static inline v16 splat(float x) {  // a broadcast (v16{} + x would add 0.0f to 
   return v;
 #endif
 }
-static inline v16 load(const float* p) {  // unaligned (memcpy: GCC's unaligned vector type goes through the stack)
+static inline v16 load(const void* p) {  // unaligned (memcpy: GCC's unaligned vector type goes through the stack)
   v16 x;
   memcpy(&x, p, sizeof x);
   return x;
@@ -55,11 +60,23 @@ static inline v16 fmadd(v16 a, v16 b, v16 c) {
 #endif
 }
 
-static inline v16 bf16_to_float(const uint16_t* p) {  // bfloat16 is float32's upper half
+static inline v16 bf16_to_float(const uint16_t* p) {  // 16 of them; bfloat16 is float32's upper half
 #if defined(__AVX512F__)
   return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 #else
   return (v16)(__builtin_convertvector(*(const h16_un*)p, u16) << 16);
+#endif
+}
+
+// acc + a . b per lane, a and b holding 16 pairs of bfloat16 each (their bit patterns): vdpbf16ps.
+static inline v16 dot_pairs(v16 acc, v16 a, v16 b) {
+#if defined(__AVX512BF16__)
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+  u16 x = (u16)a, y = (u16)b;
+  const u16 high = u16{} + 0xffff0000u;
+  acc = fmadd((v16)(x & high), (v16)(y & high), acc);  // exact products: one rounding each, as there
+  return fmadd((v16)(x << 16), (v16)(y << 16), acc);
 #endif
 }
 
@@ -127,20 +144,12 @@ static inline v16 fold1(v16 x, v16 y) {
          __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-template <int NC>
-static inline v16 partials(const v16* q, const float* k) {  // lane l: sum over chunks c of q[c][l] * k[c][l]
-  v16 s = q[0] * load(k);
-  for (int c = 1; c < NC; c++) s = fmadd(q[c], load(k + c * LANES), s);
-  return s;
-}
-
-// Scores of one query against 16 keys, in key order.
-template <int NC>
-static inline v16 dots16(const v16* q, const float* const* keys) {
+// Scores of one query against 16 keys, in key order: `partial(key)` gives a key's 16 lane sums.
+template <typename Partial, typename E>
+static inline v16 dots16(Partial partial, const E* const* keys) {
   static const int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};  // bit-reversed
   v16 a[8], b[4];
-  for (int i = 0; i < 8; i++)
-    a[i] = fold8(partials<NC>(q, keys[order[2 * i]]), partials<NC>(q, keys[order[2 * i + 1]]));
+  for (int i = 0; i < 8; i++) a[i] = fold8(partial(keys[order[2 * i]]), partial(keys[order[2 * i + 1]]));
   for (int i = 0; i < 4; i++) b[i] = fold4(a[2 * i], a[2 * i + 1]);
   return fold1(fold2(b[0], b[1]), fold2(b[2], b[3]));
 }
@@ -160,22 +169,31 @@ struct Batch {  // one call's arguments
 };
 
 struct Scratch {  // one thread's buffers; rows are padded to whole chunks
-  std::vector<float> q, acc, m, l, keys, values, p, corr;
+  std::vector<float> q, acc, m, l, p, corr;
+  std::vector<uint16_t> q16;
+  std::vector<unsigned char> keys, values;
   std::vector<int32_t> valid;
-  std::vector<const float*> kp, vp;
+  std::vector<const void*> kp, vp;
 };
 
-template <int NC>
+// E: the pool's element, float or uint16_t (bfloat16).
+template <int NC, typename E>
 struct Item {
   const Batch& a;
   Scratch& s;
   int64_t seq, first, count, h0, h1, group, start;  // start: position of the item's first query
-  static constexpr int64_t width = NC * LANES;
+  static constexpr bool BF16 = std::is_same_v<E, uint16_t>;
+  static constexpr int64_t width = NC * LANES;                              // a row of values or of q
+  static constexpr int64_t key_width = BF16 ? (NC + 1) / 2 * 2 * LANES : width;  // a key: whole pairs of lanes
+  static constexpr int64_t row = key_width > width ? key_width : width;     // a copied key or value
   static constexpr int GROUP = NC <= 4 ? 4 : 16 / NC;  // rows whose values are added together (in registers)
 
   void run() {
     int64_t rows = (h1 - h0) * count * group;
-    s.q.assign(rows * width, 0.0f);
+    if (BF16)
+      s.q16.assign(rows * key_width, 0);
+    else
+      s.q.assign(rows * width, 0.0f);
     s.acc.assign(rows * width, 0.0f);
     s.m.assign(rows, NEG_INF);
     s.l.assign(rows, 0.0f);
@@ -199,34 +217,32 @@ struct Item {
 
   int64_t position(int64_t row) const { return start + row % (count * group) / group; }
 
+  // Float32 queries times the scale; bfloat16 ones as they are (the scale goes on their scores).
   void load_queries() {
     for (int64_t h = h0; h < h1; h++)
       for (int64_t i = 0; i < count; i++)
         for (int64_t g = 0; g < group; g++) {
-          float* dst = &s.q[(((h - h0) * count + i) * group + g) * width];
+          int64_t r = ((h - h0) * count + i) * group + g;
           int64_t off = (a.cu_seqlens_q[seq] + first + i) * a.q_stride_t + (h * group + g) * a.q_stride_h;
-          for (int64_t d = 0; d < a.head_dim; d++)
-            dst[d] = (a.q_bf16 ? bf16_value(((const uint16_t*)a.q)[off + d]) : ((const float*)a.q)[off + d]) * a.scale;
+          for (int64_t d = 0; d < a.head_dim; d++) {
+            if (BF16)
+              s.q16[r * key_width + d] = ((const uint16_t*)a.q)[off + d];
+            else
+              s.q[r * width + d] = ((const float*)a.q)[off + d] * a.scale;
+          }
         }
   }
 
-  static float bf16_value(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-
-  // Pointers to the tile's keys and values of each head of the item: into the pool itself when it
-  // is float32 and rows are whole chunks, else into float32 copies. Past `keys`, a zero row.
+  // Pointers to the tile's keys and values of each head of the item: into the pool itself when its
+  // rows are whole chunks, else into zero-padded copies. Past `keys`, a zero row.
   void load_tile(int64_t base, int64_t keys) {
     int64_t heads = h1 - h0;
-    bool direct = !a.kv_bf16 && a.head_dim == width;
+    bool direct = a.head_dim == row;
     s.kp.resize(heads * TILE);
     s.vp.resize(heads * TILE);
     if (!direct) {
-      s.keys.resize(heads * TILE * width);
-      s.values.resize(heads * TILE * width);
+      s.keys.assign(heads * TILE * row * sizeof(E), 0);
+      s.values.assign(heads * TILE * row * sizeof(E), 0);
     }
     static const float zero[MAX_CHUNKS * LANES] = {};
     const int32_t* table = a.block_tables + seq * a.table_stride;
@@ -234,31 +250,19 @@ struct Item {
       int64_t pos = base + j, slot = 0;
       if (j < keys) slot = table[pos / a.block_size] * a.stride_block + pos % a.block_size * a.stride_slot;
       for (int64_t h = 0; h < heads; h++) {
-        int64_t at = h * TILE + j, off = slot + (h0 + h) * a.stride_head;
+        int64_t at = h * TILE + j;
+        const E *k = (const E*)a.k + slot + (h0 + h) * a.stride_head, *v = (const E*)a.v + slot + (h0 + h) * a.stride_head;
         if (j >= keys) {
           s.kp[at] = s.vp[at] = zero;
         } else if (direct) {
-          s.kp[at] = (const float*)a.k + off;
-          s.vp[at] = (const float*)a.v + off;
+          s.kp[at] = k;
+          s.vp[at] = v;
         } else {
-          s.kp[at] = copy_row(a.k, off, &s.keys[at * width]);
-          s.vp[at] = copy_row(a.v, off, &s.values[at * width]);
+          s.kp[at] = memcpy(&s.keys[at * row * sizeof(E)], k, a.head_dim * sizeof(E));
+          s.vp[at] = memcpy(&s.values[at * row * sizeof(E)], v, a.head_dim * sizeof(E));
         }
       }
     }
-  }
-
-  const float* copy_row(const void* src, int64_t off, float* dst) {
-    if (a.kv_bf16) {
-      const uint16_t* x = (const uint16_t*)src + off;
-      int64_t d = 0;
-      for (; d + LANES <= a.head_dim; d += LANES) store(dst + d, bf16_to_float(x + d));
-      for (; d < width; d++) dst[d] = d < a.head_dim ? bf16_value(x[d]) : 0.0f;
-    } else {
-      const float* x = (const float*)src + off;
-      for (int64_t d = 0; d < width; d++) dst[d] = d < a.head_dim ? x[d] : 0.0f;
-    }
-    return dst;
   }
 
   // Rows r .. r+n-1 (one KV head's, consecutive; n <= GROUP) against the tile at `base`.
@@ -278,17 +282,14 @@ struct Item {
   // past `valid`); updates each row's maximum and sum and sets its factor for earlier values. Done
   // stage by stage over the rows, whose chains of dependent steps then overlap.
   template <int N>
-  void weights(int64_t r, const float* const* kp) {
+  void weights(int64_t r, const void* const* kp) {
     constexpr int T = TILE / LANES;
     const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16 x[N][T];
     float before[N], now[N];
-    for (int i = 0; i < N; i++) {
-      v16 q[NC];
-      for (int c = 0; c < NC; c++) q[c] = load(&s.q[(r + i) * width + c * LANES]);
+    for (int i = 0; i < N; i++)
       for (int t = 0; t < T; t++)  // past the row's keys: -inf, the same as computing and masking
-        x[i][t] = t * LANES >= s.valid[i] ? splat(NEG_INF) : dots16<NC>(q, kp + t * LANES);
-    }
+        x[i][t] = t * LANES >= s.valid[i] ? splat(NEG_INF) : scores(r + i, (const E* const*)kp + t * LANES);
     for (int i = 0; i < N; i++) {
       float top = NEG_INF;
       for (int t = 0; t < T; t++) {
@@ -315,10 +316,39 @@ struct Item {
     }
   }
 
+  v16 scores(int64_t r, const E* const* keys) {
+    if constexpr (BF16) {
+      constexpr int K = key_width / (2 * LANES);
+      v16 q[K];
+      for (int c = 0; c < K; c++) q[c] = load(&s.q16[r * key_width + c * 2 * LANES]);
+      return dots16([&](const uint16_t* k) {
+        v16 sum = dot_pairs(v16{}, q[0], load(k));
+        for (int c = 1; c < K; c++) sum = dot_pairs(sum, q[c], load(k + c * 2 * LANES));
+        return sum;
+      }, keys) * a.scale;
+    } else {
+      v16 q[NC];
+      for (int c = 0; c < NC; c++) q[c] = load(&s.q[r * width + c * LANES]);
+      return dots16([&](const float* k) {
+        v16 sum = q[0] * load(k);
+        for (int c = 1; c < NC; c++) sum = fmadd(q[c], load(k + c * LANES), sum);
+        return sum;
+      }, keys);
+    }
+  }
+
+  static v16 value(const E* v, int c) {  // chunk c of a value row, in float32
+    if constexpr (BF16)
+      return bf16_to_float(v + c * LANES);
+    else
+      return load(v + c * LANES);
+  }
+
   // The rows' values: scaled by their correction, then each row's weighted values added key after
   // key, over its own keys only (adding a zero past them would turn a -0 into +0).
   template <int N>
-  void values(int64_t r, const float* const* vp) {
+  void values(int64_t r, const void* const* vpv) {
+    const E* const* vp = (const E* const*)vpv;
     int32_t lo = TILE, hi = 0;
     v16 acc[N][NC];
     for (int i = 0; i < N; i++) {
@@ -330,14 +360,14 @@ struct Item {
       v16 w[N];
       for (int i = 0; i < N; i++) w[i] = splat(s.p[i * TILE + j]);
       for (int c = 0; c < NC; c++) {
-        v16 x = load(vp[j] + c * LANES);
+        v16 x = value(vp[j], c);
         for (int i = 0; i < N; i++) acc[i][c] = fmadd(w[i], x, acc[i][c]);
       }
     }
     for (int32_t j = lo; j < hi; j++)  // the diagonal tile
       for (int i = 0; i < N; i++)
         if (j < s.valid[i])
-          for (int c = 0; c < NC; c++) acc[i][c] = fmadd(splat(s.p[i * TILE + j]), load(vp[j] + c * LANES), acc[i][c]);
+          for (int c = 0; c < NC; c++) acc[i][c] = fmadd(splat(s.p[i * TILE + j]), value(vp[j], c), acc[i][c]);
     for (int i = 0; i < N; i++)
       for (int c = 0; c < NC; c++) store(&s.acc[(r + i) * width + c * LANES], acc[i][c]);
   }
@@ -360,28 +390,29 @@ struct Item {
   }
 };
 
-template <int NC>
+template <int NC, typename E>
 static void run_item(const Batch& a, Scratch& s, int64_t index, int64_t heads_per_item) {
   int64_t parts = a.num_kv_heads / heads_per_item;
   const int32_t* it = a.items + index / parts * 3;
   int64_t seq = it[0], h0 = index % parts * heads_per_item;
   int64_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
-  Item<NC>{a, s, seq, it[1], it[2], h0, h0 + heads_per_item, a.num_heads / a.num_kv_heads,
+  Item<NC, E>{a, s, seq, it[1], it[2], h0, h0 + heads_per_item, a.num_heads / a.num_kv_heads,
            a.seq_lens[seq] - q_len + it[1]}.run();
 }
 
 typedef void (*ItemFn)(const Batch&, Scratch&, int64_t, int64_t);
 
 // Rows are padded to 1, 2, 4, 8 or 16 chunks (fewer variants to compile; the padding adds zeros).
-template <int NC>
+template <int NC, typename E>
 static ItemFn pick(int64_t chunks) {
   if constexpr (NC > MAX_CHUNKS) return nullptr;
-  else return chunks <= NC ? run_item<NC> : pick<2 * NC>(chunks);
+  else return chunks <= NC ? run_item<NC, E> : pick<2 * NC, E>(chunks);
 }
 
 extern "C" int paged_attention(const Batch* a, int32_t threads) {
-  ItemFn fn = pick<1>((a->head_dim + LANES - 1) / LANES);
-  if (!fn || a->num_heads % a->num_kv_heads) return -1;
+  int64_t chunks = (a->head_dim + LANES - 1) / LANES;
+  ItemFn fn = a->kv_bf16 ? pick<1, uint16_t>(chunks) : pick<1, float>(chunks);
+  if (!fn || a->num_heads % a->num_kv_heads || a->kv_bf16 != a->q_bf16) return -1;
   // few items: one per KV head, so that every thread has work
   int64_t per = a->num_items >= 4 * threads ? a->num_kv_heads : 1;
   int64_t total = a->num_items * (a->num_kv_heads / per);
