@@ -14,6 +14,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -28,20 +29,13 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 QUERY_TILE = 16    # prefill queries per work item
 MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.bfloat16)
 
 store_kv = reference.store_kv
 
 
-class Batch(ctypes.Structure):
-    """The kernel's arguments (struct Batch in cpu_attention.cpp)."""
-    _fields_ = [("q", ctypes.c_void_p), ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
-                ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("stride_block", ctypes.c_int64),
-                ("stride_slot", ctypes.c_int64), ("stride_head", ctypes.c_int64), ("out", ctypes.c_void_p),
-                ("cu_seqlens_q", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
-                ("table_stride", ctypes.c_int64), ("items", ctypes.c_void_p), ("num_items", ctypes.c_int64),
-                ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-                ("block_size", ctypes.c_int64), ("scale", ctypes.c_float), ("q_bf16", ctypes.c_int32),
-                ("kv_bf16", ctypes.c_int32)]
+LAYER = struct.Struct("<9q4qdq")  # struct Layer in cpu_attention.cpp: one layer's call
+STEP = struct.Struct("<6q")       # struct Step: the step's batch, the same for every layer
 
 
 @dataclass(slots=True)
@@ -51,6 +45,7 @@ class Plan:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     items: torch.Tensor          # int32 [N, 3]: sequence, first query, query count; costliest first
+    step: bytes = b""            # STEP: pointers to the above
 
     def to(self, device: torch.device) -> "Plan":
         return self
@@ -70,7 +65,10 @@ def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
     items.sort()
     table = torch.tensor([item[1:] for item in items], dtype=torch.int32).reshape(-1, 3)
     i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return Plan(i32(cu_seqlens_q), i32(seq_lens), i32(block_tables), table)
+    plan = Plan(i32(cu_seqlens_q), i32(seq_lens), i32(block_tables), table)
+    plan.step = STEP.pack(plan.cu_seqlens_q.data_ptr(), plan.seq_lens.data_ptr(), plan.block_tables.data_ptr(),
+                          plan.block_tables.stride(0), table.data_ptr(), len(table))
+    return plan
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,24 +81,19 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if plan is None:
         plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
     out = torch.empty(q.shape, dtype=q.dtype)
-    if not len(plan.items):
-        return out
-    batch = Batch(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
-                  out.data_ptr(), plan.cu_seqlens_q.data_ptr(), plan.seq_lens.data_ptr(),
-                  plan.block_tables.data_ptr(), plan.block_tables.stride(0), plan.items.data_ptr(), len(plan.items),
-                  q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, q.dtype == torch.bfloat16,
-                  k_cache.dtype == torch.bfloat16)
-    if library().paged_attention(ctypes.byref(batch), torch.get_num_threads()) != 0:
+    layer = LAYER.pack(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                       *k_cache.stride()[:3], out.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2],
+                       k_cache.shape[1], scale, q.dtype == torch.bfloat16)
+    if library().paged_attention(layer, plan.step, torch.get_num_threads()) != 0:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads over {k_cache.shape[2]} KV heads of "
                          f"{q.shape[2]} is not a shape it takes")
     return out
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == v_cache.dtype == q.dtype
-            and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-            and k_cache.stride(3) == 1 and q.shape[1] % k_cache.shape[2] == 0)
+    return (q.dtype in DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and q.shape[2] <= MAX_HEAD_DIM
+            and q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+            and not q.is_cuda)
 
 
 # -- the library: built once per machine, loaded once per process -----------------------------------
@@ -124,7 +117,7 @@ def library() -> ctypes.CDLL:
     global _library
     if _library is None:
         lib = ctypes.CDLL(str(build()))
-        lib.paged_attention.argtypes = [ctypes.POINTER(Batch), ctypes.c_int32]
+        lib.paged_attention.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32]
         lib.paged_attention.restype = ctypes.c_int
         _library = lib
     return _library

@@ -154,19 +154,27 @@ static inline v16 dots16(Partial partial, const E* const* keys) {
   return fold1(fold2(b[0], b[1]), fold2(b[2], b[3]));
 }
 
-struct Batch {  // one call's arguments
-  const void* q;
+// The arguments, every field 8 bytes (kernels/cpu.py packs them): one layer's call, and the
+// step's batch (the same for every layer).
+struct Layer {
+  const void* q;  // [T, Hq, D], D contiguous
   int64_t q_stride_t, q_stride_h;
-  const void *k, *v;
+  const void *k, *v;  // [blocks, block_size, Hkv, D], D contiguous
   int64_t stride_block, stride_slot, stride_head;
-  void* out;  // contiguous [T, Hq, D], q's dtype
+  void* out;  // contiguous [T, Hq, D]
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  double scale;
+  int64_t bf16;  // q, the pool and out in bfloat16 (else float32)
+};
+
+struct Step {
   const int32_t *cu_seqlens_q, *seq_lens, *block_tables;
   int64_t table_stride;
   const int32_t* items;  // [num_items, 3]: sequence, first query, query count
-  int64_t num_items, num_heads, num_kv_heads, head_dim, block_size;
-  float scale;
-  int32_t q_bf16, kv_bf16;
+  int64_t num_items;
 };
+
+struct Batch : Layer, Step {};
 
 struct Scratch {  // one thread's buffers; rows are padded to whole chunks
   std::vector<float> q, acc, m, l, p, corr;
@@ -176,12 +184,15 @@ struct Scratch {  // one thread's buffers; rows are padded to whole chunks
   std::vector<const void*> kp, vp;
 };
 
+thread_local Scratch scratch;  // kept from call to call
+
 // E: the pool's element, float or uint16_t (bfloat16).
 template <int NC, typename E>
 struct Item {
   const Batch& a;
   Scratch& s;
   int64_t seq, first, count, h0, h1, group, start;  // start: position of the item's first query
+  float scale = (float)a.scale;  // float32 arithmetic, as torch's with a Python float
   static constexpr bool BF16 = std::is_same_v<E, uint16_t>;
   static constexpr int64_t width = NC * LANES;                              // a row of values or of q
   static constexpr int64_t key_width = BF16 ? (NC + 1) / 2 * 2 * LANES : width;  // a key: whole pairs of lanes
@@ -228,7 +239,7 @@ struct Item {
             if (BF16)
               s.q16[r * key_width + d] = ((const uint16_t*)a.q)[off + d];
             else
-              s.q[r * width + d] = ((const float*)a.q)[off + d] * a.scale;
+              s.q[r * width + d] = ((const float*)a.q)[off + d] * scale;
           }
         }
   }
@@ -325,7 +336,7 @@ struct Item {
         v16 sum = dot_pairs(v16{}, q[0], load(k));
         for (int c = 1; c < K; c++) sum = dot_pairs(sum, q[c], load(k + c * 2 * LANES));
         return sum;
-      }, keys) * a.scale;
+      }, keys) * scale;
     } else {
       v16 q[NC];
       for (int c = 0; c < NC; c++) q[c] = load(&s.q[r * width + c * LANES]);
@@ -381,7 +392,7 @@ struct Item {
           float o[MAX_CHUNKS * LANES];
           for (int c = 0; c < NC; c++) store(o + c * LANES, load(&s.acc[row * width + c * LANES]) / s.l[row]);
           for (int64_t d = 0; d < a.head_dim; d++) {
-            if (a.q_bf16)
+            if (BF16)
               ((uint16_t*)a.out)[off + d] = float_to_bf16(o[d]);
             else
               ((float*)a.out)[off + d] = o[d];
@@ -409,23 +420,23 @@ static ItemFn pick(int64_t chunks) {
   else return chunks <= NC ? run_item<NC, E> : pick<2 * NC, E>(chunks);
 }
 
-extern "C" int paged_attention(const Batch* a, int32_t threads) {
+extern "C" int paged_attention(const Layer* layer, const Step* step, int32_t threads) {
+  Batch batch;
+  static_cast<Layer&>(batch) = *layer;
+  static_cast<Step&>(batch) = *step;
+  const Batch* a = &batch;
   int64_t chunks = (a->head_dim + LANES - 1) / LANES;
-  ItemFn fn = a->kv_bf16 ? pick<1, uint16_t>(chunks) : pick<1, float>(chunks);
-  if (!fn || a->num_heads % a->num_kv_heads || a->kv_bf16 != a->q_bf16) return -1;
+  ItemFn fn = a->bf16 ? pick<1, uint16_t>(chunks) : pick<1, float>(chunks);
+  if (!fn || a->num_heads % a->num_kv_heads) return -1;
   // few items: one per KV head, so that every thread has work
   int64_t per = a->num_items >= 4 * threads ? a->num_kv_heads : 1;
   int64_t total = a->num_items * (a->num_kv_heads / per);
   if (threads <= 1 || total <= 1) {
-    Scratch s;
-    for (int64_t i = 0; i < total; i++) fn(*a, s, i, per);
+    for (int64_t i = 0; i < total; i++) fn(*a, scratch, i, per);
     return 0;
   }
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
-  {
-    Scratch s;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) fn(*a, s, i, per);
-  }
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) fn(*a, scratch, i, per);
   return 0;
 }
