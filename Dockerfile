@@ -1,10 +1,12 @@
 # One image for every tokenbus service; compose.yaml picks each container's command (the same
 # `python -m ...` entry points `tokenbus up` starts). torch's PyPI wheel brings the CUDA runtime, so
-# the image runs workers on NVIDIA GPUs (with the NVIDIA container toolkit) and on CPU alike.
+# the image runs workers on NVIDIA GPUs (with the NVIDIA container toolkit) and on CPU alike. g++
+# compiles the CPU's attention kernel for the CPU it runs on, at a worker's first start.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 \
     TOKENBUS_HOME=/tmp/tokenbus
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas schemas

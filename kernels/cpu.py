@@ -31,11 +31,11 @@ QUERY_TILE = 16    # prefill queries per work item
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16)
 
-store_kv = reference.store_kv
 
 
 LAYER = struct.Struct("<9q4qdq")  # struct Layer in cpu_attention.cpp: one layer's call
 STEP = struct.Struct("<6q")       # struct Step: the step's batch, the same for every layer
+STORE = struct.Struct("<16q")     # struct Store: store_kv's arguments
 
 
 @dataclass(slots=True)
@@ -90,6 +90,21 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """kernels.reference.store_kv: token t's K/V [T, Hkv, D] into slot slot_mapping[t]; -1 skipped."""
+    if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and key.stride(2) == value.stride(2) == 1
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and not key.is_cuda):
+        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    size = key.element_size()
+    library().store_kv(STORE.pack(key.data_ptr(), value.data_ptr(), key.stride(0) * size, key.stride(1) * size,
+                                  value.stride(0) * size, value.stride(1) * size, k_cache.data_ptr(),
+                                  v_cache.data_ptr(), *(n * size for n in k_cache.stride()[:3]),
+                                  slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2] * size,
+                                  k_cache.shape[1]))
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (q.dtype in DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and q.shape[2] <= MAX_HEAD_DIM
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
@@ -119,6 +134,8 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build()))
         lib.paged_attention.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32]
         lib.paged_attention.restype = ctypes.c_int
+        lib.store_kv.argtypes = [ctypes.c_char_p]
+        lib.store_kv.restype = None
         _library = lib
     return _library
 

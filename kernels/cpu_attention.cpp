@@ -440,3 +440,26 @@ extern "C" int paged_attention(const Layer* layer, const Step* step, int32_t thr
   for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) fn(*a, scratch, i, per);
   return 0;
 }
+
+// store_kv: token t's key and value rows [Hkv, D] (strided) into slot slots[t] of the pool (slot
+// -1: a padding token, skipped). Every field 8 bytes, as kernels/cpu.py packs them.
+struct Store {
+  const char *key, *value;
+  int64_t key_stride_t, key_stride_h, value_stride_t, value_stride_h;  // in bytes, as the rest
+  char *k, *v;
+  int64_t stride_block, stride_slot, stride_head;
+  const int64_t* slots;
+  int64_t num_tokens, num_kv_heads, row_bytes, block_size;
+};
+
+extern "C" void store_kv(const Store* s) {
+  for (int64_t t = 0; t < s->num_tokens; t++) {
+    int64_t slot = s->slots[t];
+    if (slot < 0) continue;
+    int64_t at = slot / s->block_size * s->stride_block + slot % s->block_size * s->stride_slot;
+    for (int64_t h = 0; h < s->num_kv_heads; h++) {
+      memcpy(s->k + at + h * s->stride_head, s->key + t * s->key_stride_t + h * s->key_stride_h, s->row_bytes);
+      memcpy(s->v + at + h * s->stride_head, s->value + t * s->value_stride_t + h * s->value_stride_h, s->row_bytes);
+    }
+  }
+}

@@ -154,6 +154,18 @@ def test_a_querys_bits_do_not_depend_on_how_its_prefill_is_chunked():
         assert torch.equal(torch.cat([head, tail]), whole), cut
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_the_reference_writes_from_strided_rows_and_skips_padding(dtype):
+    pools = [torch.zeros(2, 3, 40, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    qkv = torch.randn(50, 15, 64).to(dtype)   # keys and values are views beside the queries, as the model's
+    slots = torch.randperm(640)[:50]
+    slots[[3, 17]] = -1
+    for pool, store in zip(pools, (reference.store_kv, cpu.store_kv)):
+        store(qkv[:, 9:12], qkv[:, 12:15], pool[0, 1], pool[1, 1], slots)
+    assert torch.equal(pools[1], pools[0])
+    assert torch.count_nonzero(pools[1][:, 1]) == 2 * 48 * 3 * 64
+
+
 # -- the build and the engine's choice ---------------------------------------------------------------
 
 def test_a_build_without_avx512_equals_the_reference_and_is_batch_invariant(monkeypatch):
