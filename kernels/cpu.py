@@ -34,7 +34,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 LAYER = struct.Struct("<9q4qdq")  # struct Layer in cpu_attention.cpp: one layer's call
-STEP = struct.Struct("<6q")       # struct Step: the step's batch, the same for every layer
+STEP = struct.Struct("<7q")       # struct Step: the step's batch, the same for every layer
 STORE = struct.Struct("<16q")     # struct Store: store_kv's arguments
 
 
@@ -45,7 +45,7 @@ class Plan:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     items: torch.Tensor          # int32 [N, 3]: sequence, first query, query count; costliest first
-    step: bytes = b""            # STEP: pointers to the above
+    step: bytes = b""            # STEP: pointers to the above, and the (query, key) pairs at most
 
     def to(self, device: torch.device) -> "Plan":
         return self
@@ -67,7 +67,7 @@ def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
     i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
     plan = Plan(i32(cu_seqlens_q), i32(seq_lens), i32(block_tables), table)
     plan.step = STEP.pack(plan.cu_seqlens_q.data_ptr(), plan.seq_lens.data_ptr(), plan.block_tables.data_ptr(),
-                          plan.block_tables.stride(0), table.data_ptr(), len(table))
+                          plan.block_tables.stride(0), table.data_ptr(), len(table), -sum(i[0] for i in items))
     return plan
 
 

@@ -33,6 +33,8 @@ typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t h16_un __attribute__((vector_size(32), aligned(2)));
 
 constexpr int LANES = 16, TILE = 64, MAX_CHUNKS = 16;  // head_dim up to 256
+constexpr int64_t PARALLEL = 8192;  // (row, key) pairs from which a call takes threads: below, under
+                                    // 0.1 ms of work, waking them would cost more than it saves
 
 static const float NEG_INF = -__builtin_inff();
 
@@ -172,6 +174,7 @@ struct Step {
   int64_t table_stride;
   const int32_t* items;  // [num_items, 3]: sequence, first query, query count
   int64_t num_items;
+  int64_t pairs;  // (query, key) pairs over all items, at most
 };
 
 struct Batch : Layer, Step {};
@@ -431,7 +434,7 @@ extern "C" int paged_attention(const Layer* layer, const Step* step, int32_t thr
   // few items: one per KV head, so that every thread has work
   int64_t per = a->num_items >= 4 * threads ? a->num_kv_heads : 1;
   int64_t total = a->num_items * (a->num_kv_heads / per);
-  if (threads <= 1 || total <= 1) {
+  if (threads <= 1 || total <= 1 || a->pairs * a->num_heads < PARALLEL) {
     for (int64_t i = 0; i < total; i++) fn(*a, scratch, i, per);
     return 0;
   }
