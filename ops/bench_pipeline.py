@@ -11,8 +11,14 @@ same for both sides) so no prefix cache carries over:
   the pipeline; the engine's TTFT is add_request → the step that yields the first token, the
   pipeline's is the client's send → the first delta frame. What the pipeline adds is the median
   of the per-request differences (the median over rounds of each round's median).
+
+Where the pipeline's time goes: the CPU time each process of the stack (and the client, this
+process) used in the best throughput round, in cores (CPU seconds / wall seconds): on a machine with
+few cores every core-second another process takes is taken from the worker's engine. With
+--bus-stats, one more (untimed) round counts the messages on the bus per output token, by subject.
 """
 import asyncio
+import os
 import random
 import statistics
 import tempfile
@@ -20,10 +26,12 @@ import time
 from pathlib import Path
 
 import orjson
+import torch
 import websockets
 
 from ops.procs import free_port
 from ops.up import Stack
+from schemas import subjects
 from schemas.sampling import SamplingParams
 from workers import LLM
 from workers.engine.engine import LLMEngine
@@ -38,11 +46,56 @@ def workload(seed: int, n: int, input_len, output_len, vocab: int) -> list[tuple
 
 # -- the engine side ------------------------------------------------------------------------------
 
-def engine_throughput(llm: LLM, requests) -> float:
+def engine_run(llm: LLM, requests) -> tuple[int, float]:
+    """The output tokens of every request, and the seconds they took."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
     outs = llm.generate([prompt for prompt, _ in requests], params)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - start
+
+
+# -- where the CPU goes ---------------------------------------------------------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user + system CPU time process `pid` has used, all its threads together."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()   # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def measured(pids: dict[str, int], run, *args) -> tuple[float, dict[str, dict[str, float]]]:
+    """The output tokens/s of run(*args) (which returns tokens and seconds), and the CPU each process used
+    meanwhile: in cores (CPU seconds / wall seconds) and in microseconds per output token."""
+    before, start = {name: cpu_seconds(pid) for name, pid in pids.items()}, time.perf_counter()
+    tokens, seconds = run(*args)
+    wall = time.perf_counter() - start
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    return tokens / seconds, {name: {"cores": cpu / wall, "us_per_token": cpu / tokens * 1e6}
+                              for name, cpu in used.items()}
+
+
+async def bus_counts(nats_url: str, url: str, requests) -> dict[str, float]:
+    """Messages on the bus per output token during one pipeline run, by subject (the first two tokens
+    of it; a request or worker id in it counted as `*`). Counting subscribes to everything, which costs
+    the server a copy of each message: this round is not timed."""
+    counts: dict[str, int] = {}
+
+    async def count(msg) -> None:
+        parts = msg.subject.split(".")
+        key = f"{parts[0]}.*" if parts[0].startswith("_INBOX") else ".".join(parts[:2]) + ".*" * (len(parts) > 2)
+        counts[key] = counts.get(key, 0) + 1
+
+    nc = await subjects.connect(nats_url, "bench-pipeline", role="admin")
+    try:
+        await nc.subscribe(">", cb=count)
+        tokens, _ = await pipeline_run(url, requests)
+        await nc.flush()
+    finally:
+        await nc.close()
+    return {k: round(v / tokens, 3) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
 def engine_ttft(engine: LLMEngine, rid: str, prompt: list[int], n: int) -> float:
@@ -62,7 +115,13 @@ def frame(i: int, prompt: list[int], n: int) -> str:
                          "temperature": 0, "ignore_eos": True}).decode()
 
 
-async def pipeline_throughput(url: str, requests) -> float:
+def pipeline_throughput(url: str, requests) -> tuple[int, float]:
+    return asyncio.run(pipeline_run(url, requests))
+
+
+async def pipeline_run(url: str, requests) -> tuple[int, float]:
+    """Sends every request at once on one websocket: the output tokens of all, and the seconds from the
+    first send to the last done frame."""
     async with websockets.connect(url, max_size=None) as ws:
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(requests):
@@ -75,7 +134,7 @@ async def pipeline_throughput(url: str, requests) -> float:
             if msg["type"] == "done":
                 tokens += msg["usage"]["completion_tokens"]
                 pending -= 1
-        return tokens / (time.perf_counter() - start)
+        return tokens, time.perf_counter() - start
 
 
 async def paired_ttfts(url: str, engine: LLMEngine, requests) -> list[tuple[float, float]]:
@@ -101,15 +160,23 @@ async def paired_ttfts(url: str, engine: LLMEngine, requests) -> list[tuple[floa
 
 def main(args) -> dict:
     model = resolve(args.model or "tiny")
-    engine_args = ["--max-num-seqs", str(args.max_num_seqs)]
-    llm = LLM(model, max_num_seqs=args.max_num_seqs)
+    options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
+    worker_args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items() if v is not None]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        worker_args.append(f"--threads={args.threads}")
+    llm = LLM(model, **options)
     vocab = llm.engine.model_cfg.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(model, free_port(), Path(tmp), nats_port=free_port(), workers=1, worker_args=engine_args)
+        stack = Stack(model, free_port(), Path(tmp), nats_port=free_port(), workers=1, worker_args=worker_args)
         try:
             stack.start()
             stack.wait_ready()
-            results = rounds(args, llm, stack.url, vocab)
+            pids = {"worker" if name == "w0" else name: p.pid for name, p in stack.children.items()}
+            results = rounds(args, llm, stack.url, vocab, {**pids, "client": os.getpid()})
+            if args.bus_stats:
+                batch = workload(args.seed, args.num_requests, args.input_len, args.output_len, vocab)
+                results["bus"] = asyncio.run(bus_counts(stack.nats_url, stack.url, batch))
         finally:
             stack.stop()
     report = summary(args, results)
@@ -117,38 +184,56 @@ def main(args) -> dict:
     return report
 
 
-def rounds(args, llm: LLM, url: str, vocab: int) -> dict[str, list]:
-    results = {"engine_tps": [], "pipeline_tps": [], "engine_ttft": [], "pipeline_ttft": [], "ttft_added": []}
+def rounds(args, llm: LLM, url: str, vocab: int, pids: dict[str, int]) -> dict[str, list]:
+    results = {"engine_tps": [], "pipeline_tps": [], "engine_cpu": [], "pipeline_cpu": [],
+               "engine_ttft": [], "pipeline_ttft": [], "ttft_added": []}
     warm = workload(args.seed - 1, 4, (16, 32), (4, 8), vocab)
-    engine_throughput(llm, warm)
-    asyncio.run(pipeline_throughput(url, warm))
+    engine_run(llm, warm)
+    pipeline_throughput(url, warm)
     for r in range(args.repeat):
         batch = workload(args.seed + r, args.num_requests, args.input_len, args.output_len, vocab)
-        single = workload(args.seed + 1000 + r, args.ttft_requests, args.input_len, (args.ttft_output_len,) * 2, vocab)
-        results["engine_tps"].append(engine_throughput(llm, batch))
-        results["pipeline_tps"].append(asyncio.run(pipeline_throughput(url, batch)))
-        pairs = asyncio.run(paired_ttfts(url, llm.engine, single))
-        results["engine_ttft"].append(statistics.median(e for e, _ in pairs))
-        results["pipeline_ttft"].append(statistics.median(p for _, p in pairs))
-        results["ttft_added"].append(statistics.median(p - e for e, p in pairs))
+        tps, used = measured({"engine": os.getpid()}, engine_run, llm, batch)
+        results["engine_tps"].append(tps)
+        results["engine_cpu"].append(used)
+        tps, used = measured(pids, pipeline_throughput, url, batch)
+        results["pipeline_tps"].append(tps)
+        results["pipeline_cpu"].append(used)
+        if args.ttft_requests:
+            single = workload(args.seed + 1000 + r, args.ttft_requests, args.input_len, (args.ttft_output_len,) * 2,
+                              vocab)
+            pairs = asyncio.run(paired_ttfts(url, llm.engine, single))
+            results["engine_ttft"].append(statistics.median(e for e, _ in pairs))
+            results["pipeline_ttft"].append(statistics.median(p for _, p in pairs))
+            results["ttft_added"].append(statistics.median(p - e for e, p in pairs))
     return results
 
 
 def summary(args, results: dict[str, list]) -> dict:
-    e_tps, p_tps = max(results["engine_tps"]), max(results["pipeline_tps"])
-    e_ttft, p_ttft = min(results["engine_ttft"]), min(results["pipeline_ttft"])
-    added = statistics.median(results["ttft_added"])
+    e_best = max(range(args.repeat), key=results["engine_tps"].__getitem__)
+    p_best = max(range(args.repeat), key=results["pipeline_tps"].__getitem__)
+    e_tps, p_tps = results["engine_tps"][e_best], results["pipeline_tps"][p_best]
+    ttft = bool(results["ttft_added"])
+    rounded = {k: [round(v, 2) for v in vs] for k, vs in results.items() if k.endswith(("_tps", "_ttft", "_added"))}
     return {
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-                     "ttft_requests": args.ttft_requests, "max_num_seqs": args.max_num_seqs, "repeat": args.repeat},
+                     "ttft_requests": args.ttft_requests, "max_num_seqs": args.max_num_seqs, "repeat": args.repeat,
+                     "dtype": args.dtype, "threads": args.threads},
         "engine_output_tokens_per_s": round(e_tps, 1),
         "pipeline_output_tokens_per_s": round(p_tps, 1),
         "throughput_ratio": round(p_tps / e_tps, 3),
-        "engine_ttft_ms_median": round(e_ttft, 2),
-        "pipeline_ttft_ms_median": round(p_ttft, 2),
-        "ttft_added_ms_median": round(added, 2),
-        "rounds": {k: [round(v, 2) for v in vs] for k, vs in results.items()},
+        "engine_ttft_ms_median": round(min(results["engine_ttft"]), 2) if ttft else None,
+        "pipeline_ttft_ms_median": round(min(results["pipeline_ttft"]), 2) if ttft else None,
+        "ttft_added_ms_median": round(statistics.median(results["ttft_added"]), 2) if ttft else None,
+        "engine_cpu": rounded_cpu(results["engine_cpu"][e_best]),
+        "pipeline_cpu": rounded_cpu(results["pipeline_cpu"][p_best]),
+        "bus_messages_per_token": results.get("bus"),
+        "rounds": rounded,
     }
+
+
+def rounded_cpu(used: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {name: {"cores": round(u["cores"], 3), "us_per_token": round(u["us_per_token"], 1)}
+            for name, u in used.items()}
 
 
 def table(r: dict) -> str:
@@ -160,6 +245,11 @@ def table(r: dict) -> str:
         f"{'':24}{'engine':>12}{'pipeline':>12}{'ratio / added':>16}",
         f"{'output tokens/s':24}{r['engine_output_tokens_per_s']:>12.1f}{r['pipeline_output_tokens_per_s']:>12.1f}"
         f"{r['throughput_ratio']:>15.1%}",
-        f"{'TTFT median (ms)':24}{r['engine_ttft_ms_median']:>12.2f}{r['pipeline_ttft_ms_median']:>12.2f}"
-        f"{r['ttft_added_ms_median']:>+15.2f}",
+        *([f"{'TTFT median (ms)':24}{r['engine_ttft_ms_median']:>12.2f}{r['pipeline_ttft_ms_median']:>12.2f}"
+           f"{r['ttft_added_ms_median']:>+15.2f}"] if r["ttft_added_ms_median"] is not None else []),
+        "CPU in the best round (cores; µs per output token):",
+        *(f"  {side:9}{name:10}{u['cores']:>6.2f}{u['us_per_token']:>10.1f}"
+          for side in ("engine", "pipeline") for name, u in r[f"{side}_cpu"].items()),
+        *([f"bus messages per output token: {', '.join(f'{k} {v:g}' for k, v in bus.items())}"]
+          if (bus := r["bus_messages_per_token"]) else []),
     ])

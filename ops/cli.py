@@ -190,6 +190,10 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine batch at most")
     bp.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bp.add_argument("--repeat", type=int, default=5, help="rounds per side; the best counts")
+    bp.add_argument("--dtype", help="the engine's dtype on both sides, e.g. bfloat16 (default: the engine's)")
+    bp.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
+    bp.add_argument("--bus-stats", action="store_true",
+                    help="one more, untimed round that counts the bus's messages per output token, by subject")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
