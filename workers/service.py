@@ -57,6 +57,8 @@ FETCH_BATCH = 64
 USAGE_BACKUP_SECONDS = 5.0     # the worker's usage record waits for the gateway's (same message id) to win
 INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
 PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
+CHUNK_RATE = 1000.0            # chunks per second a worker publishes at most, all its streams together (default)
+MAX_CHUNK_INTERVAL = 0.1       # seconds a stream's tokens wait for its next chunk at most
 DROP_CHUNKS = "TB_TEST_DROP_CHUNKS"   # test hook, off when unset: "2,final" drops chunk 2 and the final chunk
                                       # of every request on tb.out (the gateway must recover them)
 
@@ -75,6 +77,7 @@ class Running:
     first_token: float = 0.0
     sent: int = 0                   # output tokens published
     seq: int = 0                    # chunks published
+    published: float = 0.0          # time.time() of its last chunk
     subject: str = ""               # tb.out.<request id>
     strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
 
@@ -85,9 +88,10 @@ class Running:
 
 
 class WorkerService:
-    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log):
+    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log, chunk_rate: float = CHUNK_RATE):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
+        self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
         self.running: dict[str, Running] = {}
         self.cancelled: dict[str, float] = {}        # cancels that came before their request
         self.finished = 0
@@ -145,29 +149,38 @@ class WorkerService:
             except Exception as e:               # a failure no request could be blamed for: stop
                 self.fail(e)
                 return
-            now = time.time()
+            now, interval = time.time(), self.chunk_interval()
             for req in updated:
-                await self.emit(req, now)
+                await self.emit(req, now, interval)
             if self.engine.kv.changes:
                 await self.publish_kv()
             for _ in range(INTAKE_TURNS):        # fetches, cancels, acks, heartbeats
                 await asyncio.sleep(0)
 
-    async def emit(self, req: Request, now: float) -> None:
+    def chunk_interval(self) -> float:
+        """Seconds between two chunks of a stream, at least: under load (more streams than chunk_rate
+        allows at a chunk per step each) a chunk carries the tokens of several steps. Each chunk costs
+        every stage downstream (nats-server, the gateway, the client) about as much as its tokens."""
+        return min(len(self.running) / self.chunk_rate, MAX_CHUNK_INTERVAL) if self.chunk_rate else 0.0
+
+    async def emit(self, req: Request, now: float, interval: float = 0.0) -> None:
+        """Publishes the request's tokens not sent yet: the first at once, the last with the final chunk,
+        the others once `interval` has passed since the stream's last chunk."""
         run = self.running.get(req.request_id)
         if run is None:
             return
-        out = req.output_token_ids
-        new = out[run.sent:]
-        self.generation_tokens += len(new)
+        new = req.token_ids[req.num_prompt_tokens + run.sent:]
         if new and not run.first_token:
             run.first_token = now
+        if not req.finished and (not new or (run.seq and now - run.published < interval)):
+            return                               # nothing new, or held for the stream's next chunk
+        self.generation_tokens += len(new)
         if req.finished:
             await self.end(run, req, new, now)
-        elif new:
+        else:
             chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail,
                                max(req.num_cached_tokens, 0) if run.seq == 0 else 0, logprobs(req, run.sent))
-            run.seq, run.sent = run.seq + 1, len(out)
+            run.seq, run.sent, run.published = run.seq + 1, run.sent + len(new), now
             if not self.drops or str(chunk.seq) not in self.drops:     # the test hook, off: one falsy check
                 await self.nc.publish(run.subject, encode(chunk))
 
@@ -584,6 +597,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
                    "the tokens do not depend on it")
+    p.add_argument("--chunk-rate", type=float, default=CHUNK_RATE,
+                   help=f"token chunks per second this worker publishes at most, all streams together: with more "
+                        f"streams, each chunk carries several steps' tokens, at most {MAX_CHUNK_INTERVAL:g} s apart; "
+                        f"0: one chunk per stream per step (default {CHUNK_RATE:g})")
     return p
 
 
@@ -609,7 +626,7 @@ async def serve(args) -> None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
-        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
+        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log, args.chunk_rate)
         service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
