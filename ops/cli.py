@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-from schemas.subjects import MAX_TOKENS
+from schemas.subjects import CHUNK_RATE, MAX_TOKENS
 from services.router.policy import POLICIES
 
 ENVIRONMENT = """environment:
@@ -289,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
                    help="requests in one worker's batch at most; more wait in its queue (default: 64)")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
+    u.add_argument("--chunk-rate", type=float, metavar="N",
+                   help="token chunks per second each worker publishes at most, all its streams together; under more "
+                        f"load a chunk carries several steps' tokens; 0: a chunk per step (default: {CHUNK_RATE:g})")
     u.set_defaults(func=delegate("ops.up"))
 
     bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "

@@ -57,8 +57,6 @@ FETCH_BATCH = 64
 USAGE_BACKUP_SECONDS = 5.0     # the worker's usage record waits for the gateway's (same message id) to win
 INTAKE_TURNS = 4               # event-loop turns between steps: a message takes a few to reach its handler
 PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
-CHUNK_RATE = 1000.0            # chunks per second a worker publishes at most, all its streams together (default)
-MAX_CHUNK_INTERVAL = 0.1       # seconds a stream's tokens wait for its next chunk at most
 DROP_CHUNKS = "TB_TEST_DROP_CHUNKS"   # test hook, off when unset: "2,final" drops chunk 2 and the final chunk
                                       # of every request on tb.out (the gateway must recover them)
 
@@ -88,7 +86,8 @@ class Running:
 
 
 class WorkerService:
-    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log, chunk_rate: float = CHUNK_RATE):
+    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
+                 chunk_rate: float = subjects.CHUNK_RATE):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
         self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
@@ -161,7 +160,7 @@ class WorkerService:
         """Seconds between two chunks of a stream, at least: under load (more streams than chunk_rate
         allows at a chunk per step each) a chunk carries the tokens of several steps. Each chunk costs
         every stage downstream (nats-server, the gateway, the client) about as much as its tokens."""
-        return min(len(self.running) / self.chunk_rate, MAX_CHUNK_INTERVAL) if self.chunk_rate else 0.0
+        return min(len(self.running) / self.chunk_rate, subjects.MAX_CHUNK_INTERVAL) if self.chunk_rate else 0.0
 
     async def emit(self, req: Request, now: float, interval: float = 0.0) -> None:
         """Publishes the request's tokens not sent yet: the first at once, the last with the final chunk,
@@ -597,11 +596,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
                    "the tokens do not depend on it")
-    p.add_argument("--chunk-rate", type=float, default=CHUNK_RATE,
+    p.add_argument("--chunk-rate", type=rate, default=subjects.CHUNK_RATE,
                    help=f"token chunks per second this worker publishes at most, all streams together: with more "
-                        f"streams, each chunk carries several steps' tokens, at most {MAX_CHUNK_INTERVAL:g} s apart; "
-                        f"0: one chunk per stream per step (default {CHUNK_RATE:g})")
+                        f"streams, each chunk carries several steps' tokens, at most {subjects.MAX_CHUNK_INTERVAL:g} s "
+                        f"apart; 0: one chunk per stream per step (default {subjects.CHUNK_RATE:g})")
     return p
+
+
+def rate(text: str) -> float:
+    with contextlib.suppress(ValueError):
+        if 0 <= (value := float(text)) < float("inf"):
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r}: expected chunks per second, a number from 0 up")
 
 
 def engine_config(args) -> EngineConfig:

@@ -13,7 +13,6 @@ from schemas import subjects
 from schemas.log import configure
 from schemas.messages import FinalChunk, TokenChunk, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
-from workers import service as service_module
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.service import WorkerService
 
@@ -109,7 +108,7 @@ def test_a_burst_of_work_items_enters_the_engine_together_not_a_step_apart(nats_
 
 @pytest.mark.parametrize("chunk_rate", [1.0, 0.0])
 def test_chunks_carry_every_token_once_in_order_the_first_at_once(nats_url, engine, monkeypatch, chunk_rate):
-    monkeypatch.setattr(service_module, "MAX_CHUNK_INTERVAL", 0.5)   # 3 streams at 1 chunk/s: 0.5 s apart
+    monkeypatch.setattr(subjects, "MAX_CHUNK_INTERVAL", 0.5)         # 3 streams at 1 chunk/s: 0.5 s apart
     prompts = {f"s{chunk_rate:g}-{i}": [11, 12 + i, 13] for i in range(3)}
     want = {rid: offline(engine, rid, prompt) for rid, prompt in prompts.items()}
 
