@@ -13,10 +13,14 @@ same for both sides) so no prefix cache carries over:
   of the per-request differences (the median over rounds of each round's median).
 
 Where the pipeline's time goes: the CPU time each process of the stack (and the client, this
-process) used in the best throughput round, in cores (CPU seconds / wall seconds): on a machine with
-few cores every core-second another process takes is taken from the worker's engine. With
---bus-stats, one more (untimed) round counts the messages on the bus per output token, by subject.
+process) used in the best throughput round, in cores (CPU seconds / wall seconds) and per output
+token: on a machine with few cores every core-second another process takes is taken from the
+worker's engine. With --bus-stats, one more (untimed) round counts the messages on the bus per
+output token, by subject. With --stand-in STEP_MS the worker's engine is a stand-in (`python -m
+ops.bench_pipeline`, this module's other half) whose step sleeps STEP_MS and gives every running
+request a token: the pipeline alone at a given engine speed, its CPU per token free of the engine's.
 """
+import argparse
 import asyncio
 import os
 import random
@@ -24,6 +28,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import orjson
 import torch
@@ -36,10 +41,14 @@ from websockets.uri import parse_uri
 from ops.procs import free_port
 from ops.up import Stack
 from schemas import subjects
+from schemas.log import configure
 from schemas.sampling import SamplingParams
 from workers import LLM
 from workers.engine.engine import LLMEngine
+from workers.engine.request import Request, Status
 from workers.models.catalogue import resolve
+from workers.models.gguf import hf_dir
+from workers.service import WorkerService, rate
 
 
 def workload(seed: int, n: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:
@@ -204,21 +213,99 @@ async def paired_ttfts(url: str, engine: LLMEngine, requests) -> list[tuple[floa
     return pairs
 
 
+# -- the stand-in engine (--stand-in; python -m ops.bench_pipeline) ------------------------------
+
+class StandIn:
+    """The engine as the worker service uses it, without a model: a step sleeps `step_ms` (the forward,
+    using no CPU, so that what the pipeline costs is all that is measured) and gives each running
+    request (the first max_num_seqs, in arrival order) one random token; a request ends at max_tokens."""
+
+    def __init__(self, step_ms: float, max_num_seqs: int, vocab: int, block_size: int = 16):
+        self.step_s, self.vocab, self.rng = step_ms / 1e3, vocab, random.Random(0)
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
+        self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
+                                  num_blocks_for=lambda n: -(-n // block_size))
+        self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[])
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None = None,
+                    output=(), isolate: bool = False) -> Request:
+        req = Request(rid, [*prompt, *output], len(prompt), params, 0, self.config.block_size, salt)
+        req.num_resumed_tokens = req.num_cached_tokens = 0
+        self.requests[rid] = req
+        return req
+
+    def abort(self, rid: str) -> Request | None:
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def check_alive(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        n, cap = len(self.requests), self.config.max_num_seqs
+        return {"running": min(n, cap), "waiting": max(n - cap, 0), "kv_blocks_total": self.kv.num_blocks,
+                "kv_blocks_free": self.kv.num_blocks, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                "preemptions": 0}
+
+    def step(self) -> list[Request]:
+        time.sleep(self.step_s)
+        batch = list(self.requests.values())[:self.config.max_num_seqs]
+        for req in batch:
+            req.append(self.rng.randrange(self.vocab))
+            if req.num_output_tokens >= req.params.max_tokens:
+                req.status, req.finish_reason = Status.FINISHED, "length"
+                del self.requests[req.request_id]
+        return batch
+
+
+async def serve_stand_in(args) -> None:
+    """A worker process whose engine is a StandIn: the real WorkerService around it."""
+    log = configure("worker").bind(worker="w0")
+    nc = await subjects.connect(args.nats_url, "worker-w0", log, role="worker")
+    engine = StandIn(args.step_ms, args.max_num_seqs, args.vocab)
+    await WorkerService(nc, engine, "w0", "stand-in", log, args.chunk_rate).run()
+
+
+STAND_IN_ARGS = ("--max-num-seqs=", "--chunk-rate=")     # the worker's options a stand-in takes too
+
+
+def stand_in_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ops.bench_pipeline", description="A worker with a stand-in engine.")
+    p.add_argument("--nats-url", required=True)
+    p.add_argument("--step-ms", type=float, required=True, help="milliseconds one step sleeps")
+    p.add_argument("--vocab", type=int, required=True, help="token ids are drawn below this")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--chunk-rate", type=rate, default=subjects.CHUNK_RATE)
+    return p
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 def main(args) -> dict:
     model = resolve(args.model or "tiny")
     options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
     worker_args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items() if v is not None]
+    worker_args += [f"--chunk-rate={args.chunk_rate}"] if args.chunk_rate is not None else []
     if args.threads:
         torch.set_num_threads(args.threads)
         worker_args.append(f"--threads={args.threads}")
-    llm = LLM(model, **options)
-    vocab = llm.engine.model_cfg.vocab_size
+    llm = LLM(model, **options) if args.stand_in is None else None
+    vocab = orjson.loads(Path(hf_dir(model), "config.json").read_bytes())["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(model, free_port(), Path(tmp), nats_port=free_port(), workers=1, worker_args=worker_args)
+        stack = Stack(model, free_port(), Path(tmp), nats_port=free_port(), workers=int(llm is not None),
+                      worker_args=worker_args)
         try:
             stack.start()
+            if llm is None:
+                stack.spawn("w0", "ops.bench_pipeline", "--nats-url", stack.nats_url, f"--step-ms={args.stand_in}",
+                            f"--vocab={vocab}", *(a for a in worker_args if a.startswith(STAND_IN_ARGS)), role="worker")
+                stack.workers = 1
             stack.wait_ready()
             pids = {"worker" if name == "w0" else name: p.pid for name, p in stack.children.items()}
             results = rounds(args, llm, stack.url, vocab, {**pids, "client": os.getpid()})
@@ -232,21 +319,24 @@ def main(args) -> dict:
     return report
 
 
-def rounds(args, llm: LLM, url: str, vocab: int, pids: dict[str, int]) -> dict[str, list]:
+def rounds(args, llm: LLM | None, url: str, vocab: int, pids: dict[str, int]) -> dict[str, list]:
+    """The sides in turns, round by round (the pipeline alone with a stand-in engine: llm None)."""
     results = {"engine_tps": [], "pipeline_tps": [], "engine_cpu": [], "pipeline_cpu": [],
                "engine_ttft": [], "pipeline_ttft": [], "ttft_added": []}
     warm = workload(args.seed - 1, 4, (16, 32), (4, 8), vocab)
-    engine_run(llm, warm)
+    if llm is not None:
+        engine_run(llm, warm)
     pipeline_throughput(url, warm)
     for r in range(args.repeat):
         batch = workload(args.seed + r, args.num_requests, args.input_len, args.output_len, vocab)
-        tps, used = measured({"engine": os.getpid()}, engine_run, llm, batch)
-        results["engine_tps"].append(tps)
-        results["engine_cpu"].append(used)
+        if llm is not None:
+            tps, used = measured({"engine": os.getpid()}, engine_run, llm, batch)
+            results["engine_tps"].append(tps)
+            results["engine_cpu"].append(used)
         tps, used = measured(pids, pipeline_throughput, url, batch)
         results["pipeline_tps"].append(tps)
         results["pipeline_cpu"].append(used)
-        if args.ttft_requests:
+        if llm is not None and args.ttft_requests:
             single = workload(args.seed + 1000 + r, args.ttft_requests, args.input_len, (args.ttft_output_len,) * 2,
                               vocab)
             pairs = asyncio.run(paired_ttfts(url, llm.engine, single))
@@ -257,23 +347,31 @@ def rounds(args, llm: LLM, url: str, vocab: int, pids: dict[str, int]) -> dict[s
 
 
 def summary(args, results: dict[str, list]) -> dict:
-    e_best = max(range(args.repeat), key=results["engine_tps"].__getitem__)
-    p_best = max(range(args.repeat), key=results["pipeline_tps"].__getitem__)
-    e_tps, p_tps = results["engine_tps"][e_best], results["pipeline_tps"][p_best]
+    def best(side: str) -> tuple[float | None, dict]:
+        tps = results[f"{side}_tps"]
+        if not tps:
+            return None, {}
+        i = max(range(len(tps)), key=tps.__getitem__)
+        return tps[i], rounded_cpu(results[f"{side}_cpu"][i])
+
+    (e_tps, e_cpu), (p_tps, p_cpu) = best("engine"), best("pipeline")
     ttft = bool(results["ttft_added"])
     rounded = {k: [round(v, 2) for v in vs] for k, vs in results.items() if k.endswith(("_tps", "_ttft", "_added"))}
     return {
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
                      "ttft_requests": args.ttft_requests, "max_num_seqs": args.max_num_seqs, "repeat": args.repeat,
-                     "dtype": args.dtype, "threads": args.threads},
-        "engine_output_tokens_per_s": round(e_tps, 1),
+                     "dtype": args.dtype, "threads": args.threads, "chunk_rate": args.chunk_rate,
+                     "stand_in_step_ms": args.stand_in},
+        "engine_output_tokens_per_s": round(e_tps, 1) if e_tps else None,
         "pipeline_output_tokens_per_s": round(p_tps, 1),
-        "throughput_ratio": round(p_tps / e_tps, 3),
+        "throughput_ratio": round(p_tps / e_tps, 3) if e_tps else None,
         "engine_ttft_ms_median": round(min(results["engine_ttft"]), 2) if ttft else None,
         "pipeline_ttft_ms_median": round(min(results["pipeline_ttft"]), 2) if ttft else None,
         "ttft_added_ms_median": round(statistics.median(results["ttft_added"]), 2) if ttft else None,
-        "engine_cpu": rounded_cpu(results["engine_cpu"][e_best]),
-        "pipeline_cpu": rounded_cpu(results["pipeline_cpu"][p_best]),
+        "engine_cpu": e_cpu,
+        "pipeline_cpu": p_cpu,
+        "pipeline_cpu_but_worker": {k: round(sum(u[k] for name, u in p_cpu.items() if name != "worker"), 3)
+                                    for k in ("cores", "us_per_token")},
         "bus_messages_per_token": results.get("bus"),
         "rounds": rounded,
     }
@@ -286,18 +384,27 @@ def rounded_cpu(used: dict[str, dict[str, float]]) -> dict[str, dict[str, float]
 
 def table(r: dict) -> str:
     w = r["workload"]
+    stand_in = w["stand_in_step_ms"] is not None
     return "\n".join([
         f"workload: {w['num_requests']} requests at once, prompts {w['input_len'][0]}-{w['input_len'][1]} tokens, "
-        f"outputs {w['output_len'][0]}-{w['output_len'][1]}; TTFT over {w['ttft_requests']} requests one at a time; "
-        f"best of {w['repeat']} rounds",
-        f"{'':24}{'engine':>12}{'pipeline':>12}{'ratio / added':>16}",
-        f"{'output tokens/s':24}{r['engine_output_tokens_per_s']:>12.1f}{r['pipeline_output_tokens_per_s']:>12.1f}"
-        f"{r['throughput_ratio']:>15.1%}",
+        f"outputs {w['output_len'][0]}-{w['output_len'][1]}; best of {w['repeat']} rounds",
+        *([f"the worker's engine is a stand-in whose step sleeps {w['stand_in_step_ms']:g} ms: the pipeline alone",
+           f"{'output tokens/s':24}{r['pipeline_output_tokens_per_s']:>12.1f}"] if stand_in else [
+            f"{'':24}{'engine':>12}{'pipeline':>12}{'ratio / added':>16}",
+            f"{'output tokens/s':24}{r['engine_output_tokens_per_s']:>12.1f}{r['pipeline_output_tokens_per_s']:>12.1f}"
+            f"{r['throughput_ratio']:>15.1%}"]),
         *([f"{'TTFT median (ms)':24}{r['engine_ttft_ms_median']:>12.2f}{r['pipeline_ttft_ms_median']:>12.2f}"
-           f"{r['ttft_added_ms_median']:>+15.2f}"] if r["ttft_added_ms_median"] is not None else []),
+           f"{r['ttft_added_ms_median']:>+15.2f}   ({w['ttft_requests']} requests one at a time)"]
+          if r["ttft_added_ms_median"] is not None else []),
         "CPU in the best round (cores; µs per output token):",
         *(f"  {side:9}{name:10}{u['cores']:>6.2f}{u['us_per_token']:>10.1f}"
           for side in ("engine", "pipeline") for name, u in r[f"{side}_cpu"].items()),
+        f"  {'pipeline':9}{'the rest':10}{r['pipeline_cpu_but_worker']['cores']:>6.2f}"
+        f"{r['pipeline_cpu_but_worker']['us_per_token']:>10.1f}   (every process but the worker)",
         *([f"bus messages per output token: {', '.join(f'{k} {v:g}' for k, v in bus.items())}"]
           if (bus := r["bus_messages_per_token"]) else []),
     ])
+
+
+if __name__ == "__main__":
+    subjects.run(serve_stand_in(stand_in_parser().parse_args()))

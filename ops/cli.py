@@ -194,6 +194,10 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
     bp.add_argument("--bus-stats", action="store_true",
                     help="one more, untimed round that counts the bus's messages per output token, by subject")
+    bp.add_argument("--chunk-rate", type=float, metavar="N", help="the worker's --chunk-rate (default: the worker's)")
+    bp.add_argument("--stand-in", type=float, metavar="STEP_MS",
+                    help="the pipeline alone: the worker's engine is a stand-in whose step sleeps STEP_MS and gives "
+                         "every running request a token (no engine side)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
