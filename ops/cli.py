@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-from schemas.subjects import MAX_TOKENS
+from schemas.subjects import CHUNK_RATE, MAX_TOKENS
 from services.router.policy import POLICIES
 
 ENVIRONMENT = """environment:
@@ -196,6 +196,14 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine batch at most")
     bp.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bp.add_argument("--repeat", type=int, default=5, help="rounds per side; the best counts")
+    bp.add_argument("--dtype", help="the engine's dtype on both sides, e.g. bfloat16 (default: the engine's)")
+    bp.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
+    bp.add_argument("--bus-stats", action="store_true",
+                    help="one more, untimed round that counts the bus's messages per output token, by subject")
+    bp.add_argument("--chunk-rate", type=float, metavar="N", help="the worker's --chunk-rate (default: the worker's)")
+    bp.add_argument("--stand-in", type=float, metavar="STEP_MS",
+                    help="the pipeline alone: the worker's engine is a stand-in whose step sleeps STEP_MS and gives "
+                         "every running request a token (no engine side)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=delegate("ops.bench_pipeline"))
 
@@ -325,6 +333,9 @@ def parser() -> argparse.ArgumentParser:
                    help="requests in one worker's batch at most; more wait in its queue (default: 64)")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
+    u.add_argument("--chunk-rate", type=float, metavar="N",
+                   help="token chunks per second each worker publishes at most, all its streams together; under more "
+                        f"load a chunk carries several steps' tokens; 0: a chunk per step (default: {CHUNK_RATE:g})")
     u.set_defaults(func=delegate("ops.up"))
 
     bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "

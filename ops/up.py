@@ -350,7 +350,7 @@ def main(args) -> None:
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = resolve(args.model)
     worker_args = (["--tp", str(args.tp)] if args.tp > 1 else []) + given(args, "max-model-len", "max-num-seqs",
-                                                                          "kv-cache-memory")
+                                                                          "kv-cache-memory", "chunk-rate")
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
                   router_args=["--policy", args.router], tokenizer_args=given(args, "max-model-len"),
                   gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways,

@@ -75,6 +75,7 @@ class Running:
     first_token: float = 0.0
     sent: int = 0                   # output tokens published
     seq: int = 0                    # chunks published
+    published: float = 0.0          # time.time() of its last chunk
     subject: str = ""               # tb.out.<request id>
     strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
 
@@ -85,12 +86,15 @@ class Running:
 
 
 class WorkerService:
-    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log):
+    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
+                 chunk_rate: float = subjects.CHUNK_RATE):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
+        self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
         self.running: dict[str, Running] = {}
         self.cancelled: dict[str, float] = {}        # cancels that came before their request
         self.finished = 0
+        self.admitting = 0                           # work items being taken (their checks on the bus)
         self.prompt_tokens = self.generation_tokens = 0     # counters for the heartbeat (metrics)
         self.tasks: set[asyncio.Task] = set()
         self.wake = asyncio.Event()                  # set when work arrives for an idle engine
@@ -144,29 +148,38 @@ class WorkerService:
             except Exception as e:               # a failure no request could be blamed for: stop
                 self.fail(e)
                 return
-            now = time.time()
+            now, interval = time.time(), self.chunk_interval()
             for req in updated:
-                await self.emit(req, now)
+                await self.emit(req, now, interval)
             if self.engine.kv.changes:
                 await self.publish_kv()
             for _ in range(INTAKE_TURNS):        # fetches, cancels, acks, heartbeats
                 await asyncio.sleep(0)
 
-    async def emit(self, req: Request, now: float) -> None:
+    def chunk_interval(self) -> float:
+        """Seconds between two chunks of a stream, at least: under load (more streams than chunk_rate
+        allows at a chunk per step each) a chunk carries the tokens of several steps. Each chunk costs
+        every stage downstream (nats-server, the gateway, the client) about as much as its tokens."""
+        return min(len(self.running) / self.chunk_rate, subjects.MAX_CHUNK_INTERVAL) if self.chunk_rate else 0.0
+
+    async def emit(self, req: Request, now: float, interval: float = 0.0) -> None:
+        """Publishes the request's tokens not sent yet: the first at once, the last with the final chunk,
+        the others once `interval` has passed since the stream's last chunk."""
         run = self.running.get(req.request_id)
         if run is None:
             return
-        out = req.output_token_ids
-        new = out[run.sent:]
-        self.generation_tokens += len(new)
+        new = req.token_ids[req.num_prompt_tokens + run.sent:]
         if new and not run.first_token:
             run.first_token = now
+        if not req.finished and (not new or (run.seq and now - run.published < interval)):
+            return                               # nothing new, or held for the stream's next chunk
+        self.generation_tokens += len(new)
         if req.finished:
             await self.end(run, req, new, now)
-        elif new:
+        else:
             chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail,
                                max(req.num_cached_tokens, 0) if run.seq == 0 else 0, logprobs(req, run.sent))
-            run.seq, run.sent = run.seq + 1, len(out)
+            run.seq, run.sent, run.published = run.seq + 1, run.sent + len(new), now
             if not self.drops or str(chunk.seq) not in self.drops:     # the test hook, off: one falsy check
                 await self.nc.publish(run.subject, encode(chunk))
 
@@ -368,19 +381,32 @@ class WorkerService:
 
     async def fetch_loop(self) -> None:
         limit = 4 * self.engine.config.max_num_seqs   # beyond this, work waits in the stream
-        await subjects.consume(self.nc, subjects.WORK_STREAM, subjects.worker_consumer(self.id), self.take, self.log,
-                               FETCH_BATCH, room=lambda: limit - len(self.running))
+        await subjects.consume(self.nc, subjects.WORK_STREAM, subjects.worker_consumer(self.id), self.taking,
+                               self.log, FETCH_BATCH, room=lambda: limit - len(self.running) - self.admitting)
+
+    async def taking(self, msg) -> None:
+        """Takes a work item in a task of its own. Its checks wait on the bus (its Outcome, a moved
+        request's progress), and replies come between engine steps: taken one after another, each item
+        of a burst would wait a whole step for the one before it (measured: 64 requests took 100 steps
+        to enter the engine); taken at once, a burst enters together, in the order it came."""
+        self.admitting += 1
+        self.spawn(self.take(msg))
 
     async def take(self, msg) -> None:
+        try:
+            await self.admit(msg)
+        except Exception:                        # a bug in one item's handling must not stop the intake
+            self.log.exception("work item handling failed", subject=msg.subject)
+        finally:
+            self.admitting -= 1
+
+    async def admit(self, msg) -> None:
         if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return
-        if await self.already_ended(item, msg):
+        if await self.already_ended(item, msg) or self.holds(item, msg):
             return
         r = item.request
-        if r.id in self.running:                 # redelivered while it runs: keep the newest handle
-            self.running[r.id].msg = msg
-            return
         if subjects.past_deadline(r.created, time.time()):
             await self.give_up(item, msg, "timeout", f"the request reached a worker after its REQUEST_DEADLINE="
                                f"{subjects.REQUEST_DEADLINE:g} s; it is not run")
@@ -392,6 +418,8 @@ class WorkerService:
                                    f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
             return
         output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
+        if self.holds(item, msg):                # taken meanwhile, from another delivery of the same burst
+            return
         try:
             output = self.add(r, output, strikes)
         except ValueError as e:
@@ -407,6 +435,14 @@ class WorkerService:
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
+
+    def holds(self, item: WorkItem, msg) -> bool:
+        """Whether the item's request runs here already (redelivered while it runs): then the newest
+        delivery's handle is the one acked."""
+        run = self.running.get(item.request.id)
+        if run is not None:
+            run.msg = msg
+        return run is not None
 
     def redelivery_strikes(self, rid: str, delivered: int) -> int:
         """A redelivered item: this worker took it before and died, once per redelivery; when its
@@ -560,7 +596,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
                    "the tokens do not depend on it")
+    p.add_argument("--chunk-rate", type=rate, default=subjects.CHUNK_RATE,
+                   help=f"token chunks per second this worker publishes at most, all streams together: with more "
+                        f"streams, each chunk carries several steps' tokens, at most {subjects.MAX_CHUNK_INTERVAL:g} s "
+                        f"apart; 0: one chunk per stream per step (default {subjects.CHUNK_RATE:g})")
     return p
+
+
+def rate(text: str) -> float:
+    with contextlib.suppress(ValueError):
+        if 0 <= (value := float(text)) < float("inf"):
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r}: expected chunks per second, a number from 0 up")
 
 
 def engine_config(args) -> EngineConfig:
@@ -585,7 +632,7 @@ async def serve(args) -> None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
-        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log)
+        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log, args.chunk_rate)
         service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

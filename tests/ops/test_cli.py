@@ -50,6 +50,20 @@ def test_bench_pipeline_runs_both_sides_and_reports_ratio_and_added_ttft(tiny_mo
     assert len(r["rounds"]["ttft_added"]) == 1 and r["pipeline_ttft_ms_median"] > 0
 
 
+@pytest.mark.slow
+def test_bench_pipeline_with_a_stand_in_engine_measures_the_pipeline_alone_and_every_process(tiny_model):
+    out = run("bench-pipeline", "--model", tiny_model, "--stand-in", "5", "--num-requests", "6", "--input-len", "8",
+              "16", "--output-len", "20", "20", "--repeat", "1", "--chunk-rate", "0", "--json")
+    r = json.loads(out)
+    assert r["engine_output_tokens_per_s"] is None and r["throughput_ratio"] is None
+    assert r["pipeline_output_tokens_per_s"] <= 6 * 20 / (20 * 0.005)      # 20 steps of 5 ms at least
+    cpu = r["pipeline_cpu"]
+    assert set(cpu) == {"nats", "tokenizer", "router", "worker", "gateway", "client"}
+    assert all(u["cores"] >= 0 and u["us_per_token"] >= 0 for u in cpu.values())
+    assert r["pipeline_cpu_but_worker"]["us_per_token"] == pytest.approx(
+        sum(u["us_per_token"] for k, u in cpu.items() if k != "worker"), abs=0.01)
+
+
 def test_bench_tp_splits_each_step_into_compute_and_communication(tiny_model):
     out = run("bench-tp", "--model", tiny_model, "--tp", "1", "2", "--num-requests", "4", "--input-len", "16", "24",
               "--output-len", "4", "6", "--num-kv-blocks", "64", "--json")

@@ -107,8 +107,8 @@ class Downstream:
             await asyncio.sleep(0.001)                     # concurrent requests interleave
         await self.publish(req.id, self.final(req.id, len(ids) - 1, ids[-1:], reason))
 
-    async def stream(self, req: GenerateRequest, text: str, pace: float) -> None:
-        """As a worker does: text one token per chunk every `pace` seconds, Resend answered with the tokens
+    async def stream(self, req: GenerateRequest, text: str, pace: float, per: int = 1) -> None:
+        """As a worker does: text `per` tokens a chunk every `pace` seconds, Resend answered with the tokens
         published so far, the Outcome recorded before the final chunk."""
         ids, sent = self.ids(text), 0
 
@@ -118,9 +118,10 @@ class Downstream:
             await self.nc.publish(msg.reply, encode(chunk))
 
         sub = await self.nc.subscribe(subjects.resend(req.id), cb=resend)
-        for i in range(len(ids) - 1):
-            await self.publish(req.id, self.chunk(req.id, i, ids[i:i + 1]))
-            sent = i + 1
+        for i in range(0, len(ids) - 1, per):
+            part = ids[i:min(i + per, len(ids) - 1)]
+            await self.publish(req.id, self.chunk(req.id, i, part))
+            sent = i + len(part)
             await asyncio.sleep(pace)
         kv = await subjects.outcomes(self.nc.jetstream())
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
+from schemas.detokenizer import Detokenizer
 from schemas.messages import GenerateRequest, Usage, decode, encode
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import text, tokens
@@ -175,6 +176,28 @@ def test_a_dropped_stream_resumes_exactly_on_another_gateway_and_on_the_same_one
             await asyncio.sleep(1.5)                    # past the grace: the parked streams were let go, not cancelled
             assert one.cancels == []
             assert [len(await usage_of(one.nc, r.id)) for r in one.requests] == [1, 1]     # metered once each
+    run(body())
+
+
+def test_a_stream_of_several_tokens_a_chunk_resumes_exactly_from_inside_a_chunk(nats_url, tiny_model, tok):
+    async def chunky(down, req) -> None:            # as a worker under load sends them (--chunk-rate)
+        await down.stream(req, TEXT, PACE, per=3)
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, chunky, resume_grace=1.0) as one, \
+                gateway(nats_url, tiny_model, tok, requests=False, resume_grace=1.0) as two:
+            async with connect(one.ws) as ws:
+                resume_id, before = await started(ws, "r", 5)
+                drop(ws)
+            ids, have = one.ids(TEXT), len(tokens(before)) - 1         # the client kept all but its last token
+            assert [len(f["token_ids"]) for f in before] == [3, 3]
+            async with connect(two.ws) as ws:
+                await send(ws, {"type": "resume", "id": resume_id, "offset": have})
+                after = await until_end(ws, resume_id)
+            assert tokens(after) == ids[have:]                         # from inside the chunk, nothing repeated
+            detok = Detokenizer(tok, one.tail, (STOP,))
+            detok.push(ids[:have])
+            assert detok.release() + text(after) == TEXT                # the text goes on from those tokens
     run(body())
 
 

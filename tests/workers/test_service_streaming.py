@@ -1,0 +1,138 @@
+"""The worker service's stream, on a real nats-server with the tiny model, in-process: a burst of work
+items enters the engine together, not one per engine step; under load a chunk carries several steps'
+tokens, and the chunks still carry every token once, in order, at the right offsets, the first token
+at once; without a chunk rate every step of a stream is a chunk."""
+import asyncio
+import contextlib
+import time
+
+import nats
+import pytest
+
+from schemas import subjects
+from schemas.log import configure
+from schemas.messages import FinalChunk, TokenChunk, TokenizedRequest, WorkItem, decode, encode
+from schemas.sampling import SamplingParams
+from workers.engine.engine import EngineConfig, LLMEngine
+from workers.service import WorkerService
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
+STEP_PAUSE = 0.02                   # seconds added to each engine step: a step slower than the bus's round trip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return LLMEngine(tiny_model, EngineConfig(num_kv_blocks=256, max_num_seqs=16))
+
+
+def offline(engine: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
+    """The request's tokens from the engine alone."""
+    req = engine.add_request(f"offline-{rid}", prompt, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    return req.output_token_ids
+
+
+@contextlib.asynccontextmanager
+async def worker(nats_url: str, engine: LLMEngine, chunk_rate: float):
+    nc = await nats.connect(nats_url)
+    service = WorkerService(nc, engine, "w0", "tiny", configure("worker").bind(worker="w0"), chunk_rate)
+    task = asyncio.create_task(service.run())
+    try:
+        yield service
+    finally:
+        service.stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+
+
+@contextlib.contextmanager
+def slow_steps(engine: LLMEngine, monkeypatch):
+    """Each engine step takes STEP_PAUSE longer (blocking the loop, as a real step does); yields the step
+    count at each add_request."""
+    step, add, added = engine.step, engine.add_request, []
+
+    def slow():
+        time.sleep(STEP_PAUSE)
+        return step()
+
+    def counted(*args, **kwargs):
+        added.append(engine.num_steps)
+        return add(*args, **kwargs)
+    monkeypatch.setattr(engine, "step", slow)
+    monkeypatch.setattr(engine, "add_request", counted)
+    yield added
+
+
+async def submit(js, rid: str, prompt: list[int]) -> None:
+    item = WorkItem(TokenizedRequest(rid, "t", PARAMS, prompt), "w0", time.time())
+    await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
+
+
+async def chunks(nc, rids: list[str]) -> dict[str, asyncio.Queue]:
+    queues = {rid: asyncio.Queue() for rid in rids}
+    for rid, q in queues.items():
+        await nc.subscribe(subjects.out(rid), cb=q.put)
+    return queues
+
+
+async def until_end(q: asyncio.Queue) -> list[TokenChunk | FinalChunk]:
+    got = []
+    async with asyncio.timeout(60):
+        while not got or type(got[-1]) is TokenChunk:
+            got.append(decode((await q.get()).data, TokenChunk, FinalChunk))
+    return got
+
+
+def test_a_burst_of_work_items_enters_the_engine_together_not_a_step_apart(nats_url, engine, monkeypatch):
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        rids = [f"burst{i}" for i in range(12)]
+        queues = await chunks(nc, rids)
+        with slow_steps(engine, monkeypatch) as added:
+            async with worker(nats_url, engine, 0) as service:
+                await submit(js, "first", [3, 4, 5])   # the engine is busy when the burst comes
+                await asyncio.sleep(0.1)
+                await asyncio.gather(*(submit(js, rid, [7, i + 8, 9]) for i, rid in enumerate(rids)))
+                for q in queues.values():
+                    assert type((await until_end(q))[-1]) is FinalChunk
+                assert service.admitting == 0
+        burst = added[1:]
+        assert len(burst) == len(rids)
+        assert max(burst) - min(burst) <= 2, f"the burst entered over steps {burst}"   # one at a time: 12+ steps
+        await nc.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("chunk_rate", [1.0, 0.0])
+def test_chunks_carry_every_token_once_in_order_the_first_at_once(nats_url, engine, monkeypatch, chunk_rate):
+    monkeypatch.setattr(subjects, "MAX_CHUNK_INTERVAL", 0.5)         # 3 streams at 1 chunk/s: 0.5 s apart
+    prompts = {f"s{chunk_rate:g}-{i}": [11, 12 + i, 13] for i in range(3)}
+    want = {rid: offline(engine, rid, prompt) for rid, prompt in prompts.items()}
+
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        queues = await chunks(nc, list(prompts))
+        with slow_steps(engine, monkeypatch):
+            async with worker(nats_url, engine, chunk_rate):
+                for rid, prompt in prompts.items():
+                    await submit(js, rid, prompt)
+                got = {rid: await until_end(q) for rid, q in queues.items()}
+        await nc.close()
+        return got
+
+    for rid, stream in asyncio.run(main()).items():
+        assert [c.seq for c in stream] == list(range(len(stream)))
+        offsets = [sum(len(c.token_ids) for c in stream[:i]) for i in range(len(stream))]
+        assert [c.offset for c in stream] == offsets                       # each chunk goes on where the last ended
+        assert [t for c in stream for t in c.token_ids] == want[rid]       # every token once, in order
+        assert len(stream[0].token_ids) == 1 and stream[0].prompt_tail == prompts[rid]   # the first token at once
+        assert stream[-1].usage["completion_tokens"] == PARAMS.max_tokens
+        if chunk_rate:                                                     # several steps' tokens a chunk
+            assert len(stream) < PARAMS.max_tokens // 2
+        else:
+            assert {len(c.token_ids) for c in stream[:-1]} == {1}          # a chunk per step
