@@ -273,6 +273,8 @@ class Run:
         kind, _, target = self.scenario.partition("-")
         name = "w1" if target == "worker" else target
         if kind == "kill":
+            if name == "gateway":
+                await self.streaming_on(clients, 0)
             self.stack.kill(name)
             await asyncio.sleep(RESTART_AFTER)
             self.stack.restart(name)
@@ -288,6 +290,18 @@ class Run:
             await self.poison()
         elif self.scenario == "slow-client":
             await self.slow_client()
+
+    async def streaming_on(self, clients: list["Client"], gateway: int, within: float = 10.0) -> None:
+        """Until a request is in flight (accepted, not ended) on a client of that gateway, so that killing
+        it cuts a stream: the tiny model can answer a request between two sends."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for c in clients:
+                if c.at % len(c.urls) != gateway:
+                    continue
+                if any(o.resume_id and o.end is None for o in map(self.outcomes.get, c.mine) if o is not None):
+                    return
+            await asyncio.sleep(0.005)
 
     async def node_fault(self) -> None:
         """SIGKILL of TB_REQUESTS' leader or of the follower that leads fewest streams (back after

@@ -41,6 +41,8 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Ünïcödé, emoji 🙂 and\nnew lines\ttabs"}],
 ]
 TOKENS = 32
+ALONE = [0, 4, 11, 13]   # the prompts also run alone (a text, code, a list, a chat question): the batch
+                         # is checked against HF on all 16; batch invariance at length in test_batch_invariance
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +75,11 @@ def test_greedy_tokens_equal_transformers_on_its_own_gguf_loading_alone_and_batc
     del hf
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     with LLM(smollm2_gguf, dtype="float32", num_kv_blocks=256) as llm:
-        alone = [llm.generate([ids], params)[0].token_ids for ids in prompts]
+        alone = {i: llm.generate([prompts[i]], params)[0].token_ids for i in ALONE}
         batched = [o.token_ids for o in llm.generate(prompts, params)]
     for i, w in enumerate(want):
-        assert alone[i] == w, f"prompt {i} alone"
         assert batched[i] == w, f"prompt {i} batched"
+        assert alone.get(i, w) == w, f"prompt {i} alone"
     answer = llm.tokenizer.decode(want[len(PROMPTS)])
     assert "Paris" in answer, answer           # a trained model: the tokens are language
 
@@ -94,12 +96,12 @@ def test_bf16_greedy_tokens_are_the_same_alone_and_batched_and_each_near_float32
     NEAR_TIE of the best."""
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     with LLM(smollm2, dtype="bfloat16", num_kv_blocks=256) as llm:
-        alone = [llm.generate([ids], params)[0].token_ids for ids in prompts]
+        alone = {i: llm.generate([prompts[i]], params)[0].token_ids for i in ALONE}
         batched = [o.token_ids for o in llm.generate(prompts, params)]
-    assert batched == alone
+    assert {i: batched[i] for i in ALONE} == alone
     hf = hf_model(smollm2, torch.float32)
     worst = 0.0
-    for ids, got in zip(prompts, alone):
+    for ids, got in zip(prompts, batched):
         with torch.inference_mode():
             logprobs = hf(torch.tensor([ids + got])).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
         regret = logprobs.max(-1).values - logprobs[torch.arange(TOKENS), got]

@@ -153,7 +153,8 @@ def test_a_checkpoint_that_fails_to_load_leaves_no_follower(tmp_path, tiny_token
     weights = load_file(path / "model.safetensors")
     del weights["model.norm.weight"]
     save_file(weights, path / "model.safetensors")
+    before = set(children(os.getpid()))   # e.g. multiprocessing's resource tracker, from another test
     with pytest.raises(ValueError, match=r"lacks weights for model\.norm\.weight"):
         LLM(str(path), tiny_tokenizer, tensor_parallel_size=2, **OPTIONS)
-    assert gone(children(os.getpid()), within=5.0)
+    assert gone([p for p in children(os.getpid()) if p not in before], within=5.0)
     assert not torch.distributed.is_initialized()
