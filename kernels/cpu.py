@@ -31,8 +31,6 @@ QUERY_TILE = 16    # prefill queries per work item
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16)
 
-
-
 LAYER = struct.Struct("<9q4qdq")  # struct Layer in cpu_attention.cpp: one layer's call
 STEP = struct.Struct("<7q")       # struct Step: the step's batch, the same for every layer
 STORE = struct.Struct("<16q")     # struct Store: store_kv's arguments

@@ -260,9 +260,10 @@ struct Item {
     }
     static const float zero[MAX_CHUNKS * LANES] = {};
     const int32_t* table = a.block_tables + seq * a.table_stride;
+    int64_t block = base / a.block_size, offset = base % a.block_size;  // of position base + j
     for (int64_t j = 0; j < TILE; j++) {
-      int64_t pos = base + j, slot = 0;
-      if (j < keys) slot = table[pos / a.block_size] * a.stride_block + pos % a.block_size * a.stride_slot;
+      int64_t slot = j < keys ? table[block] * a.stride_block + offset * a.stride_slot : 0;
+      if (++offset == a.block_size) block++, offset = 0;
       for (int64_t h = 0; h < heads; h++) {
         int64_t at = h * TILE + j;
         const E *k = (const E*)a.k + slot + (h0 + h) * a.stride_head, *v = (const E*)a.v + slot + (h0 + h) * a.stride_head;

@@ -111,6 +111,12 @@ def test_many_decodes_and_a_long_prefill_in_one_batch_equal_the_reference():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_query_heads_that_do_not_divide_among_the_kv_heads_are_an_error_naming_both():
+    args = paged_batch(0, [1, 3], [5, 9], 5, 2, 16)
+    with pytest.raises(ValueError, match="5 query heads over 2 KV heads"):
+        attention(args)
+
+
 # -- batch invariance ------------------------------------------------------------------------------
 
 LENS = [300, *random.Random(0).choices(range(1, 400), k=10), 80, 310]  # the target first
