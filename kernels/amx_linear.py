@@ -44,8 +44,12 @@ def pack(weight: torch.Tensor) -> Packed:
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 -> [M, N] bfloat16, the bias added in float32 before the rounding; rows
     padded to 16 (zeros) and trimmed after."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"amx_linear takes bfloat16 inputs, not {x.dtype}")
     m = x.shape[0]
-    x = F.pad(x, (0, -packed.k % 32, 0, -m % 16)).contiguous()
+    if m % 16 or packed.k % 32:
+        x = F.pad(x, (0, -packed.k % 32, 0, -m % 16))
+    x = x.contiguous()
     n = packed.tiles.shape[0] * 16
     if bias is not None:
         bias = F.pad(bias.float(), (0, n - packed.n))
