@@ -138,25 +138,25 @@ def library() -> ctypes.CDLL:
     return _library
 
 
-def build(flags: list[str] = FLAGS) -> Path:
-    """The cached library, compiled first if needed: into a temporary file renamed into place, so
-    that processes starting together each find either no file or a whole one."""
+def build(flags: list[str] = FLAGS, source: Path = SOURCE) -> Path:
+    """The cached library of `source`, compiled first if needed: into a temporary file renamed into
+    place, so that processes starting together each find either no file or a whole one."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++ or c++) on PATH, nor CXX set")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *flags, compiler, version, cpu_flags()]).encode())
+    key = hashlib.sha256("\n".join([source.read_text(), *flags, compiler, version, cpu_flags()]).encode())
     home = Path(os.environ.get("TOKENBUS_HOME") or Path.home() / ".cache" / "tokenbus")  # kernels import no workers
-    final = home / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    final = home / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if final.exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=final.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=final.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise OSError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, final)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from kernels import amx_linear
 from tests.workers.engine_helpers import make_request
 from workers import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
@@ -210,17 +211,24 @@ def test_a_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_and_at_1_or_
 # SmolLM2's projections (q/k/v, o, gate/up, down, LM head), the tiny model's, and two wider ones
 BF16_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (256, 704), (704, 256),
                (2048, 512), (4096, 11008)]
+BF16_PACKINGS = {
+    "oneDNN in fixed calls": lambda w: torch.ops.mkldnn._reorder_linear_weight(w, pack_hint(w.dtype)),
+    "AMX": amx_linear.pack,
+}
 
 
+@pytest.mark.parametrize("packing", list(BF16_PACKINGS))
 @pytest.mark.parametrize("inputs, outputs", BF16_SHAPES)
 def test_a_bf16_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_of_any_size_and_at_1_2_or_3_threads(
-        inputs, outputs):
-    """oneDNN's AMX kernels alone are not: a row's bits change with the row count (from 2 rows up)
-    and, for some shapes, with the thread count (calls of fixed size fix both)."""
+        inputs, outputs, packing):
+    """oneDNN's AMX kernels called on the whole batch are not: a row's bits change with the row
+    count (from 2 rows up) and, for some shapes, with the thread count."""
+    if packing == "AMX" and not amx_linear.available():
+        pytest.skip("the CPU has no AMX")
     gen = torch.Generator().manual_seed(inputs + outputs)
     weight = (torch.randn(outputs, inputs, generator=gen) * 0.05).bfloat16()
     x = torch.randn(150, inputs, generator=gen).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_hint(weight.dtype))
+    packed = BF16_PACKINGS[packing](weight)
     with threads(2):
         batch = linear(x, weight, None, packed)
         flipped = linear(x.flip(0), weight, None, packed).flip(0)

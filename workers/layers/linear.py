@@ -8,12 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import amx_linear
 from workers.distributed import TPGroup
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, amx_linear.Packed):
+        return amx_linear.linear(x, packed, bias)
     if x.dtype != torch.float32:
         return in_fixed_calls(x, packed, bias)
     if x.shape[0] == 1:  # oneDNN sums a single row in another order (seen from 2048 inputs): take the 2-row path
@@ -35,7 +38,8 @@ def in_fixed_calls(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     nor on its place among them, nor (1-8 threads, tests/workers/test_batch_invariance.py) on the
     thread count."""
     n = x.shape[0]
-    x = F.pad(x, (0, 0, 0, -n % ROWS_PER_CALL))
+    if n % ROWS_PER_CALL:
+        x = F.pad(x, (0, 0, 0, -n % ROWS_PER_CALL))
     if len(x) == ROWS_PER_CALL:
         return onednn(x, packed, bias)[:n]
     return torch.cat([onednn(part, packed, bias) for part in x.split(ROWS_PER_CALL)])[:n]
@@ -46,10 +50,15 @@ def prepack_for_cpu(model: nn.Module) -> bool:
     is 10-40% faster than MKL's sgemm at the batch sizes the engine runs, and batch-invariant
     (a row's result depends neither on the other rows, nor on its place among them, nor on the
     thread count, once a lone row is doubled: tests/workers/test_batch_invariance.py), which
-    sgemm is not. The plain weights stay
+    sgemm is not. bfloat16 weights go to the AMX kernel (kernels.amx_linear) where the CPU has
+    AMX. The plain weights stay
     (a tied embedding reads them), so CPU linear weights take twice their memory. False, changing
     nothing, where oneDNN cannot take a weight."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    if layers and all(m.weight.dtype == torch.bfloat16 for m in layers) and amx_linear.available():
+        for m in layers:
+            m.packed_weight = amx_linear.pack(m.weight)
+        return True
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), pack_hint(m.weight.dtype))
                   for m in layers]

@@ -36,7 +36,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position; a step looks them up once and every layer rotates with
-    them, in the activations' dtype, as HF does."""
+    them, in the activations' dtype, as HF does: full width, the sine's first half negated, so that
+    a rotation is two products and a sum (see rotate)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -46,11 +47,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [T, 1, head_dim / 2], for the tokens at `positions`."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """(cos, signed sin), each [T, 1, head_dim], for the tokens at `positions`."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by (cos, sin) [T, 1, D/2], half-split layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [T, H, D] rotated by RotaryEmbedding's tables [T, 1, D], half-split layout: HF's
+    x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) being x's halves swapped (a roll)
+    times the signed sine. The same bits as HF's in any dtype (a negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
