@@ -10,7 +10,10 @@ With --cpu: the native CPU attention (kernels.cpu) against the reference on this
 SmolLM2-135M's heads (9 query heads over 3 KV heads of 64), in float32 and bfloat16: 64 decodes of
 200-500 positions, a 512-token prefill, both in one batch, and one decode; each side's best of 7
 rounds, taken in turns (this machine's neighbours come and go), and the native kernel's KV read
-rate (bytes of K and V it must read / time).
+rate (bytes of K and V it must read / time). With --cpu --engine MODEL: the engine on MODEL with
+each attention in turns (one engine, its kernels swapped): 64 requests at once (prompts 128-512,
+outputs 128) and one request at a time (512-token prompts, 128 outputs); output tokens/s, the
+mean decode step (one at a time: the time per output token) and the attention's share of it.
 """
 import argparse
 import json
@@ -212,6 +215,75 @@ def cpu_attention() -> dict:
     return {"threads": torch.get_num_threads(), "cases": rows}
 
 
+def cpu_engine(model: str, dtype: str | None, rounds: int) -> dict:
+    import kernels.cpu as native
+    import kernels.reference as ref
+    from workers.bench import timed_engine_run, workload
+    from workers.engine.engine import EngineConfig, LLMEngine
+    from workers.models.catalogue import resolve
+    from workers.models.config import ModelConfig
+
+    model_dir = resolve(model)
+    vocab = ModelConfig.load(model_dir).vocab_size
+    shape = lambda n, lo, hi, seed: argparse.Namespace(num_requests=n, input_len=(lo, hi),  # noqa: E731
+                                                       output_len=(128, 128), seed=seed)
+    loads = {"64 at once": (workload(shape(64, 128, 512, 0), vocab), 64),
+             "one at a time": (workload(shape(3, 512, 512, 1), vocab), 1)}
+    rows = []
+    for name, (requests, seqs) in loads.items():
+        size = EngineConfig().block_size   # the pool holds every request whole, as bench-peers sizes it
+        blocks = seqs * -(-max(len(p) + n for p, n in requests) // size)
+        engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=seqs, dtype=dtype, num_kv_blocks=blocks))
+        best = {}
+        for _ in range(rounds):
+            for side, kernels in (("reference", ref), ("native", native)):
+                use_kernels(engine, timed(kernels))
+                timed.seconds = 0.0
+                seconds, trace = timed_engine_run(engine, requests)
+                decode = [s.seconds for s in trace if s.num_tokens == s.num_requests]
+                run = {"seconds": seconds, "decode_step_ms": sum(decode) / len(decode) * 1e3,
+                       "attention_share": timed.seconds / seconds}
+                if side not in best or seconds < best[side]["seconds"]:
+                    best[side] = run
+        tokens = sum(n for _, n in requests)
+        rows.append({"workload": name, "dtype": str(engine.dtype).removeprefix("torch."),
+                     **{f"{side}_{key}": value for side, run in best.items() for key, value in run.items()},
+                     **{f"{side}_tokens_per_s": tokens / run["seconds"] for side, run in best.items()}})
+    return {"model": model_dir, "threads": torch.get_num_threads(), "rounds": rounds, "engine": rows}
+
+
+def use_kernels(engine, kernels) -> None:
+    engine.runner.kernels = kernels
+    for attn in engine.runner.model.attention_layers():
+        attn.kernels = kernels
+
+
+def timed(kernels):
+    """`kernels` with its attention's time added up in timed.seconds."""
+    def unified_attention(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return kernels.unified_attention(*args, **kwargs)
+        finally:
+            timed.seconds += time.perf_counter() - start
+    return argparse.Namespace(plan_attention=kernels.plan_attention, store_kv=kernels.store_kv,
+                              unified_attention=unified_attention)
+
+
+timed.seconds = 0.0
+
+
+def cpu_engine_table(report: dict) -> str:
+    lines = [f"the engine on {report['model']}, {report['threads']} threads, best of {report['rounds']} in turns",
+             f"{'workload':16}{'dtype':>10}{'':>12}{'tok/s':>8}{'decode step ms':>16}{'attention':>11}"]
+    for r in report["engine"]:
+        for side in ("reference", "native"):
+            lines.append(f"{r['workload'] if side == 'reference' else '':16}{r['dtype']:>10}{side:>12}"
+                         f"{r[side + '_tokens_per_s']:>8.1f}{r[side + '_decode_step_ms']:>16.1f}"
+                         f"{r[side + '_attention_share']:>10.0%}")
+    return "\n".join(lines)
+
+
 def cpu_table(report: dict) -> str:
     lines = [f"CPU attention, SmolLM2 heads (9 over 3 KV heads of 64), {report['threads']} threads, best of 7 "
              "in turns", f"{'case':38}{'dtype':>10}{'ref ms':>10}{'native ms':>11}{'speedup':>9}{'KV GB/s':>9}"]
@@ -225,7 +297,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--cpu", action="store_true", help="the native CPU attention against the reference, on this CPU")
+    p.add_argument("--engine", metavar="MODEL", help="with --cpu: the engine on MODEL with each attention")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="with --engine: the engine's dtype")
+    p.add_argument("--rounds", type=int, default=2, help="with --engine: runs of each side, in turns")
     args = p.parse_args(argv)
+    if args.cpu and args.engine:
+        report = cpu_engine(args.engine, args.dtype, args.rounds)
+        print(json.dumps(report, indent=2) if args.json else cpu_engine_table(report))
+        return
     if args.cpu:
         report = cpu_attention()
         print(json.dumps(report, indent=2) if args.json else cpu_table(report))
