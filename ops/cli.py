@@ -1,5 +1,6 @@
 """The `tokenbus` command line."""
 import argparse
+import asyncio
 import importlib
 import importlib.metadata
 import os
@@ -456,8 +457,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class QuietInterruptPolicy(asyncio.DefaultEventLoopPolicy):
+    """asyncio.run's loops, minus one false alarm: Ctrl-C cancels the main task from a signal handler,
+    which Python runs between two bytecodes, possibly inside a callback that has just checked that
+    its future is not done and then sets its result (`_sock_connect_cb`, on CPython 3.11). That
+    InvalidStateError is the interrupt itself, not a fault: the command is stopping anyway."""
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        loop = super().new_event_loop()
+        loop.set_exception_handler(quiet_interrupted)
+        return loop
+
+
+def quiet_interrupted(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    if not isinstance(context.get("exception"), asyncio.InvalidStateError):
+        loop.default_exception_handler(context)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    asyncio.set_event_loop_policy(QuietInterruptPolicy())
     try:
         args.func(args)
     except ValueError as e:

@@ -80,6 +80,22 @@ def test_ctrl_c_while_a_command_waits_for_nats_server_exits_130_without_a_traceb
             assert "Traceback" not in err, (name, err)
 
 
+def test_a_ctrl_c_inside_a_callback_is_not_reported_but_other_loop_errors_are(caplog):
+    """Ctrl-C can cancel a future inside the callback about to set it (CPython 3.11's
+    _sock_connect_cb): the commands' loops drop that InvalidStateError, and only that."""
+    from ops.cli import QuietInterruptPolicy
+
+    loop = QuietInterruptPolicy().new_event_loop()
+    try:
+        loop.call_exception_handler({"message": "Exception in callback _sock_connect_cb",
+                                     "exception": asyncio.InvalidStateError("invalid state")})
+        assert not caplog.records
+        loop.call_exception_handler({"message": "a real fault", "exception": OSError("boom")})
+        assert [r.getMessage() for r in caplog.records] == ["a real fault"]
+    finally:
+        loop.close()
+
+
 def test_ctrl_c_ends_a_watching_inspect_without_a_traceback(nats_url):
     p = start("inspect", "tb.>", "--nats-url", nats_url)
     assert p.stderr.readline().startswith("inspect: watching tb.>")
