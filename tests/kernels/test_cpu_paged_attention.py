@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import kernels.cpu as cpu
 import kernels.reference as reference
+from tests.workers.engine_helpers import threads
 from workers.engine.runner import attention_kernels
 
 # decodes, short chunks after cached tokens, a whole prefill, chunks crossing query tiles and KV
@@ -63,16 +63,6 @@ def paged_batch(seed: int, q_lens: list[int], kv_lens: list[int], *shape, dtype:
     """Each sequence's last q_lens[b] queries of kv_lens[b] positions, in one batch."""
     pool = Pool(seed, kv_lens, *shape, dtype=dtype)
     return pool.batch([(b, n - q, q) for b, (q, n) in enumerate(zip(q_lens, kv_lens))])
-
-
-@contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def attention(args, scale: float = 0.125) -> torch.Tensor:

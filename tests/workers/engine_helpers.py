@@ -1,4 +1,9 @@
-"""Hand-built requests and steps for CPU-only scheduler and KV-manager tests (no model)."""
+"""Hand-built requests and steps for CPU-only scheduler and KV-manager tests (no model), and torch's
+thread count for a while."""
+from contextlib import contextmanager
+
+import torch
+
 from schemas.sampling import SamplingParams
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
@@ -45,3 +50,14 @@ def check_invariants(kv: KVCacheManager) -> None:
         assert (b.ref_cnt == 0) == (b.block_id in set(free_ids))
     for h, b in kv.cached.items():
         assert b.hash == h
+
+
+@contextmanager
+def threads(n: int):
+    """torch runs on n threads inside, on as many as before after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

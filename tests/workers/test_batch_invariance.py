@@ -4,13 +4,12 @@ whether its sequence was computed in one prefill, in chunks beside other request
 token (what preemption, recomputed as a prefill, and migration, resubmitted with the output so far
 appended to the prompt, rest on). Logprobs are compared exactly: they move with the logits' last
 bit, long before a token flips."""
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from kernels import amx_linear
-from tests.workers.engine_helpers import make_request
+from tests.workers.engine_helpers import make_request, threads
 from workers import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.runner import ModelRunner
@@ -23,16 +22,6 @@ from workers.models.config import ModelConfig
 LONG = 2000
 GREEDY = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True, logprobs=1)
 SEEDED = SamplingParams(max_tokens=LONG, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True, logprobs=1)
-
-
-@contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def prompt(i: int, n: int) -> list[int]:

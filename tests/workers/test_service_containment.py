@@ -10,7 +10,6 @@ import nats
 import pytest
 
 from schemas import subjects
-from schemas.log import configure
 from schemas.messages import (
     DeadLetter,
     ErrorChunk,
@@ -26,9 +25,9 @@ from schemas.messages import (
     encode,
 )
 from schemas.sampling import SamplingParams
+from tests.workers.service_helpers import worker
 from workers import service as service_module
 from workers.engine.engine import EngineConfig, LLMEngine
-from workers.service import WorkerService
 
 FAULT = 4001
 PARAMS = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
@@ -39,19 +38,6 @@ def engine(tiny_model):
     engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64, max_num_seqs=8))
     engine.inject_fault(FAULT)
     return engine
-
-
-@contextlib.asynccontextmanager
-async def worker(nats_url: str, engine: LLMEngine):
-    nc = await nats.connect(nats_url)
-    service = WorkerService(nc, engine, "w0", "tiny", configure("worker").bind(worker="w0"))
-    task = asyncio.create_task(service.run())
-    try:
-        yield service
-    finally:
-        service.stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 5)
 
 
 async def submit(js, rid: str, prompt: list[int], attempt: int = 0, strikes: int = 0) -> None:

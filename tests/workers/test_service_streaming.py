@@ -10,11 +10,10 @@ import nats
 import pytest
 
 from schemas import subjects
-from schemas.log import configure
 from schemas.messages import FinalChunk, TokenChunk, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
+from tests.workers.service_helpers import worker
 from workers.engine.engine import EngineConfig, LLMEngine
-from workers.service import WorkerService
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
 STEP_PAUSE = 0.02                   # seconds added to each engine step: a step slower than the bus's round trip
@@ -31,19 +30,6 @@ def offline(engine: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
     while engine.has_unfinished():
         engine.step()
     return req.output_token_ids
-
-
-@contextlib.asynccontextmanager
-async def worker(nats_url: str, engine: LLMEngine, chunk_rate: float):
-    nc = await nats.connect(nats_url)
-    service = WorkerService(nc, engine, "w0", "tiny", configure("worker").bind(worker="w0"), chunk_rate)
-    task = asyncio.create_task(service.run())
-    try:
-        yield service
-    finally:
-        service.stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 5)
 
 
 @contextlib.contextmanager
