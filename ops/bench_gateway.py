@@ -31,7 +31,7 @@ import orjson
 import uvloop
 import websockets
 
-from ops.procs import free_port, python_module, spawn, start_nats, stop
+from ops.procs import cpu_seconds, free_port, python_module, spawn, start_nats, stop
 from schemas import subjects
 from schemas.messages import GenerateRequest, Heartbeat, decode, encode
 from schemas.sampling import SamplingParams
@@ -41,7 +41,6 @@ KEYS = {"bench": {"tenant": "bench"}, "limited": {"tenant": "limited", "tokens_p
 HOLD = "hold"                                   # a prompt the fake worker never answers
 PROMPT_TOKENS = 8
 TAIL = [1, 2, 3, 4]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # -- the fake worker (python -m ops.bench_gateway) --------------------------------------------------
@@ -177,11 +176,6 @@ async def ws_streams(url: str, streams: int, tokens: int) -> int:
             else:
                 raise RuntimeError(f"stream error: {frame}")
     return got
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 async def streamed(port: int, pid: int, streams: int, tokens: int, via: str) -> dict:

@@ -217,32 +217,18 @@ def best(runs: list[dict]) -> dict:
 
 
 def model_flops(cfg, workload: Workload) -> float:
-    """The workload's forward FLOPs, no prefix cache: 2 × the non-embedding weights per position run
-    (prompt and fed-back outputs), the lm_head per sampled token, and attention (QKᵀ and AV: 4 × the
-    query width per layer for each (query, earlier key) pair)."""
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    dense = 2 * cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * cfg.intermediate_size)
-    head, attention = 2 * d * cfg.vocab_size, 4 * cfg.num_layers * q
-    total = 0.0
-    for t in workload.turns:
-        positions = len(t.prompt) + t.max_tokens - 1        # the last token is sampled, never run
-        total += dense * positions + head * t.max_tokens + attention * positions * (positions + 1) / 2
-    return total
+    """The workload's forward FLOPs, no prefix cache (ModelConfig.request_flops of every turn)."""
+    return float(sum(cfg.request_flops(len(t.prompt), t.max_tokens) for t in workload.turns))
 
 
-def peak_gflops(dtype: str = "float32", n: int = 2048, seconds: float = 1.0) -> float:
-    """The CPU's matmul peak as measured here: the best GFLOP/s of n×n @ n×n torch.mm in `dtype`
-    (float32, bfloat16) over about `seconds`, on torch's threads."""
+def peak_gflops(dtype: str = "float32", n: int = 2048) -> float:
+    """The CPU's matmul peak as measured here, in GFLOP/s: workers.microbench.peak_flops, an n×n
+    product in one prepacked oneDNN call in `dtype` (float32, bfloat16), on torch's threads."""
     import torch
 
-    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
-    torch.mm(a, b)
-    top, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end or top == 0:
-        t = time.perf_counter()
-        torch.mm(a, b)
-        top = max(top, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
-    return top
+    from workers.microbench import peak_flops
+
+    return peak_flops(getattr(torch, dtype), size=n) / 1e9
 
 
 # -- engines in a process of their own ------------------------------------------------------------
@@ -595,11 +581,10 @@ def main(args) -> dict:
 
 def ceiling(cfg, report: dict) -> dict:
     """The model's FLOPs per token and the output tokens/s the measured peaks would allow at most."""
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    weights = cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    weights = cfg.matmul_params()
     per_output = {w: r["flops"] / r["output_tokens"] for w, r in report["workloads"].items()}
     return {"non_embedding_weights": weights, "dense_flops_per_token": 2 * weights,
-            "lm_head_flops_per_sampled_token": 2 * d * cfg.vocab_size,
+            "lm_head_flops_per_sampled_token": 2 * cfg.hidden_size * cfg.vocab_size,
             "flops_per_output_token": {w: round(f) for w, f in per_output.items()},
             "max_output_tokens_per_s": {w: {p: round(g * 1e9 / f, 1) for p, g in report["peak_gflops"].items()}
                                         for w, f in per_output.items()}}

@@ -38,7 +38,7 @@ from websockets.frames import Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
-from ops.procs import free_port
+from ops.procs import cpu_seconds, free_port
 from ops.up import Stack
 from schemas import subjects
 from schemas.log import configure
@@ -68,16 +68,6 @@ def engine_run(llm: LLM, requests) -> tuple[int, float]:
 
 
 # -- where the CPU goes ---------------------------------------------------------------------------
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """The user + system CPU time process `pid` has used, all its threads together."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()   # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / TICK
-
 
 def measured(pids: dict[str, int], run, *args) -> tuple[float, dict[str, dict[str, float]]]:
     """The output tokens/s of run(*args) (which returns tokens and seconds), and the CPU each process used

@@ -109,3 +109,9 @@ def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user + system CPU time process `pid` has used, all its threads together."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

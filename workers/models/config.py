@@ -50,20 +50,15 @@ class ModelConfig:
         d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.num_layers * (d * (q + 2 * kv) + q * d + 3 * d * self.intermediate_size)
 
-    def flops_per_token(self, context: int, sampled: bool = True) -> int:
-        """FLOPs (2 per multiply-add) of one token that attends to `context` positions (its own
-        included): the decoder's matmuls, the attention's scores and weighted sum, and the LM head
-        when the token is sampled."""
-        attention = 4 * self.num_layers * self.num_heads * self.head_dim * context
-        head = 2 * self.hidden_size * self.vocab_size if sampled else 0
-        return 2 * self.matmul_params() + attention + head
-
     def request_flops(self, prompt_len: int, output_len: int) -> int:
-        """FLOPs of a whole request: every prompt token and every output token but the last is
-        computed, each at its own context; the last prompt token and the output tokens but the last
-        are sampled (output_len draws)."""
-        last = prompt_len + output_len - 1
-        return sum(self.flops_per_token(c, sampled=c >= prompt_len) for c in range(1, last + 1))
+        """FLOPs (2 per multiply-add) of a whole request, no prefix cache: every position run (the
+        prompt and every output token but the last, which is sampled, never run) through the
+        decoder's matmuls; the attention's scores and weighted sum for every (query, earlier or own
+        key) pair; the LM head for each of the output_len sampled tokens."""
+        positions = prompt_len + output_len - 1
+        pairs = positions * (positions + 1) // 2              # causal: position i sees i + 1 keys
+        attention = 4 * self.num_layers * self.num_heads * self.head_dim * pairs
+        return 2 * self.matmul_params() * positions + attention + 2 * self.hidden_size * self.vocab_size * output_len
 
     @classmethod
     def from_hf(cls, c: dict, generation_eos: tuple[int, ...] = ()) -> "ModelConfig":
