@@ -48,7 +48,7 @@ from workers.engine.engine import LLMEngine
 from workers.engine.request import Request, Status
 from workers.models.catalogue import resolve
 from workers.models.gguf import hf_dir
-from workers.service import WorkerService, rate
+from workers.service import WorkerService
 
 
 def workload(seed: int, n: int, input_len, output_len, vocab: int) -> list[tuple[list[int], int]]:
@@ -271,7 +271,7 @@ def stand_in_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, required=True, help="milliseconds one step sleeps")
     p.add_argument("--vocab", type=int, required=True, help="token ids are drawn below this")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--chunk-rate", type=rate, default=subjects.CHUNK_RATE)
+    p.add_argument("--chunk-rate", type=subjects.chunk_rate, default=subjects.CHUNK_RATE)
     return p
 
 

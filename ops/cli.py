@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from schemas.subjects import CHUNK_RATE, MAX_TOKENS
+from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
 from services.router.policy import POLICIES
 
 ENVIRONMENT = """environment:
@@ -201,7 +201,8 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
     bp.add_argument("--bus-stats", action="store_true",
                     help="one more, untimed round that counts the bus's messages per output token, by subject")
-    bp.add_argument("--chunk-rate", type=float, metavar="N", help="the worker's --chunk-rate (default: the worker's)")
+    bp.add_argument("--chunk-rate", type=chunk_rate, metavar="N",
+                    help="the worker's --chunk-rate (default: the worker's)")
     bp.add_argument("--stand-in", type=float, metavar="STEP_MS",
                     help="the pipeline alone: the worker's engine is a stand-in whose step sleeps STEP_MS and gives "
                          "every running request a token (no engine side)")
@@ -334,7 +335,7 @@ def parser() -> argparse.ArgumentParser:
                    help="requests in one worker's batch at most; more wait in its queue (default: 64)")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
-    u.add_argument("--chunk-rate", type=float, metavar="N",
+    u.add_argument("--chunk-rate", type=chunk_rate, metavar="N",
                    help="token chunks per second each worker publishes at most, all its streams together; under more "
                         f"load a chunk carries several steps' tokens; 0: a chunk per step (default: {CHUNK_RATE:g})")
     u.set_defaults(func=delegate("ops.up"))

@@ -2,6 +2,7 @@
 
 Subjects go broad → narrow. Streams capture tenants and worker ids, never request ids; the
 per-request subjects (tb.out, tb.cancel) are core NATS, stored nowhere."""
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -166,6 +167,15 @@ STALL_SECONDS = 5.0                      # a stream silent this long is checked 
 RESUME_GRACE = 10.0                      # seconds a stream whose client's connection dropped waits for a resume
 CHUNK_RATE = 1000.0                      # token chunks per second a worker publishes at most (its --chunk-rate)
 MAX_CHUNK_INTERVAL = 0.1                 # seconds a stream's tokens wait in the worker for their chunk, at most
+
+
+def chunk_rate(text: str) -> float:
+    """A --chunk-rate value (the worker's, and what `tokenbus up` and bench-pipeline pass it): chunks
+    per second, a number from 0 up (0: a chunk per stream per step)."""
+    with contextlib.suppress(ValueError):
+        if 0 <= (value := float(text)) < float("inf"):
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r}: expected chunks per second, a number from 0 up")
 KV_SNAPSHOT_PART = 1 << 15               # hashes per KvSnapshot message (about 300 kB, under the 1 MB payload)
 KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole snapshot before asking again
 ROUTER_STATS_SECONDS = 1.0

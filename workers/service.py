@@ -596,18 +596,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--test-hook-fault-action", choices=("raise", "exit"), default="raise", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
                    "the tokens do not depend on it")
-    p.add_argument("--chunk-rate", type=rate, default=subjects.CHUNK_RATE,
+    p.add_argument("--chunk-rate", type=subjects.chunk_rate, default=subjects.CHUNK_RATE,
                    help=f"token chunks per second this worker publishes at most, all streams together: with more "
                         f"streams, each chunk carries several steps' tokens, at most {subjects.MAX_CHUNK_INTERVAL:g} s "
                         f"apart; 0: one chunk per stream per step (default {subjects.CHUNK_RATE:g})")
     return p
-
-
-def rate(text: str) -> float:
-    with contextlib.suppress(ValueError):
-        if 0 <= (value := float(text)) < float("inf"):
-            return value
-    raise argparse.ArgumentTypeError(f"{text!r}: expected chunks per second, a number from 0 up")
 
 
 def engine_config(args) -> EngineConfig:

@@ -39,6 +39,21 @@ def test_a_bad_argument_is_a_clear_error_not_a_traceback(tiny_model):
     assert p.returncode != 0 and "max_tokens must be in [1, " in p.stderr and "Traceback" not in p.stderr
 
 
+def test_every_chunk_rate_flag_refuses_a_negative_rate_naming_the_flag(capsys):
+    """`tokenbus up` and bench-pipeline pass --chunk-rate to the worker: they check it as it does,
+    before anything starts."""
+    from ops.bench_pipeline import stand_in_parser
+    from ops.cli import parser as tokenbus
+    from workers.service import parser as worker
+
+    for p, args in ((tokenbus(), ["up"]), (tokenbus(), ["bench-pipeline"]), (worker(), ["--model", "m"]),
+                    (stand_in_parser(), ["--nats-url", "x", "--step-ms", "1", "--vocab", "9"])):
+        with pytest.raises(SystemExit):
+            p.parse_args([*args, "--chunk-rate", "-1"])
+        assert "argument --chunk-rate: '-1': expected chunks per second, a number from 0 up" in capsys.readouterr().err
+        assert p.parse_args([*args, "--chunk-rate", "0"]).chunk_rate == 0.0
+
+
 @pytest.mark.slow
 def test_bench_pipeline_runs_both_sides_and_reports_ratio_and_added_ttft(tiny_model):
     out = run("bench-pipeline", "--model", tiny_model, "--num-requests", "6", "--input-len", "8", "16",
