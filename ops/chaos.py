@@ -225,7 +225,7 @@ class Run:
             if self.stack.nats_nodes:                 # the logs are read once the cluster is whole again
                 cluster.wait_ready(self.stack.nats_nodes)
             r = self.result
-            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url))
+            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url, r.completed))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
@@ -443,18 +443,25 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
     return {c: o.token_ids for c, o in zip(cids, outs)}
 
 
-async def logs(nats_url: str) -> tuple[int, int, int, int]:
+async def logs(nats_url: str, want: int = 0, timeout: float = 30.0) -> tuple[int, int, int, int]:
     """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
-    completion records beyond the first of a request id, request ids with a usage record)."""
+    completion records beyond the first of a request id, request ids with a usage record). The completion
+    and usage records are stored after the client's last frame (retried through a leader change), so with
+    `want` the logs are read again until each holds `want` request ids or `timeout` seconds pass."""
     from schemas.messages import Completion, GenerateRequest, Usage
 
     nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
+    deadline = time.monotonic() + timeout
     try:
         js = nc.jetstream()
-        requests = await ids(js, subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS, GenerateRequest)
-        done = await ids(js, subjects.RESULTS_STREAM, subjects.RESULTS_SUBJECTS, Completion)
-        usage = await ids(js, subjects.USAGE_STREAM, subjects.USAGE_SUBJECTS, Usage)
-        return len(requests), len(set(done)), len(done) - len(set(done)), len(set(usage))
+        while True:
+            requests = await ids(js, subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS, GenerateRequest)
+            done = await ids(js, subjects.RESULTS_STREAM, subjects.RESULTS_SUBJECTS, Completion)
+            usage = await ids(js, subjects.USAGE_STREAM, subjects.USAGE_SUBJECTS, Usage)
+            counts = len(requests), len(set(done)), len(done) - len(set(done)), len(set(usage))
+            if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
+                return counts
+            await asyncio.sleep(0.5)
     finally:
         await nc.close()
 
