@@ -37,6 +37,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    speculative: bool = True     # false: this request never verifies draft tokens (its output is the same either way)
 
     def __post_init__(self):
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -83,7 +84,8 @@ def check_types(p: SamplingParams) -> None:
         v = getattr(p, name)
         check(isinstance(v, int | float) and not isinstance(v, bool), name, "must be a number", v)
         check(math.isfinite(v), name, "must be a finite number", v)
-    check(isinstance(p.ignore_eos, bool), "ignore_eos", "must be true or false", p.ignore_eos)
+    for name in ("ignore_eos", "speculative"):
+        check(isinstance(getattr(p, name), bool), name, "must be true or false", getattr(p, name))
 
 
 def check_stops(p: SamplingParams) -> None:

@@ -31,7 +31,7 @@ def engine_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
             targets = torch.tensor(ids[start + 1:start + n + 1])
             out.append(logprobs[torch.arange(len(targets)), targets])
             sampled = [int(logprobs[-1].argmax())] if batch.samples[0] else []
-            engine.scheduler.update(batch, sampled, [None] * len(sampled))
+            engine.scheduler.update(batch, [sampled] if sampled else [], [[None]] if sampled else [])
     finally:
         engine.abort(req.request_id)
     return torch.cat(out)

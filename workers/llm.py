@@ -71,11 +71,16 @@ class LLM:
         backend = self.tokenizer.backend_tokenizer
         detoks = {r.request_id: Detokenizer(backend, r.prompt_token_ids, r.params.stop) for r in requests}
         try:
+            pushed = {r.request_id: r.num_output_tokens for r in requests}
             while self.engine.has_unfinished():
-                for req in self.engine.step():
-                    stop = detoks[req.request_id].push(req.token_ids[-1:])  # one new token per step
-                    if stop is not None:
-                        self.engine.finish(req, stop)
+                for req in self.engine.step():          # one new token per step, or more with drafts
+                    detok = detoks[req.request_id]
+                    for n in range(pushed[req.request_id], req.num_output_tokens):
+                        stop = detok.push(req.output_token_ids[n:n + 1])
+                        if stop is not None:
+                            self.engine.finish(req, stop, n + 1)
+                            break
+                    pushed[req.request_id] = req.num_output_tokens
         except BaseException:  # e.g. Ctrl-C: leave nothing behind in the engine
             for req in requests:
                 self.engine.abort(req.request_id)

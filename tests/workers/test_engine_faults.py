@@ -96,7 +96,7 @@ def test_a_suspect_request_runs_its_steps_alone_until_its_first_token(engine):
     engine.add_request("b", [4, 5], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     batch = engine.scheduler.schedule()
     assert [r.request_id for r in batch.requests] == ["s"]
-    engine.scheduler.update(batch, [9], [None])
+    engine.scheduler.update(batch, [[9]], [[None]])
     assert not engine.requests["s"].isolate
     assert {r.request_id for r in engine.scheduler.schedule().requests} == {"a", "s", "b"}
 

@@ -17,21 +17,32 @@ def test_expected_tokens_is_the_geometric_sum_and_k_plus_one_when_every_draft_is
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def at(batch: int, cost=cpu_like):
+    """The step cost with k drafts for each of `batch` requests."""
+    return lambda k: cost(batch * (1 + k))
+
+
 def test_speculation_is_on_at_batch_1_and_off_at_a_busy_batch():
-    assert choose_k(1, 0.7, 6, cpu_like) == 6                  # 7 tokens cost what 1 does
-    assert choose_k(64, 0.7, 6, cpu_like) == 0                 # every extra token is paid in full
-    assert 0 < choose_k(16, 0.7, 6, cpu_like) < 6              # in between: up to the knee
+    assert choose_k(1, 0.7, 6, at(1)) == 6                     # 7 tokens cost what 1 does
+    assert choose_k(64, 0.7, 6, at(64)) == 0                   # every extra token is paid in full
+    assert 0 < choose_k(16, 0.7, 6, at(16)) < 6                # in between: up to the knee
 
 
 def test_speculation_is_off_when_drafts_are_rarely_right_even_at_batch_1():
     slow_verify = lambda tokens: 0.030 + 0.004 * tokens        # noqa: E731  verifying costs something
-    assert choose_k(1, 0.05, 6, slow_verify) == 0
-    assert choose_k(1, 0.9, 6, slow_verify) > 0
+    assert choose_k(1, 0.05, 6, at(1, slow_verify)) == 0
+    assert choose_k(1, 0.9, 6, at(1, slow_verify)) > 0
+
+
+def test_requests_that_cannot_draft_count_in_the_step_but_gain_nothing():
+    # one drafting request beside 63 that do not: the step is already compute-bound
+    assert choose_k(1, 0.9, 4, lambda k: cpu_like(64 + k), other=63) == 0
+    assert choose_k(1, 0.9, 4, lambda k: cpu_like(1 + k)) == 4
 
 
 def test_nothing_to_choose_without_requests_or_drafts():
-    assert choose_k(0, 0.9, 4, cpu_like) == 0
-    assert choose_k(4, 0.9, 0, cpu_like) == 0
+    assert choose_k(0, 0.9, 4, at(0)) == 0
+    assert choose_k(4, 0.9, 0, at(4)) == 0
 
 
 def test_acceptance_counts_positions_up_to_the_first_rejection():

@@ -15,6 +15,7 @@ from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from workers.engine.speculative import SpeculativeConfig, Speculator
 from workers.models.config import ModelConfig
 from workers.models.llama import CausalLM
 
@@ -36,6 +37,7 @@ class EngineConfig:
     device: str | None = None              # default: cuda when available, else cpu
     seed: int = 0                          # draws the seeds of requests that bring none
     tensor_parallel_size: int = 1          # ranks one replica spans (one GPU each on CUDA)
+    speculative: dict | str | None = None  # speculative decoding: SpeculativeConfig's fields, or "ngram:4" / "draft:DIR:4"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -45,6 +47,7 @@ class EngineConfig:
             check(value is None or value >= 1, name, "must be at least 1 (or None for the default)", value)
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
               self.gpu_memory_utilization)
+        SpeculativeConfig.of(self.speculative)     # raises ValueError naming what is wrong
 
 
 @dataclass(slots=True)
@@ -87,6 +90,11 @@ class LLMEngine:
         self.seeds = random.Random(config.seed)
         self.num_steps = 0
         self.trace: list[StepTrace] | None = None  # set to a list to record every step
+        self.speculator: Speculator | None = None
+        spec = SpeculativeConfig.of(config.speculative)
+        if spec is not None:
+            from workers.engine import speculative
+            self.speculator = speculative.build(spec, self, self.max_model_len)
 
     def close(self) -> None:
         """Stops the tensor-parallel followers, if any (also done when the engine is collected)."""
@@ -155,13 +163,20 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort(req)
+            if self.speculator is not None:
+                self.speculator.forget(request_id)
         return req
 
-    def finish(self, req: Request, stop_reason: str) -> None:
+    def finish(self, req: Request, stop_reason: str, num_output_tokens: int | None = None) -> None:
         """Ends req as stopped by a stop string the caller found in its text (the same step may
-        have ended it already, by length or a stop token: the stop string wins)."""
+        have ended it already, by length or a stop token: the stop string wins). With
+        num_output_tokens, the tokens after the one that completed the stop string (a step that
+        verified drafts can add several) are dropped, as if the request had stopped there."""
         self.abort(req.request_id)
         req.finish_reason, req.stop_reason = "stop", stop_reason
+        if num_output_tokens is not None and num_output_tokens < req.num_output_tokens:
+            del req.token_ids[req.num_prompt_tokens + num_output_tokens:]
+            del req.logprobs[max(num_output_tokens - req.num_resumed_tokens, 0):]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -175,17 +190,24 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
+        if self.speculator is not None:
+            self.speculator.draft(batch, self.scheduler)
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
         self.check_alive()
+        run_start = time.perf_counter()
         try:
             tokens, logprobs = self.run(batch, tables)
         except Exception as e:                   # one request's fault, most likely: find it, fail it alone
             updated = self.isolate(batch, tables, e)
         else:
             updated = self.scheduler.update(batch, tokens, logprobs)
+            if self.speculator is not None:
+                self.speculator.observe(batch, time.perf_counter() - run_start)
         for req in updated:
             if req.finished:
                 del self.requests[req.request_id]
+                if self.speculator is not None:
+                    self.speculator.forget(req.request_id)
         self.num_steps += 1
         if self.trace is not None:
             waste = sum(len(t) * self.config.block_size - r.num_computed_tokens
@@ -260,6 +282,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "steps": self.num_steps,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
 
@@ -270,6 +293,7 @@ def sub_batch(batch: Batch, rows: list[int]) -> Batch:
         sub.requests.append(batch.requests[i])
         sub.num_new_tokens.append(batch.num_new_tokens[i])
         sub.samples.append(batch.samples[i])
+        sub.drafts.append(batch.drafts[i])
     return sub
 
 

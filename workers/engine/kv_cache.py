@@ -36,6 +36,11 @@ class FreeBlockQueue:
         last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
         self.num_free += 1
 
+    def appendleft(self, block: Block) -> None:
+        first = self.head.next
+        self.head.next, block.prev, block.next, first.prev = block, self.head, first, block
+        self.num_free += 1
+
     def remove(self, block: Block) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
@@ -110,6 +115,29 @@ class KVCacheManager:
         blocks.extend(self.pop_free() for _ in range(need))
         self.hash_full_blocks(req, num_tokens)
         return True
+
+    def allocate_draft_slots(self, req: Request, num_tokens: int) -> int:
+        """Gives req blocks for up to num_tokens tokens in all (its computed ones, this step's and the
+        draft tokens after them), taking only free blocks that hold no cached KV: a draft, which may be
+        rejected, never evicts a cached block. Returns how many tokens its blocks now hold."""
+        blocks = self.req_blocks[req.request_id]
+        need = self.num_blocks_for(num_tokens) - len(blocks)
+        while need > 0 and self.free.num_free and self.free.head.next.hash is None:
+            blocks.append(self.pop_free())
+            need -= 1
+        return min(num_tokens, len(blocks) * self.block_size)
+
+    def rollback(self, req: Request) -> None:
+        """After rejected draft tokens: the blocks past req's computed tokens (which held only drafts,
+        never hashed) go back to the head of the free list, last taken first, so the free list is as
+        if they had never been taken."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        keep = self.num_blocks_for(req.num_computed_tokens)
+        while len(blocks) > keep:
+            block = blocks.pop()
+            assert block.hash is None and block.ref_cnt == 1, f"block {block.block_id} rolled back while shared"
+            block.ref_cnt = 0
+            self.free.appendleft(block)
 
     def pop_free(self) -> Block:
         block = self.free.popleft()

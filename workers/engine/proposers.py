@@ -11,10 +11,14 @@ sequence.
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from workers.engine.request import Request
+
 
 class Proposer(Protocol):
-    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens that may follow token_ids (fewer, or none, when there is no guess)."""
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """For each request, up to ks[i] tokens that may follow its tokens (fewer, or none, when there
+        is no guess). A request's tokens only grow between calls, except that a request started again
+        under its id (preempted, moved) may be a new sequence."""
 
     def forget(self, request_id: str) -> None:
         """The request has ended (finished, aborted or moved): drop what was kept for it."""
@@ -54,7 +58,10 @@ class NgramProposer:
         self.low, self.high = prompt_lookup_min, prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [self.propose_one(r.request_id, r.token_ids, k) for r, k in zip(requests, ks)]
+
+    def propose_one(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         index = self.indexes.get(request_id)
         if index is None or not extends(token_ids, index.tokens):
             index = self.indexes[request_id] = NgramIndex(self.low, self.high)

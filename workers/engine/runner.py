@@ -1,6 +1,7 @@
 """Runs one step's batch through the model: flattens every scheduled token into one varlen batch
 (positions, slot mapping, block tables, cu_seqlens), runs the model once, computes logits only
 for the requests that sample this step, and samples them."""
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -78,9 +79,10 @@ class ModelRunner:
     def prepare(self, batch: Batch, block_tables: list[list[int]]) -> "StepInputs":
         """The flattened batch, on the CPU."""
         input_ids, q_lens, starts = [], batch.num_new_tokens, []
-        for req, n in zip(batch.requests, q_lens):
+        for req, n, drafts in zip(batch.requests, q_lens, batch.drafts):
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start:start + n])
+            input_ids.extend(req.token_ids[start:start + n - len(drafts)])
+            input_ids.extend(drafts)
             starts.append(start)
         width = max(map(len, block_tables))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
@@ -91,20 +93,30 @@ class ModelRunner:
         positions = torch.arange(len(input_ids)) - cu[row] + torch.tensor(starts)[row]
         slots = tables[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
         seq_lens = q_lens_t + torch.tensor(starts, dtype=torch.int32)
-        samples = torch.tensor(batch.samples, dtype=torch.bool)
-        logit_rows = cu[1:][samples].long() - 1        # each sampling request's last token
+        ends = itertools.accumulate(q_lens)   # each sampling request's last token, and each of its drafts:
+        logit_rows = torch.tensor([row for end, samples, drafts in zip(ends, batch.samples, batch.drafts) if samples
+                                   for row in range(end - 1 - len(drafts), end)], dtype=torch.long)
         return StepInputs(torch.tensor(input_ids), positions, slots, cu, seq_lens, tables, logit_rows)
 
     @torch.inference_mode()
-    def run(self, batch: Batch, block_tables: list[list[int]]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Rank 0: token (and logprobs) for each request of the batch that samples this step."""
+    def run(self, batch: Batch, block_tables: list[list[int]]
+            ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Rank 0: for each request of the batch that samples this step, its tokens (and logprobs): the
+        one after its last token and, when it verifies drafts, the one after each draft, each sampled
+        as if the drafts before it were the request's own tokens."""
         inputs = self.prepare(batch, block_tables)
         if self.tp.size > 1:
             self.tp.send_step(inputs.header(), inputs.pack())
         logits = self.execute(inputs)
         if logits is None:
             return [], []
-        return self.sampler(logits, [r for r, samples in zip(batch.requests, batch.samples) if samples])
+        rows, sizes = [], []
+        for req, samples, drafts in zip(batch.requests, batch.samples, batch.drafts):
+            if samples:
+                rows += [req] + [Ahead(req, drafts[:j]) for j in range(1, len(drafts) + 1)]
+                sizes.append(len(drafts) + 1)
+        tokens, logprobs = self.sampler(logits, rows)
+        return split(tokens, sizes), split(logprobs, sizes)
 
     @torch.inference_mode()
     def execute(self, inputs: "StepInputs") -> torch.Tensor | None:
@@ -129,6 +141,43 @@ class ModelRunner:
         """A follower's life: run every step rank 0 sends, until it says stop."""
         while (step := self.tp.recv_step()) is not None:
             self.execute(StepInputs.unpack(*step))
+
+
+class Ahead:
+    """A request as it would be with `extra` tokens after its own (a draft's row of a verify step): what
+    the sampler reads, so the row is sampled exactly as the request would be once they are its own."""
+    __slots__ = ("req", "extra")
+
+    def __init__(self, req, extra: list[int]):
+        self.req, self.extra = req, extra
+
+    @property
+    def params(self):
+        return self.req.params
+
+    @property
+    def seed(self) -> int:
+        return self.req.seed
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.req.num_output_tokens + len(self.extra)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.req.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.req.output_token_ids + self.extra
+
+
+def split(items: list, sizes: list[int]) -> list[list]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(items[start:start + n])
+        start += n
+    return out
 
 
 @dataclass(slots=True)

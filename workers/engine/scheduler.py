@@ -5,6 +5,10 @@ prompt is chunked across steps and a decode gets its one token. When a running r
 get a block, the most recently admitted running request is preempted by recompute: its blocks
 are freed (they stay in the prefix cache, so the resume is cheap) and it goes back to the head of
 the waiting queue. Waiting requests never preempt.
+
+Speculative draft tokens are extra tokens of the same step (workers.engine.speculative): they take
+only the budget and the uncached free blocks left once running and waiting requests are scheduled,
+and the slots of those the model rejects are rolled back by num_computed_tokens.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,16 +29,21 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class Batch:
     """What one step computes: requests[i] gets num_new_tokens[i] more tokens, and samples a token
-    when they bring it to the end of its known tokens (a prefill chunk short of the end does not)."""
+    when they bring it to the end of its known tokens (a prefill chunk short of the end does not).
+    A sampling request may also verify draft tokens: drafts[i] are the last of its num_new_tokens,
+    and the step samples a token after each of them too."""
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)  # after update(): drafts[i] kept, up to the first rejected
     preempted: list[Request] = field(default_factory=list)
 
-    def add(self, req: Request, n: int) -> None:
+    def add(self, req: Request, n: int, drafts: list[int] = ()) -> None:
         self.requests.append(req)
-        self.num_new_tokens.append(n)
+        self.num_new_tokens.append(n + len(drafts))
         self.samples.append(req.num_computed_tokens + n == req.num_tokens)
+        self.drafts.append(list(drafts))
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +135,19 @@ class Scheduler:
             batch.add(req, n)
             budget -= n
 
+    def add_drafts(self, batch: Batch, i: int, drafts: list[int]) -> int:
+        """Schedules draft tokens after batch row i (a sampling request) with what the step has left:
+        the token budget and free blocks that hold no cached KV. Returns how many were scheduled."""
+        req = batch.requests[i]
+        budget = self.config.max_num_batched_tokens - batch.num_tokens
+        end = req.num_computed_tokens + batch.num_new_tokens[i]
+        room = self.kv.allocate_draft_slots(req, end + min(len(drafts), budget)) - end
+        if room <= 0:
+            return 0
+        batch.drafts[i] = drafts[:room]
+        batch.num_new_tokens[i] += room
+        return room
+
     def preempt(self, req: Request) -> None:
         self.kv.free_request(req)
         req.status = Status.PREEMPTED
@@ -133,23 +155,36 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update(self, batch: Batch, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> list[Request]:
+    def update(self, batch: Batch, tokens: list[list[int]], logprobs: list[list[TokenLogprobs | None]]) -> list[Request]:
         """Applies a step's results: tokens[k] (and logprobs[k]) belong to the k-th request of the
-        batch that samples. Returns the requests that got a token."""
+        batch that samples, one per row it sampled (1 + its drafts). A request keeps its drafts up to
+        the first the model did not sample, then the model's own token after them; the KV of the
+        rejected drafts is rolled back. Returns the requests that got a token."""
         sampled = iter(zip(tokens, logprobs, strict=True))
+        batch.num_accepted = [0] * len(batch.requests)
         updated = []
-        for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
+        for i, (req, n, samples, drafts) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.samples,
+                                                          batch.drafts)):
             req.num_computed_tokens += n
             if not samples:
                 continue
-            token, lp = next(sampled)
+            row_tokens, row_logprobs = next(sampled)
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == row_tokens[accepted]:
+                accepted += 1
+            if drafts:
+                batch.num_accepted[i] = accepted
+                req.num_computed_tokens -= len(drafts) - accepted
+                self.kv.rollback(req)
             req.isolate = False
-            req.append(token)
-            if lp is not None:
-                req.logprobs.append(lp)
-            reason = self.stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, reason)
+            for token, lp in zip(row_tokens[:accepted + 1], row_logprobs):
+                req.append(token)
+                if lp is not None:
+                    req.logprobs.append(lp)
+                reason = self.stop_reason(req, token)
+                if reason is not None:
+                    self.finish(req, reason)
+                    break
             updated.append(req)
         if any(r.finished for r in updated):
             self.running = [r for r in self.running if not r.finished]

@@ -3,7 +3,8 @@
 With k draft tokens per request and a per-token acceptance rate a (each draft token accepted with
 probability a, given the ones before it were), a verify step yields on average
 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens per request: the accepted drafts and the
-target's own token after them. It costs a step of B * (1 + k) tokens instead of B. The policy
+target's own token after them. It costs a step of B * (1 + k) tokens instead of B (and, for a draft
+model, its k forwards). The policy
 picks the k in [0, k_max] with the most tokens per second by the measured cost of a step, and
 0 (speculation off) unless some k beats no speculation by `margin`. At batch 1 a step is
 memory-bound (k more tokens cost little) and speculation pays; at a large batch the step is
@@ -19,17 +20,18 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return k + 1.0 if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def choose_k(batch: int, acceptance: float, k_max: int, step_seconds: Callable[[int], float],
-             margin: float = 0.05) -> int:
-    """The number of draft tokens per request with the best expected tokens per second for a batch
-    of `batch` requests, `step_seconds(tokens)` being the measured cost of a step of that many
-    tokens; 0 unless it beats no speculation by `margin`."""
-    if batch <= 0 or k_max <= 0:
+def choose_k(rows: int, acceptance: float, k_max: int, step_seconds: Callable[[int], float],
+             margin: float = 0.05, other: int = 0) -> int:
+    """The number of draft tokens per request with the best expected tokens per second for a step
+    where `rows` requests may draft and `other` sampling requests do not, `step_seconds(k)` being
+    the measured cost of that step with k drafts per drafting request; 0 unless it beats no
+    speculation by `margin`."""
+    if rows <= 0 or k_max <= 0:
         return 0
-    base = batch / step_seconds(batch)
+    base = (rows + other) / step_seconds(0)
     best, best_rate = 0, base * (1.0 + margin)
     for k in range(1, k_max + 1):
-        rate = batch * expected_tokens(acceptance, k) / step_seconds(batch * (1 + k))
+        rate = (other + rows * expected_tokens(acceptance, k)) / step_seconds(k)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
