@@ -28,7 +28,7 @@ def step(sched: Scheduler, token: int = 7) -> Batch:
     """schedule() then update() as if the model sampled `token` for every request that samples."""
     batch = sched.schedule()
     n_sampling = sum(batch.samples)
-    sched.update(batch, [token] * n_sampling, [None] * n_sampling)
+    sched.update(batch, [[token]] * n_sampling, [[None]] * n_sampling)
     return batch
 
 

@@ -37,7 +37,7 @@ class EngineConfig:
     device: str | None = None              # default: cuda when available, else cpu
     seed: int = 0                          # draws the seeds of requests that bring none
     tensor_parallel_size: int = 1          # ranks one replica spans (one GPU each on CUDA)
-    speculative: dict | str | None = None  # speculative decoding: SpeculativeConfig's fields, or "ngram:4" / "draft:DIR:4"
+    speculative: dict | str | None = None  # SpeculativeConfig's fields, or "ngram:4" / "draft:DIR:4"; None: off
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):

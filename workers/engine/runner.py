@@ -146,7 +146,7 @@ class ModelRunner:
 class Ahead:
     """A request as it would be with `extra` tokens after its own (a draft's row of a verify step): what
     the sampler reads, so the row is sampled exactly as the request would be once they are its own."""
-    __slots__ = ("req", "extra")
+    __slots__ = ("extra", "req")
 
     def __init__(self, req, extra: list[int]):
         self.req, self.extra = req, extra

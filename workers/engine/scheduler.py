@@ -155,7 +155,8 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update(self, batch: Batch, tokens: list[list[int]], logprobs: list[list[TokenLogprobs | None]]) -> list[Request]:
+    def update(self, batch: Batch, tokens: list[list[int]],
+               logprobs: list[list[TokenLogprobs | None]]) -> list[Request]:
         """Applies a step's results: tokens[k] (and logprobs[k]) belong to the k-th request of the
         batch that samples, one per row it sampled (1 + its drafts). A request keeps its drafts up to
         the first the model did not sample, then the model's own token after them; the KV of the
@@ -177,14 +178,18 @@ class Scheduler:
                 req.num_computed_tokens -= len(drafts) - accepted
                 self.kv.rollback(req)
             req.isolate = False
+            reason = None
             for token, lp in zip(row_tokens[:accepted + 1], row_logprobs):
                 req.append(token)
                 if lp is not None:
                     req.logprobs.append(lp)
                 reason = self.stop_reason(req, token)
                 if reason is not None:
-                    self.finish(req, reason)
                     break
+            if accepted:                  # blocks the accepted drafts filled hold final tokens now
+                self.kv.hash_full_blocks(req, req.num_computed_tokens)
+            if reason is not None:
+                self.finish(req, reason)
             updated.append(req)
         if any(r.finished for r in updated):
             self.running = [r for r in self.running if not r.finished]

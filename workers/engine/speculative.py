@@ -134,8 +134,10 @@ class Speculator:
         rows = [i for i, (req, samples) in enumerate(zip(batch.requests, batch.samples))
                 if samples and req.params.speculative and not req.isolate and room(req, self.max_model_len) > 0]
         self.rows = len(rows)
+        if not rows:
+            return                       # k stays the last choice: nothing to choose for
         self.k = self.choose(batch, len(rows))
-        if not rows or self.k == 0:
+        if self.k == 0:
             return
         reqs = [batch.requests[i] for i in rows]
         ks = [min(self.k, room(r, self.max_model_len)) for r in reqs]
@@ -149,8 +151,8 @@ class Speculator:
 
     def choose(self, batch: Batch, rows: int) -> int:
         k_max = self.config.num_speculative_tokens
-        if not self.config.adaptive or rows == 0:
-            return k_max if rows else 0
+        if not self.config.adaptive:
+            return k_max
         base = batch.num_tokens
         other = sum(batch.samples) - rows
 
