@@ -8,6 +8,7 @@ throughput on CPU; docs/decisions.md)."""
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -47,6 +48,7 @@ from schemas.messages import (
 )
 from schemas.sampling import SamplingParams
 from workers.distributed import WorkerFailure
+from workers.engine import speculative
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
 from workers.models import catalogue
@@ -600,6 +602,13 @@ def parser() -> argparse.ArgumentParser:
                    help=f"token chunks per second this worker publishes at most, all streams together: with more "
                         f"streams, each chunk carries several steps' tokens, at most {subjects.MAX_CHUNK_INTERVAL:g} s "
                         f"apart; 0: one chunk per stream per step (default {subjects.CHUNK_RATE:g})")
+    p.add_argument("--speculative", type=speculative.argument, metavar="SPEC",
+                   help="speculative decoding: ngram[:K] (prompt lookup) or draft:DIR[:K] (a smaller checkpoint "
+                        "with the same tokenizer), K draft tokens per request at most (default 4); the tokens are "
+                        "the same as without it (default: off)")
+    p.add_argument("--no-speculative-adaptive", action="store_true",
+                   help="with --speculative: always K draft tokens, not the K each step's cost and the measured "
+                        "acceptance favour")
     return p
 
 
@@ -608,7 +617,15 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        tensor_parallel_size=args.tp)
+                        tensor_parallel_size=args.tp, speculative=speculative_config(args))
+
+
+def speculative_config(args) -> dict | None:
+    """EngineConfig.speculative from --speculative and --no-speculative-adaptive."""
+    if args.speculative is None:
+        return None
+    return {**dataclasses.asdict(speculative.SpeculativeConfig.parse(args.speculative)),
+            "adaptive": not args.no_speculative_adaptive}
 
 
 async def serve(args) -> None:
@@ -648,7 +665,11 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def main(argv=None) -> None:
-    subjects.run(serve(parser().parse_args(argv)))
+    p = parser()
+    args = p.parse_args(argv)
+    if args.no_speculative_adaptive and args.speculative is None:
+        p.error("--no-speculative-adaptive fixes the K of --speculative: give --speculative too")
+    subjects.run(serve(args))
 
 
 if __name__ == "__main__":

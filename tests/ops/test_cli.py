@@ -54,6 +54,60 @@ def test_every_chunk_rate_flag_refuses_a_negative_rate_naming_the_flag(capsys):
         assert p.parse_args([*args, "--chunk-rate", "0"]).chunk_rate == 0.0
 
 
+@pytest.mark.parametrize("spec, why", [
+    ("medusa", "'medusa': expected ngram[:K] or draft:DIR[:K]"),
+    ("ngram:x", "'ngram:x': K must be a whole number of draft tokens, not 'x'"),
+    ("ngram:0", "'ngram:0': num_speculative_tokens must be in [1, 16], not 0"),
+    ("draft:d:0", "'draft:d:0': num_speculative_tokens must be in [1, 16], not 0"),
+    ("draft", "'draft': speculative method 'draft' needs a model"),
+])
+def test_every_speculative_flag_refuses_a_bad_spec_naming_the_flag(spec, why, capsys):
+    """`tokenbus up` passes --speculative to every worker: it checks it as the worker does, before anything
+    starts."""
+    from ops.cli import parser as tokenbus
+    from workers.service import parser as worker
+
+    for p, args in ((tokenbus(), ["up"]), (worker(), ["--model", "m"])):
+        with pytest.raises(SystemExit):
+            p.parse_args([*args, "--speculative", spec])
+        assert f"argument --speculative: {why}" in capsys.readouterr().err
+
+
+def test_up_starts_every_worker_with_its_speculation_and_a_draft_directory_made_absolute(tmp_path, monkeypatch):
+    from ops.cli import parser as tokenbus
+    from ops.up import worker_args
+    from workers.service import engine_config
+    from workers.service import parser as worker
+
+    def worker_config(*up: str):
+        """The EngineConfig.speculative of a worker that `tokenbus up *up` starts in another directory."""
+        monkeypatch.chdir(tmp_path)
+        argv = worker_args(tokenbus().parse_args(["up", *up]))
+        monkeypatch.chdir("/")
+        return argv, engine_config(worker().parse_args(["--model", "m", *argv])).speculative
+
+    argv, spec = worker_config("--speculative", "draft:drafts/small:3", "--no-speculative-adaptive")
+    assert argv == ["--speculative", f"draft:{tmp_path}/drafts/small:3", "--no-speculative-adaptive"]
+    assert (spec["method"], spec["model"], spec["num_speculative_tokens"], spec["adaptive"]) == (
+        "draft", f"{tmp_path}/drafts/small", 3, False)
+    argv, spec = worker_config("--speculative", "ngram:2", "--max-num-seqs", "8")
+    assert argv == ["--max-num-seqs", "8", "--speculative", "ngram:2"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["adaptive"]) == ("ngram", 2, True)
+    assert worker_config() == ([], None)
+
+
+def test_a_fixed_k_without_speculative_is_refused_by_up_and_by_the_worker(capsys):
+    from ops.cli import parser as tokenbus
+    from ops.up import check_speculative
+    from workers.service import main as worker
+
+    with pytest.raises(ValueError, match="--no-speculative-adaptive fixes the K of --speculative"):
+        check_speculative(tokenbus().parse_args(["up", "--no-speculative-adaptive"]))
+    with pytest.raises(SystemExit):
+        worker(["--model", "m", "--no-speculative-adaptive"])
+    assert "--no-speculative-adaptive fixes the K of --speculative" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_pipeline_runs_both_sides_and_reports_ratio_and_added_ttft(tiny_model):
     out = run("bench-pipeline", "--model", tiny_model, "--num-requests", "6", "--input-len", "8", "16",
