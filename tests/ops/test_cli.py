@@ -1,7 +1,9 @@
 """The `tokenbus` commands of this issue run end to end as a user types them."""
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -106,6 +108,31 @@ def test_a_fixed_k_without_speculative_is_refused_by_up_and_by_the_worker(capsys
     with pytest.raises(SystemExit):
         worker(["--model", "m", "--no-speculative-adaptive"])
     assert "--no-speculative-adaptive fixes the K of --speculative" in capsys.readouterr().err
+
+
+def test_status_shows_whether_each_worker_speculates_with_its_method_k_and_acceptance(nats_url, capsys):
+    from ops.cli import main
+    from schemas import subjects
+    from schemas.messages import Heartbeat, Speculation, encode
+
+    spec = Speculation("ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65])
+
+    async def register():
+        nc = await subjects.connect(nats_url, "test")
+        kv = await subjects.registry(nc.jetstream())
+        await kv.put("w0", encode(Heartbeat("w0", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)))
+        await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0, speculation=spec)))
+        await nc.close()
+
+    asyncio.run(register())
+    main(["status", "--nats-url", nats_url])
+    head, w0, w1 = capsys.readouterr().out.splitlines()
+    assert head.split()[-1] == "speculation"
+    assert w0.endswith(" off") and w1.endswith(" ngram k=2/4, 62.5% accepted")
+    main(["status", "--json", "--nats-url", nats_url])
+    workers = json.loads(capsys.readouterr().out)["workers"]
+    assert workers[0]["speculation"] is None
+    assert workers[1]["speculation"]["method"] == "ngram" and workers[1]["speculation"]["acceptance_rate"] == 0.625
 
 
 @pytest.mark.slow
