@@ -84,6 +84,14 @@ def size(text: str) -> int:
     return int(m.group(1)) * UNITS[m.group(2)]
 
 
+def speculative(text: str) -> str:
+    """A --speculative value, checked as the worker checks it (the check is imported only when the flag
+    is given: it imports torch)."""
+    from workers.engine.speculative import argument
+
+    return argument(text)
+
+
 def version() -> str:
     try:
         return importlib.metadata.version("tokenbus")
@@ -338,6 +346,13 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--chunk-rate", type=chunk_rate, metavar="N",
                    help="token chunks per second each worker publishes at most, all its streams together; under more "
                         f"load a chunk carries several steps' tokens; 0: a chunk per step (default: {CHUNK_RATE:g})")
+    u.add_argument("--speculative", type=speculative, metavar="SPEC",
+                   help="every worker's speculative decoding: ngram[:K] (prompt lookup) or draft:DIR[:K] (a smaller "
+                        "checkpoint with the same tokenizer), K draft tokens per request at most (default 4); the "
+                        "tokens are the same as without it (default: off)")
+    u.add_argument("--no-speculative-adaptive", action="store_true",
+                   help="with --speculative: always K draft tokens, not the K each step's cost and the measured "
+                        "acceptance favour")
     u.set_defaults(func=delegate("ops.up"))
 
     bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "

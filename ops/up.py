@@ -335,6 +335,19 @@ def given(args, *options: str) -> list[str]:
     return [a for o, v in values if v is not None for a in (f"--{o}", str(v))]
 
 
+def worker_args(args) -> list[str]:
+    """What every worker of the stack is started with, from up's options."""
+    return [*(["--tp", str(args.tp)] if args.tp > 1 else []),
+            *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative"),
+            *(["--no-speculative-adaptive"] if args.no_speculative_adaptive else [])]
+
+
+def check_speculative(args) -> None:
+    """ValueError (the CLI prints it) for --no-speculative-adaptive alone."""
+    if args.no_speculative_adaptive and args.speculative is None:
+        raise ValueError("--no-speculative-adaptive fixes the K of --speculative: give --speculative too")
+
+
 def failed(e: ChildFailed | TimeoutError) -> str:
     """What `up` prints when the stack did not come up: the cause, from the failing child's own log."""
     if isinstance(e, TimeoutError):
@@ -346,12 +359,11 @@ def failed(e: ChildFailed | TimeoutError) -> str:
 def main(args) -> None:
     check_keys(args.host, args.api_keys)
     check_nats(args)
+    check_speculative(args)
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = resolve(args.model)
-    worker_args = (["--tp", str(args.tp)] if args.tp > 1 else []) + given(args, "max-model-len", "max-num-seqs",
-                                                                          "kv-cache-memory", "chunk-rate")
-    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args,
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args(args),
                   router_args=["--policy", args.router], tokenizer_args=given(args, "max-model-len"),
                   gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways,
                   nats_sync=args.nats_sync, **security)

@@ -259,6 +259,24 @@ class Cancel:
 
 
 @dataclass(slots=True)
+class Speculation:
+    """A speculating worker's drafting, in its heartbeat: the last step's choice of k and what it was
+    chosen from, then counts since the worker started."""
+    method: str                                   # ngram | draft
+    k: int                                        # draft tokens per request of the last step (0: none)
+    k_max: int
+    adaptive: bool                                # false: always k_max
+    rows: int                                     # requests of the last step that could draft
+    acceptance_estimate: float                    # the moving average k is chosen by
+    drafts: int                                   # requests' verify steps that had drafts
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float                        # accepted_tokens / draft_tokens
+    mean_acceptance_length: float                 # accepted draft tokens per verify step with drafts
+    acceptance_per_position: list[float]          # the rate at draft position 0, 1, ...
+
+
+@dataclass(slots=True)
 class Heartbeat:
     """worker → KV bucket tb_workers (key = worker id), every HEARTBEAT_SECONDS."""
     TYPE: typing.ClassVar[str] = "heartbeat"
@@ -279,6 +297,7 @@ class Heartbeat:
     generation_tokens: int = 0                    # it published
     kv_blocks_queued: int = 0                     # blocks the waiting requests will take (no prefix hits counted)
     isolated: str = ""                            # a request running alone (it has a strike): a crash now is its
+    speculation: Speculation | None = None        # None: the worker does not speculate
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ throughput on CPU; docs/decisions.md)."""
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ from schemas.messages import (
     Outcome,
     Progress,
     Resend,
+    Speculation,
     TokenChunk,
     TokenizedRequest,
     Usage,
@@ -47,6 +49,7 @@ from schemas.messages import (
 )
 from schemas.sampling import SamplingParams
 from workers.distributed import WorkerFailure
+from workers.engine import speculative
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
 from workers.models import catalogue
@@ -103,6 +106,7 @@ class WorkerService:
         self.kv_seq = 0                              # KV events published
         self.suspect = ""                            # the request the last heartbeat said runs alone
         self.blamed = ""                             # the one this worker's previous life said so of, if any
+        self.spec_k: int | None = None               # k at the last look where some request could draft
         self.drops = drops()                         # test hook only: chunks not published
         if self.drops:
             log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
@@ -516,11 +520,22 @@ class WorkerService:
         """Writes this worker's heartbeat; one not acknowledged within two heartbeat periods (a cluster
         electing the bucket's leader) is given up for the next, which carries a fresh time."""
         s = self.engine.stats()
+        spec = speculation_of(s)
+        if spec is not None:
+            self.watch_k(spec)
         await asyncio.wait_for(self.registry.put(self.id, encode(Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.queued_blocks(), self.suspect))), 2 * subjects.HEARTBEAT_SECONDS)
+            self.queued_blocks(), self.suspect, spec))), 2 * subjects.HEARTBEAT_SECONDS)
+
+    def watch_k(self, spec: Speculation) -> None:
+        """Logs the engine's k when it differs from the one of the last look. A look after a step where
+        no request could draft is skipped: its k is 0 because nobody drafted, not by choice."""
+        if spec.rows and spec.k != self.spec_k:
+            self.log.info("speculation changed", k=spec.k, previous_k=self.spec_k, spec_rows=spec.rows,
+                          spec_acceptance_estimate=spec.acceptance_estimate)
+            self.spec_k = spec.k
 
     def queued_blocks(self) -> int:
         return sum(self.engine.kv.num_blocks_for(r.num_tokens) for r in self.engine.scheduler.waiting)
@@ -544,6 +559,13 @@ async def last_suspect(nc, worker: str) -> str:
         return decode(entry.value, Heartbeat).isolated if entry.value else ""
     except (nats.errors.Error, WireError):
         return ""
+
+
+def speculation_of(stats: dict) -> Speculation | None:
+    """The heartbeat's Speculation from the engine's spec_* stats; None when it does not speculate."""
+    if "spec_method" not in stats:
+        return None
+    return Speculation(**{k.removeprefix("spec_"): v for k, v in stats.items() if k.startswith("spec_")})
 
 
 def num_delivered(msg) -> int:
@@ -600,6 +622,13 @@ def parser() -> argparse.ArgumentParser:
                    help=f"token chunks per second this worker publishes at most, all streams together: with more "
                         f"streams, each chunk carries several steps' tokens, at most {subjects.MAX_CHUNK_INTERVAL:g} s "
                         f"apart; 0: one chunk per stream per step (default {subjects.CHUNK_RATE:g})")
+    p.add_argument("--speculative", type=speculative.argument, metavar="SPEC",
+                   help="speculative decoding: ngram[:K] (prompt lookup) or draft:DIR[:K] (a smaller checkpoint "
+                        "with the same tokenizer), K draft tokens per request at most (default 4); the tokens are "
+                        "the same as without it (default: off)")
+    p.add_argument("--no-speculative-adaptive", action="store_true",
+                   help="with --speculative: always K draft tokens, not the K each step's cost and the measured "
+                        "acceptance favour")
     return p
 
 
@@ -608,7 +637,15 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        tensor_parallel_size=args.tp)
+                        tensor_parallel_size=args.tp, speculative=speculative_config(args))
+
+
+def speculative_config(args) -> dict | None:
+    """EngineConfig.speculative from --speculative and --no-speculative-adaptive."""
+    if args.speculative is None:
+        return None
+    return {**dataclasses.asdict(speculative.SpeculativeConfig.parse(args.speculative)),
+            "adaptive": not args.no_speculative_adaptive}
 
 
 async def serve(args) -> None:
@@ -639,8 +676,9 @@ async def serve(args) -> None:
 
 def warm_up(engine: LLMEngine) -> None:
     """One short request through the engine before the worker registers, so the first real request
-    does not pay for lazy initialisation (allocator, kernels, thread pools)."""
-    engine.add_request("warm-up", [0] * 8, SamplingParams(max_tokens=2, ignore_eos=True))
+    does not pay for lazy initialisation (allocator, kernels, thread pools). It does not speculate:
+    its drafts would count in the worker's speculation metrics."""
+    engine.add_request("warm-up", [0] * 8, SamplingParams(max_tokens=2, ignore_eos=True, speculative=False))
     while engine.has_unfinished():
         engine.step()
     engine.kv.reset_prefix_cache()
@@ -648,7 +686,11 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def main(argv=None) -> None:
-    subjects.run(serve(parser().parse_args(argv)))
+    p = parser()
+    args = p.parse_args(argv)
+    if args.no_speculative_adaptive and args.speculative is None:
+        p.error("--no-speculative-adaptive fixes the K of --speculative: give --speculative too")
+    subjects.run(serve(args))
 
 
 if __name__ == "__main__":

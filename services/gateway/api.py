@@ -23,7 +23,7 @@ from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
 from services.gateway.session import Exchange, Gateway, Request, leave
 
-EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids"}
+EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
           "frequency_penalty", "user", "stream", "stream_options", *EXTENSIONS}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}

@@ -54,6 +54,7 @@ SAMPLING = {  # field -> (check, what it must be)
     "repetition_penalty": (is_num, "a number"),
     "presence_penalty": (is_num, "a number"),
     "frequency_penalty": (is_num, "a number"),
+    "speculative": (is_bool, "true or false"),
 }
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be

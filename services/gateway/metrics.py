@@ -4,7 +4,8 @@
   so it counts every queue on the way (JetStream, tokenizer, router, the worker's waiting list);
 - what every worker pushes over NATS in its heartbeat (per worker, read from the tb_workers
   bucket at scrape time): running and waiting requests, KV blocks, prefix-cache tokens,
-  preemptions, tokens and finished requests, counted since the worker started;
+  preemptions, tokens and finished requests, counted since the worker started; for a worker that
+  speculates, its drafts, their acceptance and its current k (tokenbus_spec_decode_*);
 - what every router pushes on tb.router.stats.<router> each second (per router, the latest record
   kept by a core subscription): its decisions per worker, the guard's interventions, and the
   predicted vs actual prefix-hit tokens of the requests it routed, counted since it started.
@@ -44,6 +45,18 @@ WORKER_METRICS = {
     "generation_tokens": ("tokenbus_worker_generation_tokens", "counter", "Tokens a worker generated."),
     "requests_finished": ("tokenbus_worker_requests_finished", "counter", "Requests a worker finished."),
 }
+# Heartbeat.speculation field -> (metric name, kind, help); labelled by worker, for the workers that speculate
+SPEC_METRICS = {
+    "drafts": ("tokenbus_spec_decode_drafts", "counter", "Requests' verify steps that had draft tokens."),
+    "draft_tokens": ("tokenbus_spec_decode_draft_tokens", "counter", "Draft tokens verified."),
+    "accepted_tokens": ("tokenbus_spec_decode_accepted_tokens", "counter", "Draft tokens accepted."),
+    "k": ("tokenbus_spec_decode_k", "gauge", "Draft tokens per request of the worker's last step (0: none)."),
+    "acceptance_rate": ("tokenbus_spec_decode_acceptance_rate", "gauge", "Accepted over verified draft tokens."),
+    "mean_acceptance_length": ("tokenbus_spec_decode_mean_acceptance_length", "gauge",
+                               "Accepted draft tokens per verify step that had drafts."),
+    "acceptance_estimate": ("tokenbus_spec_decode_acceptance_estimate", "gauge",
+                            "The moving average of the per-token acceptance that an adaptive k is chosen by."),
+}
 
 
 class Workers:
@@ -54,13 +67,29 @@ class Workers:
 
     def collect(self):
         live = GaugeMetricFamily("tokenbus_workers", "Workers with a live heartbeat.", value=len(self.beats))
-        families = [live]
-        for field, (name, kind, doc) in WORKER_METRICS.items():
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["worker"])
-            for hb in self.beats:
-                family.add_metric([hb.worker], value(hb, field))
-            families.append(family)
+        families = [live, *per_worker(WORKER_METRICS, [(hb.worker, hb) for hb in self.beats], value)]
+        spec = [(hb.worker, hb.speculation) for hb in self.beats if hb.speculation is not None]
+        if spec:                           # none: no series, not even their HELP lines
+            families += per_worker(SPEC_METRICS, spec, getattr)
+            by_position = GaugeMetricFamily("tokenbus_spec_decode_acceptance_by_position", "Accepted over verified "
+                                            "draft tokens at each draft position (0: the first draft).",
+                                            labels=["worker", "position"])
+            for worker, s in spec:
+                for i, rate in enumerate(s.acceptance_per_position):
+                    by_position.add_metric([worker, str(i)], rate)
+            families.append(by_position)
         return families
+
+
+def per_worker(metrics: dict, sources: list[tuple[str, object]], read) -> list:
+    """A family per metric, a sample per (worker, source): read(source, field)."""
+    families = []
+    for field, (name, kind, doc) in metrics.items():
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["worker"])
+        for worker, source in sources:
+            family.add_metric([worker], read(source, field))
+        families.append(family)
+    return families
 
 
 # RouterStats field -> (metric name, help); counters labelled by router

@@ -65,6 +65,8 @@ def sampling(max_tokens: int) -> dict:
         "repetition_penalty": number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
         "stop_token_ids": nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                                     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}),
+        "speculative": nullable({"type": "boolean", "description": "extension: false keeps this request from "
+                                 "verifying draft tokens on a worker that speculates (the same tokens either way)"}),
     }
 
 

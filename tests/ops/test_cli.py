@@ -1,7 +1,9 @@
 """The `tokenbus` commands of this issue run end to end as a user types them."""
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,6 +54,85 @@ def test_every_chunk_rate_flag_refuses_a_negative_rate_naming_the_flag(capsys):
             p.parse_args([*args, "--chunk-rate", "-1"])
         assert "argument --chunk-rate: '-1': expected chunks per second, a number from 0 up" in capsys.readouterr().err
         assert p.parse_args([*args, "--chunk-rate", "0"]).chunk_rate == 0.0
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("medusa", "'medusa': expected ngram[:K] or draft:DIR[:K]"),
+    ("ngram:x", "'ngram:x': K must be a whole number of draft tokens, not 'x'"),
+    ("ngram:0", "'ngram:0': num_speculative_tokens must be in [1, 16], not 0"),
+    ("draft:d:0", "'draft:d:0': num_speculative_tokens must be in [1, 16], not 0"),
+    ("draft", "'draft': speculative method 'draft' needs a model"),
+])
+def test_every_speculative_flag_refuses_a_bad_spec_naming_the_flag(spec, why, capsys):
+    """`tokenbus up` passes --speculative to every worker: it checks it as the worker does, before anything
+    starts."""
+    from ops.cli import parser as tokenbus
+    from workers.service import parser as worker
+
+    for p, args in ((tokenbus(), ["up"]), (worker(), ["--model", "m"])):
+        with pytest.raises(SystemExit):
+            p.parse_args([*args, "--speculative", spec])
+        assert f"argument --speculative: {why}" in capsys.readouterr().err
+
+
+def test_up_starts_every_worker_with_its_speculation_and_a_draft_directory_made_absolute(tmp_path, monkeypatch):
+    from ops.cli import parser as tokenbus
+    from ops.up import worker_args
+    from workers.service import engine_config
+    from workers.service import parser as worker
+
+    def worker_config(*up: str):
+        """The EngineConfig.speculative of a worker that `tokenbus up *up` starts in another directory."""
+        monkeypatch.chdir(tmp_path)
+        argv = worker_args(tokenbus().parse_args(["up", *up]))
+        monkeypatch.chdir("/")
+        return argv, engine_config(worker().parse_args(["--model", "m", *argv])).speculative
+
+    argv, spec = worker_config("--speculative", "draft:drafts/small:3", "--no-speculative-adaptive")
+    assert argv == ["--speculative", f"draft:{tmp_path}/drafts/small:3", "--no-speculative-adaptive"]
+    assert (spec["method"], spec["model"], spec["num_speculative_tokens"], spec["adaptive"]) == (
+        "draft", f"{tmp_path}/drafts/small", 3, False)
+    argv, spec = worker_config("--speculative", "ngram:2", "--max-num-seqs", "8")
+    assert argv == ["--max-num-seqs", "8", "--speculative", "ngram:2"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["adaptive"]) == ("ngram", 2, True)
+    assert worker_config() == ([], None)
+
+
+def test_a_fixed_k_without_speculative_is_refused_by_up_and_by_the_worker(capsys):
+    from ops.cli import parser as tokenbus
+    from ops.up import check_speculative
+    from workers.service import main as worker
+
+    with pytest.raises(ValueError, match="--no-speculative-adaptive fixes the K of --speculative"):
+        check_speculative(tokenbus().parse_args(["up", "--no-speculative-adaptive"]))
+    with pytest.raises(SystemExit):
+        worker(["--model", "m", "--no-speculative-adaptive"])
+    assert "--no-speculative-adaptive fixes the K of --speculative" in capsys.readouterr().err
+
+
+def test_status_shows_whether_each_worker_speculates_with_its_method_k_and_acceptance(nats_url, capsys):
+    from ops.cli import main
+    from schemas import subjects
+    from schemas.messages import Heartbeat, Speculation, encode
+
+    spec = Speculation("ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65])
+
+    async def register():
+        nc = await subjects.connect(nats_url, "test")
+        kv = await subjects.registry(nc.jetstream())
+        await kv.put("w0", encode(Heartbeat("w0", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)))
+        await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0, speculation=spec)))
+        await nc.close()
+
+    asyncio.run(register())
+    main(["status", "--nats-url", nats_url])
+    head, w0, w1 = capsys.readouterr().out.splitlines()
+    assert head.split()[-1] == "speculation"
+    assert w0.endswith(" off") and w1.endswith(" ngram k=2/4, 62.5% accepted")
+    main(["status", "--json", "--nats-url", nats_url])
+    workers = json.loads(capsys.readouterr().out)["workers"]
+    assert workers[0]["speculation"] is None
+    assert workers[1]["speculation"]["method"] == "ngram" and workers[1]["speculation"]["acceptance_rate"] == 0.625
 
 
 @pytest.mark.slow

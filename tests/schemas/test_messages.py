@@ -23,6 +23,7 @@ from schemas.messages import (
     Resend,
     Resumed,
     RouterStats,
+    Speculation,
     TokenChunk,
     TokenizedRequest,
     Usage,
@@ -60,12 +61,20 @@ EXAMPLES = [
     Outcome("r1", "t", "w0", "error", [9], error_code="engine_error", error_message="sampling failed"),
     DeadLetter(TokenizedRequest("r1", "t", SAMPLING, [5, 6]), "crashed 2 workers", 2, "w1", 3.0),
 ]
+SPECULATING = Heartbeat("w2", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, speculation=Speculation(
+    "ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65, 0.5, 0.0]))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_type_round_trips_through_msgpack(msg):
     assert decode(encode(msg)) == msg
     assert decode(encode(msg), type(msg)) == msg
+
+
+def test_a_heartbeat_carries_speculation_and_one_from_an_older_worker_without_it_still_decodes():
+    assert decode(encode(SPECULATING), Heartbeat) == SPECULATING
+    older = wire(SPECULATING, speculation=...)                      # the field left out, as before it existed
+    assert decode(older, Heartbeat) == dataclasses.replace(SPECULATING, speculation=None)
 
 
 def test_every_message_type_is_in_the_registry_with_a_version():
@@ -96,6 +105,9 @@ def wire(msg, **changes) -> bytes:
     (wire(EXAMPLES[15], logprobs={"logprob": [0.5], "top_ids": [["x"]], "top_logprobs": [[]]}),
      "logprobs.top_ids[0][0]: expected int"),
     (wire(EXAMPLES[16], prompt_tokens=1.5), "prompt_tokens: expected int, got float"),
+    (wire(SPECULATING, speculation={"method": "ngram"}), "speculation.k: missing"),
+    (wire(SPECULATING, speculation={**dataclasses.asdict(SPECULATING.speculation), "acceptance_per_position": ["x"]}),
+     "speculation.acceptance_per_position[0]: expected float"),
 ])
 def test_bad_messages_are_wire_errors_that_name_the_field(data, message):
     with pytest.raises(WireError, match=message.replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")):

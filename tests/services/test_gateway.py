@@ -85,7 +85,8 @@ def test_concurrent_generates_on_one_connection_each_stream_their_text_and_done(
             await send(ws, {"type": "generate", "id": "m", "messages": [{"role": "user", "content": "first one"}],
                             "max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "seed": 7, "stop": ["\n\n"],
                             "ignore_eos": False})
-            await send(ws, generate("p", "second prompt", top_k=5, min_p=0.1, repetition_penalty=1.1))
+            await send(ws, generate("p", "second prompt", top_k=5, min_p=0.1, repetition_penalty=1.1,
+                                    speculative=False))
             await send(ws, {"type": "generate", "id": "t", "prompt_token_ids": [5, 6, 7], "stop_token_ids": [9]})
             got = await collect(ws, "m", "p", "t")
             for cid, said_ in [("m", "first one"), ("p", "second prompt"), ("t", "3 tokens")]:
@@ -99,9 +100,9 @@ def test_concurrent_generates_on_one_connection_each_stream_their_text_and_done(
             m = by_said["first one"]
             assert m.tenant == m.cache_salt == "default" and len(m.id) == 32 and m.created > 0
             assert (m.sampling.max_tokens, m.sampling.temperature, m.sampling.top_p, m.sampling.seed,
-                    m.sampling.stop) == (64, 0.7, 0.9, 7, ("\n\n",))
+                    m.sampling.stop, m.sampling.speculative) == (64, 0.7, 0.9, 7, ("\n\n",), True)
             p = by_said["second prompt"].sampling
-            assert (p.top_k, p.min_p, p.repetition_penalty) == (5, 0.1, 1.1)
+            assert (p.top_k, p.min_p, p.repetition_penalty, p.speculative) == (5, 0.1, 1.1, False)
             assert by_said["3 tokens"].prompt_token_ids == [5, 6, 7]
             assert by_said["3 tokens"].sampling.stop_token_ids == (9,)
             assert len({r.id for r in down.requests}) == 3
@@ -286,6 +287,7 @@ MALFORMED = [  # (frame, what the error message names, the id the error frame ca
     (generate("a", stop=5), "stop: expected a string or an array of strings, got an integer", "a"),
     (generate("a", stop_token_ids=[1, "x"]), "stop_token_ids[1]: expected an integer, got a string", "a"),
     (generate("a", ignore_eos="yes"), "ignore_eos: expected true or false, got a string", "a"),
+    (generate("a", speculative=0), "speculative: expected true or false, got an integer", "a"),
     (generate("a", 5), "prompt: expected a string, got an integer", "a"),
     ({"type": "generate", "id": "a", "messages": "hi"}, "messages: expected a non-empty array", "a"),
     ({"type": "generate", "id": "a", "messages": [{"role": "user"}]}, "messages[0].content: missing", "a"),

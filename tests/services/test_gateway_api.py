@@ -18,6 +18,8 @@ from websockets.asyncio.client import connect
 from schemas import subjects
 from schemas.messages import ErrorChunk, Logprobs, Usage, decode
 from schemas.subjects import MAX_BODY_BYTES, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_HEADERS, MAX_STOP
+from services.gateway.api import FIELDS
+from services.gateway.openapi import document
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, heartbeat, said, served
 
 KEYS = {"sk-acme": {"tenant": "acme"},
@@ -139,12 +141,12 @@ def test_every_parameter_reaches_the_sampling_params(nats_url, tiny_model, tok):
             status, _, _ = await post(down, "/v1/chat/completions", chat(
                 "p", max_completion_tokens=33, max_tokens=99, temperature=0.3, top_p=0.8, seed=11, stop=["x", "y"],
                 n=1, presence_penalty=0.5, frequency_penalty=-0.5, user="u1", ignore_eos=True, top_k=7, min_p=0.1,
-                repetition_penalty=1.2, stop_token_ids=[3]), key=None)
+                repetition_penalty=1.2, stop_token_ids=[3], speculative=False), key=None)
             assert status == 200
             s = down.requests[0].sampling
             assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop, s.presence_penalty, s.frequency_penalty,
-                    s.ignore_eos, s.top_k, s.min_p, s.repetition_penalty, s.stop_token_ids, s.logprobs) == (
-                33, 0.3, 0.8, 11, ("x", "y"), 0.5, -0.5, True, 7, 0.1, 1.2, (3,), None)
+                    s.ignore_eos, s.top_k, s.min_p, s.repetition_penalty, s.stop_token_ids, s.logprobs,
+                    s.speculative) == (33, 0.3, 0.8, 11, ("x", "y"), 0.5, -0.5, True, 7, 0.1, 1.2, (3,), None, False)
             status, _, _ = await post(down, "/v1/chat/completions", {
                 "model": "tiny", "messages": [{"role": "system", "content": [{"type": "text", "text": "be "},
                                                                            {"type": "text", "text": "brief"}]},
@@ -200,6 +202,8 @@ BAD = [  # (path, body, status, words in the message, param)
     ("/v1/chat/completions", chat(top_k=2**64 - 1), 400, ["top_k must be in [1, 1048576]"], "top_k"),
     ("/v1/chat/completions", chat(seed=2**64 - 1, temperature=1e308), 400, ["temperature must be 0 (greedy) or in"],
      "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "speculative": "off"}, 400,
+     ["speculative: expected true or false, got a string"], "speculative"),
     ("/v1/chat/completions", chat(repetition_penalty=1e300), 400, ["repetition_penalty must be in [0.01, 100.0]"],
      "repetition_penalty"),
     ("/v1/chat/completions", chat(stop_token_ids=[2**64 - 1]), 400, ["stop_token_ids must be token ids"],
@@ -494,6 +498,14 @@ def test_the_openapi_document_lists_the_operations(nats_url, tiny_model, tok):
             assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= doc["paths"].keys()
             assert doc["paths"]["/v1/chat/completions"]["post"]["responses"]["429"]["headers"]["Retry-After"]
     run(body())
+
+
+def test_the_openapi_document_has_every_body_field_the_gateway_takes_and_no_other():
+    doc = document("tiny", 4096)["paths"]
+    for api, path in (("chat", "/v1/chat/completions"), ("completions", "/v1/completions")):
+        body = doc[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert set(body["properties"]) == FIELDS[api], path
+        assert body["properties"]["speculative"]["type"] == "boolean"
 
 
 def test_the_chat_page_is_served_at_the_root(nats_url, tiny_model, tok):

@@ -2,6 +2,7 @@
 move as requests run through the gateway (fake downstream), per-worker metrics from the heartbeats,
 per-router metrics from the routers' stats records."""
 import asyncio
+import dataclasses
 import time
 import urllib.request
 
@@ -11,7 +12,7 @@ from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
-from schemas.messages import Heartbeat, RouterStats, encode
+from schemas.messages import Heartbeat, RouterStats, Speculation, encode
 from tests.services.fake_pipeline import Downstream, gateway
 
 HISTOGRAMS = ("tokenbus_time_to_first_token_seconds", "tokenbus_time_per_output_token_seconds",
@@ -20,11 +21,14 @@ HISTOGRAMS = ("tokenbus_time_to_first_token_seconds", "tokenbus_time_per_output_
 
 def scrape(url: str) -> dict[tuple, float]:
     """{(sample name, sorted labels): value} of everything /metrics exposes."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(scrape_text(url)) for s in family.samples}
+
+
+def scrape_text(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+        return r.read().decode()
 
 
 async def slow_echo(down: Downstream, req) -> None:
@@ -95,6 +99,33 @@ def test_worker_metrics_come_from_the_heartbeats_of_live_workers(nats_url, tiny_
     assert m[("tokenbus_worker_prompt_tokens_total", w1)] == 300
     assert m[("tokenbus_worker_generation_tokens_total", w1)] == 90
     assert ("tokenbus_num_requests_running", (("worker", "w0"),)) not in m
+
+
+def test_speculation_metrics_come_from_the_workers_that_speculate_and_are_absent_without_one(nats_url, tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    plain = Heartbeat("w1", 0.0, "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)
+    spec = Speculation("ngram", k=3, k_max=4, adaptive=True, rows=2, acceptance_estimate=0.61, drafts=40,
+                       draft_tokens=120, accepted_tokens=75, acceptance_rate=0.625, mean_acceptance_length=1.875,
+                       acceptance_per_position=[0.8, 0.65, 0.5])
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, workers=0) as down:
+            kv = await subjects.registry(down.nc.jetstream())
+            await kv.put("w1", encode(dataclasses.replace(plain, ts=time.time())))
+            without = await asyncio.to_thread(scrape_text, down.http)
+            await kv.put("w2", encode(dataclasses.replace(plain, worker="w2", ts=time.time(), speculation=spec)))
+            return without, await asyncio.to_thread(scrape, down.http)
+
+    without, m = asyncio.run(asyncio.wait_for(body(), 30))
+    assert "tokenbus_worker_requests_finished" in without and "tokenbus_spec_decode" not in without
+    w2 = (("worker", "w2"),)
+    expected = {"drafts_total": 40, "draft_tokens_total": 120, "accepted_tokens_total": 75, "k": 3,
+                "acceptance_rate": 0.625, "mean_acceptance_length": 1.875, "acceptance_estimate": 0.61}
+    assert {k: m[(f"tokenbus_spec_decode_{k}", w2)] for k in expected} == expected
+    assert [m[("tokenbus_spec_decode_acceptance_by_position", (("position", str(i)), *w2))] for i in range(3)] == [
+        0.8, 0.65, 0.5]
+    spec_series = [labels for name, labels in m if name.startswith("tokenbus_spec_decode")]
+    assert len(spec_series) == 10 and all(dict(labels)["worker"] == "w2" for labels in spec_series)   # none of w1
 
 
 def test_router_metrics_come_from_the_stats_of_live_routers(nats_url, tiny_model):

@@ -11,10 +11,10 @@ from workers.service import WorkerService
 
 
 @contextlib.asynccontextmanager
-async def worker(nats_url: str, engine: LLMEngine, chunk_rate: float = subjects.CHUNK_RATE):
-    """Worker "w0" running until the block ends."""
+async def worker(nats_url: str, engine: LLMEngine, chunk_rate: float = subjects.CHUNK_RATE, log=None):
+    """Worker "w0" running until the block ends (logging to `log` if given)."""
     nc = await nats.connect(nats_url)
-    service = WorkerService(nc, engine, "w0", "tiny", configure("worker").bind(worker="w0"), chunk_rate)
+    service = WorkerService(nc, engine, "w0", "tiny", log or configure("worker").bind(worker="w0"), chunk_rate)
     task = asyncio.create_task(service.run())
     try:
         yield service

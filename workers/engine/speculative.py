@@ -11,8 +11,10 @@ the same bits in a verify step as in a one-token step (tests/workers/test_batch_
 draft is kept iff it equals the token the model samples there, so the output is token for token
 the output without speculation, greedy or sampled; the KV of rejected drafts is rolled back.
 """
+import argparse
 import bisect
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -51,7 +53,10 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            return cls.parse(value)
+            try:
+                return cls.parse(value)
+            except ValueError as e:
+                raise ValueError(f"speculative {value!r}: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative must be a dict, a string such as 'ngram:4', or None, not {value!r}")
         unknown = set(value) - set(cls.__dataclass_fields__)
@@ -62,23 +67,37 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str) -> "SpeculativeConfig":
-        """'ngram', 'ngram:K', 'draft:DIR' or 'draft:DIR:K' (the command lines' --speculative)."""
+        """'ngram', 'ngram:K', 'draft:DIR' or 'draft:DIR:K' (the command lines' --speculative); the
+        ValueError says what is wrong, the caller names the flag or field."""
         method, _, rest = text.partition(":")
         if method == "ngram":
-            return cls("ngram", **({"num_speculative_tokens": parse_k(rest, text)} if rest else {}))
+            return cls("ngram", **({"num_speculative_tokens": parse_k(rest)} if rest else {}))
         if method == "draft":
             model, k = rest, None
             head, sep, tail = rest.rpartition(":")
             if sep and tail.isdigit():
-                model, k = head, parse_k(tail, text)
-            return cls("draft", model=model or None, **({"num_speculative_tokens": k} if k else {}))
-        raise ValueError(f"--speculative {text!r}: expected ngram[:K] or draft:DIR[:K]")
+                model, k = head, parse_k(tail)
+            return cls("draft", model=model or None, **({"num_speculative_tokens": k} if k is not None else {}))
+        raise ValueError("expected ngram[:K] or draft:DIR[:K]")
 
 
-def parse_k(text: str, whole: str) -> int:
+def parse_k(text: str) -> int:
     if not text.isdigit():
-        raise ValueError(f"--speculative {whole!r}: K must be a whole number of draft tokens, not {text!r}")
+        raise ValueError(f"K must be a whole number of draft tokens, not {text!r}")
     return int(text)
+
+
+def argument(text: str) -> str:
+    """A --speculative value (the worker's, and what `tokenbus up` passes every worker), refused as
+    argparse does naming the flag; a draft checkpoint's directory made absolute, so that a worker
+    started from another directory loads the same one."""
+    try:
+        config = SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if config.method == "draft":
+        return f"draft:{os.path.abspath(config.model)}:{config.num_speculative_tokens}"
+    return text
 
 
 class StepCost:
