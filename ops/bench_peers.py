@@ -234,15 +234,17 @@ def peak_gflops(dtype: str = "float32", n: int = 2048) -> float:
 # -- engines in a process of their own ------------------------------------------------------------
 
 class EngineLoop:
-    """The tokenbus engine stepped as LLM.generate steps it: a detokenizer per request."""
+    """The tokenbus engine stepped as LLM.generate steps it: a detokenizer per request. `options`: more
+    of LLM's (EngineConfig's fields, e.g. speculative; a tokenizer), over the defaults sized here."""
 
-    def __init__(self, model: str, workload: Workload, dtype: str):
+    def __init__(self, model: str, workload: Workload, dtype: str | None, **options):
         from workers import LLM
 
         blocks = workload.concurrency * math.ceil(workload.context / BLOCK_SIZE)
-        self.llm = LLM(model, max_num_seqs=workload.concurrency, num_kv_blocks=blocks, block_size=BLOCK_SIZE,
-                       dtype=dtype)
+        self.llm = LLM(model, **{"max_num_seqs": workload.concurrency, "num_kv_blocks": blocks,
+                                 "block_size": BLOCK_SIZE, "dtype": dtype, **options})
         self.live: dict[str, tuple[int, Result, object]] = {}
+        self.outputs: dict[int, list[int]] = {}      # key -> the output token ids of a turn that ended
 
     def submit(self, key: int, turn: Turn) -> None:
         from schemas.detokenizer import Detokenizer
@@ -257,10 +259,12 @@ class EngineLoop:
         for req in self.llm.engine.step():
             t = time.perf_counter()
             key, r, detok = self.live[req.request_id]
-            detok.push(req.token_ids[-1:])
+            detok.push(req.output_token_ids[r.output_tokens:])    # a token a step, or more with drafts
             r.chunks.append(t)
+            r.output_tokens = req.num_output_tokens
             if req.finished:
-                r.end, r.output_tokens = t, req.num_output_tokens
+                r.end = t
+                self.outputs[key] = req.output_token_ids
                 del self.live[req.request_id]
                 done.append((key, r))
         return done

@@ -251,6 +251,26 @@ def parser() -> argparse.ArgumentParser:
     bpe.add_argument("--plot", metavar="FILE", help="throughput and TPOT bars per engine (.png or .svg)")
     bpe.set_defaults(func=delegate("ops.bench_peers"))
 
+    bs = sub.add_parser("bench-spec", help="speculative decoding (n-gram fixed k, adaptive; a draft model) vs none "
+                                           "on the same prompts: TPOT one at a time, tokens/s at concurrency, "
+                                           "acceptance, identical outputs")
+    bs.add_argument("--model", default=DEFAULT_MODEL, help=MODEL)
+    bs.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="the engine's weights and activations (default: the engine's choice for the machine)")
+    bs.add_argument("--k", type=int, default=4, help="draft tokens per request: the fixed k, and the adaptive k's most")
+    bs.add_argument("--draft", metavar="DIR", help="also a draft model (adaptive), this checkpoint: the same tokenizer")
+    bs.add_argument("--workloads", nargs="+", choices=["single", "concurrent"], default=["single", "concurrent"],
+                    help="which workloads, in this order")
+    bs.add_argument("--requests", type=int, default=8, help="single: grounded chat requests, one at a time")
+    bs.add_argument("--concurrency", type=int, default=64, help="concurrent: random chat requests, all at once")
+    bs.add_argument("--input-len", type=int, default=128, help="concurrent: mean tokens of each user message (± 50%%)")
+    bs.add_argument("--output-len", type=int, default=128, help="output tokens of every request (EOS ignored)")
+    bs.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the concurrent workload")
+    bs.add_argument("--json", metavar="FILE", help="also write the results as JSON (with every output's token ids)")
+    bs.add_argument("--plot", metavar="FILE", help="TPOT and throughput bars per configuration (.png or .svg)")
+    bs.set_defaults(func=delegate("ops.bench_spec", exits=True))
+
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help=BENCH_MODEL)
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"],
