@@ -187,7 +187,7 @@ def configurations(args) -> dict[str, dict | None]:
 
 class SpecLoop(EngineLoop):
     """bench-peers' engine loop that also notes the speculator's k in each step where some request
-    could draft (at the end none can: a request's last token has no room for drafts, and k is 0)."""
+    could draft (a request's last token has no room for drafts: no choice is made then)."""
 
     def __init__(self, *args, **options):
         super().__init__(*args, **options)

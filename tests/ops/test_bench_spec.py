@@ -47,7 +47,7 @@ def test_every_configuration_runs_both_workloads_with_outputs_identical_to_off(t
             assert 0 <= r["acceptance_rate"] <= 1 and 0 <= r["mean_acceptance_length"] <= 4
             assert 1 <= len(r["acceptance_per_position"]) <= 4
             assert all(0 <= a <= 1 for a in r["acceptance_per_position"])
-            assert r["k"] == 0 and 0 <= r["k_last"] <= 4 and 0 <= r["mean_k"] <= 4     # k is 0 once none can draft
+            assert r["k"] == r["k_last"] and 0 <= r["k_last"] <= 4 and 0 <= r["mean_k"] <= 4   # the last choice
         assert w["configs"]["ngram-k4"]["mean_k"] > 0                 # a fixed k drafts whenever there is room
     assert [(g["workload"], g["config"]) for g in report["goals"]] == [
         ("single", "ngram-k4"), ("single", "ngram-adaptive"), ("concurrent", "ngram-adaptive")]
