@@ -68,6 +68,18 @@ def test_two_ranks_give_the_greedy_tokens_of_one(checkpoints, tiny_tokenizer, ar
     assert [o.token_ids for o in got] == want
 
 
+def test_two_ranks_with_speculative_decoding_give_the_tokens_of_one_without(checkpoints, tiny_tokenizer):
+    """Drafts are input tokens like any other for the followers; rank 0 drafts and verifies."""
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=4, ignore_eos=True)
+    path = str(checkpoints["llama"])
+    want = [o.token_ids for o in LLM(path, tiny_tokenizer, **OPTIONS).generate(PROMPTS, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    with LLM(path, tiny_tokenizer, tensor_parallel_size=2, speculative=spec, **OPTIONS) as llm:
+        got = llm.generate(PROMPTS, params)
+        assert llm.stats()["spec_draft_tokens"] > 0
+    assert [o.token_ids for o in got] == want
+
+
 def test_each_rank_holds_half_the_weights_and_half_the_kv_pool(checkpoints, tiny_tokenizer):
     path = str(checkpoints["llama"])     # 4 heads, 2 KV heads: everything splits
     one = LLM(path, tiny_tokenizer, **OPTIONS).engine.runner.rank_bytes
