@@ -270,3 +270,20 @@ def test_on_the_real_model_outputs_are_identical_and_grounded_drafts_are_mostly_
             stats = llm.stats()
     assert outs[1] == outs[0]
     assert stats["spec_acceptance_rate"] > 0.3 and stats["spec_mean_acceptance_length"] > 1, stats
+
+
+def test_aborting_a_request_mid_speculation_frees_its_blocks_and_its_drafts_and_spares_the_others(
+        tiny_model, reference):
+    engine = LLMEngine(tiny_model, EngineConfig(**OPTIONS, speculative=draft(tiny_model)))
+    reqs = [engine.add_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS[:2], PARAMS[:2]))]
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["spec_draft_tokens"] > 0
+    engine.abort("r1")
+    assert "r1" not in engine.speculator.proposer.mirrors and "r1" not in engine.kv.req_blocks
+    check_invariants(engine.kv)
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[0].output_token_ids == reference["batched"][0][0]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.speculator.proposer.kv.num_free_blocks == engine.speculator.proposer.kv.num_blocks
