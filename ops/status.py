@@ -42,7 +42,7 @@ def table(beats: list[Heartbeat]) -> str:
 
 
 def speculation(s: Speculation | None) -> str:
-    """off, or the method, the last step's k of its most and the draft tokens accepted so far."""
+    """off, or the method, the current k of at most k_max, and the share of draft tokens accepted so far."""
     if s is None:
         return "off"
     accepted = f"{s.acceptance_rate:.1%} accepted" if s.draft_tokens else "nothing drafted yet"

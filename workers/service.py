@@ -531,7 +531,7 @@ class WorkerService:
 
     def watch_k(self, spec: Speculation) -> None:
         """Logs the engine's k when it differs from the one of the last look. A look after a step where
-        no request could draft is skipped: its k is 0 because nobody drafted, not by choice."""
+        no request could draft is skipped: the engine chose nothing there."""
         if spec.rows and spec.k != self.spec_k:
             self.log.info("speculation changed", k=spec.k, previous_k=self.spec_k, spec_rows=spec.rows,
                           spec_acceptance_estimate=spec.acceptance_estimate)

@@ -50,7 +50,7 @@ SPEC_METRICS = {
     "drafts": ("tokenbus_spec_decode_drafts", "counter", "Requests' verify steps that had draft tokens."),
     "draft_tokens": ("tokenbus_spec_decode_draft_tokens", "counter", "Draft tokens verified."),
     "accepted_tokens": ("tokenbus_spec_decode_accepted_tokens", "counter", "Draft tokens accepted."),
-    "k": ("tokenbus_spec_decode_k", "gauge", "Draft tokens per request of the worker's last step (0: none)."),
+    "k": ("tokenbus_spec_decode_k", "gauge", "Draft tokens per request the worker last chose (0: off)."),
     "acceptance_rate": ("tokenbus_spec_decode_acceptance_rate", "gauge", "Accepted over verified draft tokens."),
     "mean_acceptance_length": ("tokenbus_spec_decode_mean_acceptance_length", "gauge",
                                "Accepted draft tokens per verify step that had drafts."),

@@ -109,9 +109,11 @@ class StepCost:
     def __init__(self, weight: float = 0.1):
         self.weight = weight
         self.points: dict[int, list[float]] = {}     # bucket -> [mean tokens, mean seconds]
+        self.curve: list[list[float]] | None = None  # the points by tokens, sorted once per observation
 
     def observe(self, tokens: int, seconds: float) -> None:
         bucket = round(4 * math.log2(max(tokens, 1)))
+        self.curve = None
         point = self.points.get(bucket)
         if point is None:
             self.points[bucket] = [float(tokens), seconds]
@@ -122,9 +124,10 @@ class StepCost:
     def __call__(self, tokens: int) -> float:
         if not self.points:
             return 1.0
-        points = sorted(self.points.values())
-        xs = [p[0] for p in points]
-        i = bisect.bisect_left(xs, tokens)
+        if self.curve is None:
+            self.curve = sorted(self.points.values())
+        points = self.curve
+        i = bisect.bisect_left(points, tokens, key=lambda p: p[0])
         if i == 0:
             return points[0][1]
         if i == len(points):
