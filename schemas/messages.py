@@ -71,8 +71,34 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
+class Prefilled:
+    """A request whose prompt a prefill worker computed (disaggregated serving), as it hands the request
+    to a decode worker: the tokens it sampled (already streamed to the client), and the KV it holds for
+    the decode worker to pull, named by the chained block hashes (tenant salt included) under a lease."""
+    worker: str                                   # the prefill worker: tb.kvx.<worker> serves the blocks
+    lease: str                                    # what the blocks are pinned under there
+    block_hashes: list[int]                       # the prompt's full blocks it holds, from the first
+    block_size: int
+    output_token_ids: list[int]                   # sampled there, already sent (chunks 0..chunks-1)
+    seed: int                                     # the request's sampling seed as drawn there
+    cached_tokens: int = 0                        # prompt tokens the prefill worker's prefix cache served
+    chunks: int = 1                               # chunks it published
+    received: float = 0.0                         # unix time the prefill worker took the request
+    first_token: float = 0.0                      # and sampled its first token
+
+    def check(self) -> None:
+        check_name("prefilled.worker", self.worker)
+        check_name("prefilled.lease", self.lease)
+        limit(len(self.block_hashes), MAX_PROMPT_TOKENS, "prefilled.block_hashes", "MAX_PROMPT_TOKENS", "hashes")
+        in_range("prefilled.block_size", self.block_size, 1, 1 << 16)
+        check_token_ids("prefilled.output_token_ids", self.output_token_ids, MAX_TOKENS_BOUND, "MAX_TOKENS_BOUND")
+        in_range("prefilled.chunks", self.chunks, 0, MAX_TOKENS_BOUND)
+
+
+@dataclass(slots=True)
 class TokenizedRequest:
-    """tokenizer → TB_ROUTE: the request as token ids."""
+    """tokenizer → TB_ROUTE: the request as token ids. A prefill worker hands a request it prefilled
+    back to TB_ROUTE with `prefilled` set, for the router to place on a decode worker."""
     TYPE: typing.ClassVar[str] = "tokenized"
     id: str
     tenant: str
@@ -81,11 +107,14 @@ class TokenizedRequest:
     cache_salt: str | None = None
     created: float = 0.0
     meter: Meter | None = None
+    prefilled: Prefilled | None = None
 
     def check(self) -> None:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
         check_meter(self.meter)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
+        if self.prefilled is not None:
+            self.prefilled.check()
 
 
 @dataclass(slots=True)
@@ -97,6 +126,7 @@ class WorkItem:
     routed: float = 0.0
     attempt: int = 0                              # re-routes after a worker left; part of the Nats-Msg-Id
     strikes: int = 0                              # workers it failed or crashed so far (follows the request id)
+    prefill: bool = False                         # a remote prefill: the prompt and first token, then a handoff
 
     def check(self) -> None:
         self.request.check()
@@ -106,7 +136,8 @@ class WorkItem:
 
     @property
     def msg_id(self) -> str:
-        return self.request.id if self.attempt == 0 else f"{self.request.id}.{self.attempt}"
+        rid = self.request.id if self.request.prefilled is None else f"{self.request.id}.pd"   # the decode leg
+        return rid if self.attempt == 0 else f"{rid}.{self.attempt}"
 
 
 @dataclass(slots=True)
@@ -277,6 +308,43 @@ class Speculation:
 
 
 @dataclass(slots=True)
+class KvTransfer:
+    """A disaggregated worker's KV transfers since it started, in its heartbeat: what it served as a
+    prefill worker and what it pulled as a decode worker."""
+    handoffs: int = 0                             # requests it prefilled and handed to a decode worker
+    leases: int = 0                               # offers pinned now
+    served_blocks: int = 0
+    served_bytes: int = 0
+    transfers: int = 0                            # handed-in requests whose blocks it pulled (or tried to)
+    pulled_blocks: int = 0
+    pulled_bytes: int = 0
+    cached_blocks: int = 0                        # offered blocks it held already: not pulled
+    failures: int = 0                             # transfers that failed (timeout, a gone prefill worker, a mismatch)
+    recomputes: int = 0                           # requests that computed the KV a failed transfer lacked
+    transfer_seconds: float = 0.0                 # all transfers together
+    transfer_ms_p50: float = 0.0                  # over the last TRANSFER_WINDOW transfers
+    transfer_ms_p99: float = 0.0
+
+
+@dataclass(slots=True)
+class KvFetch:
+    """decode worker → tb.kvx.<prefill worker> (request-reply): the KV of `hashes` under `lease`, layers
+    [layer_start, layer_end) of each, answered by one KvBlocks; `release` lets the lease go (no answer)."""
+    TYPE: typing.ClassVar[str] = "kv_fetch"
+    lease: str
+    hashes: list[int] = field(default_factory=list)
+    layer_start: int = 0
+    layer_end: int = 0
+    release: bool = False
+
+    def check(self) -> None:
+        check_name("lease", self.lease)
+        limit(len(self.hashes), 1 << 16, "hashes", "65536", "hashes")
+        in_range("layer_start", self.layer_start, 0, 1 << 16)
+        in_range("layer_end", self.layer_end, 0, 1 << 16)
+
+
+@dataclass(slots=True)
 class Heartbeat:
     """worker → KV bucket tb_workers (key = worker id), every HEARTBEAT_SECONDS."""
     TYPE: typing.ClassVar[str] = "heartbeat"
@@ -298,6 +366,8 @@ class Heartbeat:
     kv_blocks_queued: int = 0                     # blocks the waiting requests will take (no prefix hits counted)
     isolated: str = ""                            # a request running alone (it has a strike): a crash now is its
     speculation: Speculation | None = None        # None: the worker does not speculate
+    role: str = "both"                            # both (colocated) | prefill | decode
+    kv_transfer: KvTransfer | None = None         # None: a colocated worker
 
 
 @dataclass(slots=True)
@@ -342,6 +412,8 @@ class RouterStats:
     gaps: int                                     # event sequence gaps seen
     routed_to: dict[str, int] = field(default_factory=dict)       # worker -> decisions
     index_blocks: dict[str, int] = field(default_factory=dict)    # worker -> hashes in its index
+    prefill: dict[str, int] = field(default_factory=dict)         # "remote:<why>" / "local:<why>" -> decisions
+    handoffs: int = 0                                             # prefilled requests placed on a decode worker
 
 
 @dataclass(slots=True)
@@ -381,7 +453,7 @@ class Usage:
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
            | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
-           | DeadLetter | Resumed)
+           | DeadLetter | Resumed | KvFetch)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 

@@ -86,14 +86,15 @@ ROLES: dict[str, Permissions] = {
                  f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
         subscribe=[s.KV_EVENTS_ALL, s.RESULTS_SUBJECTS]),
     # runs its work queue: tokens, completions, usage (when the gateway's is missing), dead letters,
-    # heartbeats, outcomes, KV events
+    # heartbeats, outcomes, KV events; disaggregated: hands prefilled requests back to the router, and
+    # pulls and serves KV blocks
     "worker": Permissions(
-        publish=[each(s.out), each(s.done), each(s.usage), each(s.dead),
+        publish=[each(s.out), each(s.done), each(s.usage), each(s.dead), each(s.route), s.KV_TRANSFER_ALL,
                  s.KV_EVENTS_ALL, s.PROGRESS_ALL, *keep_streams(), *kv_write(REGISTRY), *kv_get(REGISTRY),
                  *kv_write(OUTCOMES), *kv_get(OUTCOMES),
                  f"{API}.CONSUMER.DURABLE.CREATE.{s.WORK_STREAM}.*", f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
-        subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot)], replies=MAX_REPLIES),
+        subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot), s.KV_TRANSFER_ALL], replies=MAX_REPLIES),
     # tokenbus status: the registry
     "status": Permissions(publish=[*keep_streams(), *reader(f"KV_{REGISTRY}")], subscribe=[]),
     # tokenbus usage: the metering log, the only reader of TB_USAGE

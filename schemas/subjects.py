@@ -106,6 +106,15 @@ def kv_snapshot(worker: str) -> str:
     return f"tb.kv.snapshot.{token('worker', worker)}"
 
 
+def kv_transfer(worker: str) -> str:
+    """Request-reply: a decode worker pulls the KV blocks a prefill worker offered it (KvFetch), or
+    lets them go (KvFetch with release set); the prefill worker answers each fetch with one KvBlocks."""
+    return f"tb.kvx.{token('worker', worker)}"
+
+
+KV_TRANSFER_ALL = "tb.kvx.*"
+
+
 def router_stats(router: str) -> str:
     return f"tb.router.stats.{token('router', router)}"
 
@@ -176,6 +185,11 @@ def chunk_rate(text: str) -> float:
         if 0 <= (value := float(text)) < float("inf"):
             return value
     raise argparse.ArgumentTypeError(f"{text!r}: expected chunks per second, a number from 0 up")
+ROLES = ("both", "prefill", "decode")     # a worker's --role: colocated, or one side of disaggregated serving
+KV_LEASE_SECONDS = 30.0                  # a prefill worker keeps offered blocks pinned this long after the last fetch
+KV_FETCH_TIMEOUT = 2.0                   # seconds a decode worker waits for one KvBlocks answer
+KV_FETCH_WINDOW = 4                      # KvFetch requests one transfer has in flight at most (its flow control)
+KV_PAYLOAD_MARGIN = 4096                 # bytes of a KvBlocks message left for its header under max_payload
 KV_SNAPSHOT_PART = 1 << 15               # hashes per KvSnapshot message (about 300 kB, under the 1 MB payload)
 KV_SNAPSHOT_TIMEOUT = 2.0                # seconds a router waits for a whole snapshot before asking again
 ROUTER_STATS_SECONDS = 1.0

@@ -626,6 +626,13 @@ def parser() -> argparse.ArgumentParser:
                    help="speculative decoding: ngram[:K] (prompt lookup) or draft:DIR[:K] (a smaller checkpoint "
                         "with the same tokenizer), K draft tokens per request at most (default 4); the tokens are "
                         "the same as without it (default: off)")
+    p.add_argument("--role", choices=subjects.ROLES, default="both",
+                   help="both: prefill and decode every request it takes (default); prefill: compute long prompts "
+                        "and their first token, then hand each request to a decode worker, which pulls the KV; "
+                        "decode: continue handed-off requests, and prefill short prompts itself")
+    p.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"), default="recompute",
+                   help="a decode worker whose KV pull fails (a timeout, a gone prefill worker): recompute what it "
+                        "lacks (default), or fail the request with an error naming the transfer")
     p.add_argument("--no-speculative-adaptive", action="store_true",
                    help="with --speculative: always K draft tokens, not the K each step's cost and the measured "
                         "acceptance favour")

@@ -30,12 +30,16 @@ class Options:
     kv_watermark: float = 0.9       # (active + new blocks) / kv_blocks_total above this: no room
     queue_watermark: float = 0.5    # queued requests / max_num_seqs above this: no room
     load_cap: float = 1.25          # recent requests above this × (the fewest + LOAD_SLACK): no room
+    max_local_prefill: int = 1000   # uncached prompt tokens a decode worker prefills itself; longer: a prefill worker
+    max_prefill_queue: int = 2      # requests queued on the least queued prefill worker at most, for a remote prefill
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.alpha < 0 or self.kv_watermark <= 0 or self.queue_watermark < 0 or self.load_cap < 1:
             raise ValueError("alpha and queue_watermark must be at least 0, kv_watermark above 0, load_cap at least 1")
+        if self.max_local_prefill < 0 or self.max_prefill_queue < 0:
+            raise ValueError("max_local_prefill and max_prefill_queue must be at least 0")
 
 
 @dataclass(slots=True)

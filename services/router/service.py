@@ -424,12 +424,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load-cap", type=float, default=d.load_cap,
                    help=f"a worker that took more than this times (the recent requests of the one that took "
                         f"fewest + {LOAD_SLACK:g}) has no room (default {d.load_cap})")
+    p.add_argument("--max-local-prefill", type=int, default=d.max_local_prefill,
+                   help=f"with prefill workers: a prompt with more uncached tokens than this (on the decode worker "
+                        f"that holds most of it) is prefilled on a prefill worker (default {d.max_local_prefill})")
+    p.add_argument("--max-prefill-queue", type=int, default=d.max_prefill_queue,
+                   help=f"...unless every prefill worker has more requests queued than this: then the decode worker "
+                        f"prefills it (default {d.max_prefill_queue})")
     p.add_argument("--index-cap", type=int, default=INDEX_CAP, help=f"hashes kept per worker (default {INDEX_CAP})")
     return p
 
 
 async def serve(args) -> None:
-    options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark, args.load_cap)
+    options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark, args.load_cap,
+                      args.max_local_prefill, args.max_prefill_queue)
     service = RouterService(await subjects.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap)
     await subjects.run_until_signal(service.run, service.nc)
 

@@ -16,9 +16,12 @@ from schemas.messages import (
     GenerateRequest,
     Heartbeat,
     KvEvent,
+    KvFetch,
     KvSnapshot,
+    KvTransfer,
     Logprobs,
     Outcome,
+    Prefilled,
     Progress,
     Resend,
     Resumed,
@@ -60,6 +63,13 @@ EXAMPLES = [
     Resumed("r1", "3f9a0c1e2b4d"),
     Outcome("r1", "t", "w0", "error", [9], error_code="engine_error", error_message="sampling failed"),
     DeadLetter(TokenizedRequest("r1", "t", SAMPLING, [5, 6]), "crashed 2 workers", 2, "w1", 3.0),
+    KvFetch("l-r1", [2**64 - 1, 7], 0, 30),
+    KvFetch("l-r1", release=True),
+    TokenizedRequest("r1", "t", SAMPLING, [5, 6], prefilled=Prefilled("w0", "l-r1", [2**64 - 1], 16, [9], -5, 16)),
+    WorkItem(TokenizedRequest("r1", "t", SAMPLING, [5, 6]), "w0", 3.0, prefill=True),
+    Heartbeat("w3", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, role="decode",
+              kv_transfer=KvTransfer(transfers=3, pulled_blocks=40, transfer_ms_p99=12.5)),
+    RouterStats("r0", 1.0, "prefix", 5, 1, 4, 400, 96, 80, 3, 2, 0, prefill={"remote:long": 2}, handoffs=2),
 ]
 SPECULATING = Heartbeat("w2", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, speculation=Speculation(
     "ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65, 0.5, 0.0]))
@@ -135,3 +145,19 @@ def test_random_maps_decode_or_raise_wire_error_only(obj, kind):
     except WireError:
         return
     assert dataclasses.is_dataclass(msg)
+
+
+def test_the_decode_leg_of_a_disaggregated_request_has_its_own_message_id():
+    """The prefill worker's work item and the decode worker's share a request id: the same Nats-Msg-Id would
+    make JetStream drop the second as a duplicate."""
+    r = TokenizedRequest("r1", "t", SAMPLING, [5, 6])
+    handed = dataclasses.replace(r, prefilled=Prefilled("w0", "l-r1", [], 16, [9], 1))
+    assert WorkItem(r, "w0", prefill=True).msg_id == "r1"
+    assert WorkItem(handed, "w1").msg_id == "r1.pd"
+    assert WorkItem(handed, "w2", attempt=2).msg_id == "r1.pd.2"
+
+
+def test_a_handoff_with_a_bad_prefilled_field_is_refused_naming_it():
+    bad = TokenizedRequest("r1", "t", SAMPLING, [5, 6], prefilled=Prefilled("w 0", "l-r1", [], 16, [9], 1))
+    with pytest.raises(WireError, match="prefilled.worker"):
+        decode(encode(bad))
