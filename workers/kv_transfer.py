@@ -21,6 +21,8 @@ hashes, layer range, dtype, shape, or an error), then the raw bytes of a [2, lay
 block_size, kv_heads, head_dim] tensor.
 """
 import asyncio
+import os
+import signal
 import struct
 import time
 from collections import deque
@@ -36,6 +38,8 @@ from schemas.messages import KvFetch, KvTransfer, Prefilled, WireError, decode, 
 from workers.engine.engine import LLMEngine
 
 TRANSFER_WINDOW = 256          # transfers the p50/p99 are computed over
+DIE_AFTER = "TB_TEST_KV_DIE_AFTER"   # TEST HOOK, off when unset: a prefill worker SIGKILLs itself after
+                                     # answering this many fetches (a death mid-transfer)
 HEADER = struct.Struct(">I")
 
 
@@ -116,6 +120,7 @@ class NatsKvTransport:
         self.stats = KvTransfer()
         self.durations: deque[float] = deque(maxlen=TRANSFER_WINDOW)
         self.fetches = asyncio.Semaphore(subjects.KV_FETCH_WINDOW)
+        self.die_after = int(os.environ.get(DIE_AFTER, "0"))
         self.budget = max(1, nc.max_payload - subjects.KV_PAYLOAD_MARGIN)
         attn = self.runner.model.attention_layers()[0]
         self.num_layers = len(self.runner.model.attention_layers())
@@ -158,6 +163,12 @@ class NatsKvTransport:
         if not msg.reply:
             return
         await self.nc.publish(msg.reply, self.answer(ask))
+        if self.die_after:                       # the test hook: one falsy check when off
+            self.die_after -= 1
+            if not self.die_after:
+                await self.nc.flush()
+                self.log.warning("test hook: dying mid-transfer", hook=DIE_AFTER)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def answer(self, ask: KvFetch) -> bytes:
         """The KvBlocks for one fetch, or one naming why not."""
