@@ -21,6 +21,7 @@ hashes, layer range, dtype, shape, or an error), then the raw bytes of a [2, lay
 block_size, kv_heads, head_dim] tensor.
 """
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -52,7 +53,7 @@ class TransferError(Exception):
 @dataclass(slots=True)
 class Lease:
     owner: str                 # the pin owner in the prefill worker's KV manager
-    hashes: set[int]
+    blocks: dict[int, int]     # hash -> the block id holding it, pinned
     deadline: float            # time.monotonic()
 
 
@@ -112,7 +113,12 @@ def unpack(payload: bytes) -> tuple[dict, memoryview]:
 
 
 class NatsKvTransport:
-    """Both sides of the transfer for one worker: serves its offers, pulls into its pool."""
+    """Both sides of the transfer for one worker: serves its offers, pulls into its pool.
+
+    The KV manager is the step loop's alone: offers, pins, reservations and registrations happen
+    there. The bytes move on the worker's side thread (workers/sideline.py), so a fetch is answered,
+    and a pull's messages land, while a step runs: fetches are answered from pinned blocks, and a
+    pull writes into reserved ones, which no step reads or writes."""
 
     def __init__(self, nc, worker: str, engine: LLMEngine, log):
         self.nc, self.worker, self.engine, self.log = nc, worker, engine, log
@@ -120,8 +126,19 @@ class NatsKvTransport:
         self.leases: dict[str, Lease] = {}
         self.stats = KvTransfer()
         self.durations: deque[float] = deque(maxlen=TRANSFER_WINDOW)
-        self.fetches = asyncio.Semaphore(subjects.KV_FETCH_WINDOW)
         self.die_after = int(os.environ.get(DIE_AFTER, "0"))
+        self.side = None                         # a Sideline: where the bytes move (None: on the caller's loop)
+        self.main: asyncio.AbstractEventLoop | None = None
+
+    @functools.cached_property
+    def fetches(self) -> asyncio.Semaphore:
+        """The flow control's window, made on (and bound to) the loop the transfers run on."""
+        return asyncio.Semaphore(subjects.KV_FETCH_WINDOW)
+
+    @property
+    def bus(self):
+        """The connection the bytes move on."""
+        return self.side.nc if self.side is not None else self.nc
 
     @functools.cached_property
     def runner(self):
@@ -130,7 +147,7 @@ class NatsKvTransport:
     @functools.cached_property
     def budget(self) -> int:
         """Bytes of KV one KvBlocks message carries at most."""
-        return max(1, self.nc.max_payload - subjects.KV_PAYLOAD_MARGIN)
+        return max(1, self.bus.max_payload - subjects.KV_PAYLOAD_MARGIN)
 
     @functools.cached_property
     def num_layers(self) -> int:
@@ -147,8 +164,12 @@ class NatsKvTransport:
         """One layer of one block, K and V."""
         return 2 * self.runner.dtype.itemsize * self.shape[0] * self.shape[1] * self.shape[2]
 
-    async def start(self) -> None:
-        await self.nc.subscribe(subjects.kv_transfer(self.worker), cb=self.on_fetch)
+    async def start(self, side=None) -> None:
+        self.side, self.main = side, asyncio.get_running_loop()
+        await self.on_side(self.bus.subscribe(subjects.kv_transfer(self.worker), cb=self.on_fetch))
+
+    async def on_side(self, coro):
+        return await (self.side.run(coro) if self.side is not None else coro)
 
     # -- the prefill side -------------------------------------------------------------------------
 
@@ -156,7 +177,8 @@ class NatsKvTransport:
         self.release(request_id)                 # a request prefilled again (a redelivery): the newer offer
         owner = f"lease:{request_id}"
         held = self.kv.pin(owner, hashes)
-        self.leases[request_id] = Lease(owner, set(held), time.monotonic() + subjects.KV_LEASE_SECONDS)
+        blocks = {h: self.kv.cached[h].block_id for h in held}
+        self.leases[request_id] = Lease(owner, blocks, time.monotonic() + subjects.KV_LEASE_SECONDS)
         self.stats.handoffs += 1
         return request_id, held
 
@@ -172,21 +194,22 @@ class NatsKvTransport:
             self.release(name)
 
     async def on_fetch(self, msg) -> None:
+        """(side thread) A fetch answered, or a release passed to the step loop, which owns the pins."""
         try:
             ask = decode(msg.data, KvFetch)
         except WireError as e:
             self.log.error("bad kv fetch dropped", error=str(e))
             return
         if ask.release:
-            self.release(ask.lease)
+            self.main.call_soon_threadsafe(self.release, ask.lease)
             return
         if not msg.reply:
             return
-        await self.nc.publish(msg.reply, self.answer(ask))
+        await self.bus.publish(msg.reply, self.answer(ask))
         if self.die_after:                       # the test hook: one falsy check when off
             self.die_after -= 1
             if not self.die_after:
-                await self.nc.flush()
+                await self.bus.flush()
                 self.log.warning("test hook: dying mid-transfer", hook=DIE_AFTER)
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -196,7 +219,7 @@ class NatsKvTransport:
         if lease is None:
             return pack({"error": f"lease {ask.lease} is not held here (released, or expired after "
                                   f"KV_LEASE_SECONDS={subjects.KV_LEASE_SECONDS:g} s)"})
-        missing = next((h for h in ask.hashes if h not in lease.hashes), None)
+        missing = next((h for h in ask.hashes if h not in lease.blocks), None)
         if missing is not None:
             return pack({"error": f"block {missing} is not in lease {ask.lease}"})
         layers = range(ask.layer_start, ask.layer_end)
@@ -205,7 +228,9 @@ class NatsKvTransport:
         if len(ask.hashes) * len(layers) * self.layer_bytes > self.budget:
             return pack({"error": f"the fetch asks for more than max_payload allows ({self.budget} bytes of KV)"})
         lease.deadline = time.monotonic() + subjects.KV_LEASE_SECONDS
-        kv = self.runner.read_blocks([self.kv.cached[h].block_id for h in ask.hashes], layers)
+        kv = self.runner.read_blocks([lease.blocks[h] for h in ask.hashes], layers)
+        if self.leases.get(ask.lease) is not lease:   # released while it was read: its blocks may be reused
+            return pack({"error": f"lease {ask.lease} ended while its blocks were read"})
         data = memoryview(kv.view(torch.uint8).numpy())
         self.stats.served_blocks += len(ask.hashes) if layers.start == 0 else 0
         self.stats.served_bytes += kv.nbytes
@@ -229,28 +254,38 @@ class NatsKvTransport:
             chain.append(h)
         out.cached = len(self.kv.pin(request_id, [h for h in chain if h in self.kv.cached]))
         want = [h for h in chain if h not in self.kv.cached]
-        blocks = dict(zip(want, self.kv.reserve(request_id, len(want))))
-        want = want[:len(blocks)]
+        reserved = dict(zip(want, self.kv.reserve(request_id, len(want))))
+        want = want[:len(reserved)]
+        if want:
+            ids = {h: block.block_id for h, block in reserved.items()}
+            for h in await self.on_side(self.pull(prefilled, want, ids, out)):
+                out.blocks += self.kv.register(reserved[h], h)
+        out.seconds = time.perf_counter() - start
+        self.count(out, bool(want))
+        return out
+
+    async def pull(self, prefilled: Prefilled, want: list[int], ids: dict[int, int], out: Pulled) -> list[int]:
+        """(side thread) The messages of one transfer, KV_FETCH_WINDOW in flight, then the lease released
+        (the prefill worker's expiry is the fallback if that is lost). Returns the hashes whose every
+        layer came."""
         layers_left = dict.fromkeys(want, self.num_layers)
         subject = subjects.kv_transfer(prefilled.worker)
         try:
             async with asyncio.TaskGroup() as tg:
                 for piece in plan(want, self.num_layers, self.layer_bytes, self.budget):
-                    tg.create_task(self.piece(subject, prefilled.lease, piece, blocks, layers_left, out))
+                    tg.create_task(self.piece(subject, prefilled.lease, piece, ids, layers_left, out))
         except* (TransferError, nats.errors.Error, asyncio.TimeoutError) as group:
             e = group.exceptions[0]
             out.error = str(e) or type(e).__name__
-        if out.error or want:
-            self.release_remote(subject, prefilled.lease)
-        out.seconds = time.perf_counter() - start
-        self.count(out, bool(want))
-        return out
+        with contextlib.suppress(nats.errors.Error):
+            await self.bus.publish(subject, encode(KvFetch(prefilled.lease, release=True)))
+        return [h for h in want if layers_left[h] == 0]
 
-    async def piece(self, subject: str, lease: str, piece: Piece, blocks: dict, layers_left: dict,
+    async def piece(self, subject: str, lease: str, piece: Piece, ids: dict[int, int], layers_left: dict,
                     out: Pulled) -> None:
         async with self.fetches:
             ask = KvFetch(lease, piece.hashes, piece.layers.start, piece.layers.stop)
-            reply = await self.nc.request(subject, encode(ask), timeout=subjects.KV_FETCH_TIMEOUT)
+            reply = await self.bus.request(subject, encode(ask), timeout=subjects.KV_FETCH_TIMEOUT)
         header, data = unpack(reply.data)
         if header.get("error"):
             raise TransferError(f"the prefill worker refused the fetch: {header['error']}")
@@ -264,17 +299,10 @@ class NatsKvTransport:
         if len(data) != self.layer_bytes * len(piece.layers) * len(piece.hashes):
             raise TransferError(f"a KvBlocks message of {len(data)} bytes, not the shape's")
         kv = torch.frombuffer(bytearray(data), dtype=self.runner.dtype).view(want_shape)
-        self.runner.write_blocks([blocks[h].block_id for h in piece.hashes], piece.layers, kv)
+        self.runner.write_blocks([ids[h] for h in piece.hashes], piece.layers, kv)
         out.bytes += len(data)
         for h in piece.hashes:
             layers_left[h] -= len(piece.layers)
-            if layers_left[h] == 0 and self.kv.register(blocks[h], h):
-                out.blocks += 1
-
-    def release_remote(self, subject: str, lease: str) -> None:
-        """Tells the prefill worker the lease can go (its expiry is the fallback if this is lost)."""
-        task = asyncio.get_running_loop().create_task(self.nc.publish(subject, encode(KvFetch(lease, release=True))))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def count(self, out: Pulled, transferred: bool) -> None:
         s = self.stats

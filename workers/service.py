@@ -4,7 +4,8 @@ Each turn of the step loop runs one engine step, publishes every request's new t
 writes are buffered: publishing never waits on the network), then yields once so that fetched
 work items, cancels, acks and heartbeats are handled between steps. One thread, on purpose: a
 second Python thread for I/O fights the step for the GIL at every torch call (measured: 30% of
-throughput on CPU; docs/decisions.md)."""
+throughput on CPU; docs/decisions.md). The exceptions are rare and short, on a side thread
+(workers/sideline.py): the heartbeat while a step holds the loop for seconds, and KV transfer bytes."""
 import argparse
 import asyncio
 import contextlib
@@ -56,6 +57,7 @@ from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
 from workers.kv_transfer import NatsKvTransport
 from workers.models import catalogue
+from workers.sideline import MAX_STEP_SECONDS, Sideline
 
 LEAVE_WAIT = 2.0               # seconds a stopping worker waits for the ends it is storing
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
@@ -95,7 +97,7 @@ class Running:
 class WorkerService:
     def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
                  chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
-                 kv_load_failure_policy: str = "recompute"):
+                 kv_load_failure_policy: str = "recompute", nats_url: str | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
         self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
@@ -116,6 +118,10 @@ class WorkerService:
         self.role, self.kv_load_failure_policy = role, kv_load_failure_policy
         self.transport = NatsKvTransport(nc, self.id, engine, log)
         self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
+        self.nats_url = nats_url                     # for the side thread's connection (default: nc's servers)
+        self.side: Sideline | None = None
+        self.beat: Heartbeat | None = None           # the last heartbeat the step loop built, and when
+        self.beat_at = 0.0
         if self.drops:
             log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
 
@@ -127,8 +133,12 @@ class WorkerService:
         await self.nc.subscribe(subjects.RESEND_ALL, cb=self.on_resend)
         self.engine.kv.record_changes()
         await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
-        await self.transport.start()
+        servers = self.nats_url or ",".join(u.geturl() for u in self.nc.servers)
+        self.side = Sideline(servers, f"worker-{self.id}-side", self.log)
+        await self.side.start()
+        await self.transport.start(self.side)
         await self.heartbeat()
+        self.side.spawn(self.stand_in_beats())
         self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks, role=self.role)
         loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
                                                      self.progress_loop)]
@@ -142,6 +152,8 @@ class WorkerService:
         seconds (what is left stays unacked and is redelivered), deregisters, closes."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=LEAVE_WAIT)
+        if self.side is not None:                # before the deregistration: it could write a heartbeat after it
+            await self.side.stop()
         try:
             await self.registry.delete(self.id)
             await subjects.close(self.nc)
@@ -606,12 +618,32 @@ class WorkerService:
         spec = speculation_of(s)
         if spec is not None:
             self.watch_k(spec)
-        await asyncio.wait_for(self.registry.put(self.id, encode(Heartbeat(
+        self.beat, self.beat_at = Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
             self.queued_blocks(), self.suspect, spec, self.role,
-            self.transport.snapshot() if self.role != "both" else None))), 2 * subjects.HEARTBEAT_SECONDS)
+            self.transport.snapshot() if self.role != "both" else None), time.monotonic()
+        await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
+
+    async def stand_in_beats(self) -> None:
+        """(side thread) While a step holds the loop for longer than a heartbeat period (a long prefill
+        on a CPU), the last heartbeat goes out again with a fresh time: a long step is not a departure.
+        Not once the loop has been silent MAX_STEP_SECONDS: a hung engine lapses, and its work moves."""
+        registry = await subjects.registry(self.side.nc.jetstream())
+        while True:
+            await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
+            hb, age = self.beat, time.monotonic() - self.beat_at
+            if hb is None or not subjects.HEARTBEAT_SECONDS <= age < MAX_STEP_SECONDS:
+                continue
+            try:
+                await asyncio.wait_for(registry.put(self.id, encode(dataclasses.replace(hb, ts=time.time()))),
+                                       2 * subjects.HEARTBEAT_SECONDS)
+            except nats.js.errors.NoStreamResponseError:
+                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                    registry = await subjects.registry(self.side.nc.jetstream())
+            except subjects.BUS_ERRORS as e:
+                self.log.warning("heartbeat failed (side thread)", error=str(e) or type(e).__name__)
 
     def watch_k(self, spec: Speculation) -> None:
         """Logs the engine's k when it differs from the one of the last look. A look after a step where
@@ -755,7 +787,7 @@ async def serve(args) -> None:
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
         service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log, args.chunk_rate,
-                                args.role, args.kv_load_failure_policy)
+                                args.role, args.kv_load_failure_policy, args.nats_url)
         service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

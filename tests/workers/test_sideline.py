@@ -1,0 +1,91 @@
+"""The worker's side thread keeps its heartbeat fresh while an engine step holds the worker's loop for
+longer than WORKER_TTL (a long prefill on a CPU), and stops vouching for a loop silent past
+MAX_STEP_SECONDS (a hung engine must lapse)."""
+import asyncio
+import contextlib
+import threading
+import time
+
+import nats
+import pytest
+
+from schemas import subjects
+from schemas.messages import Heartbeat, TokenizedRequest, WorkItem, decode, encode
+from schemas.sampling import SamplingParams
+from tests.workers.service_helpers import worker
+from workers import sideline
+from workers.engine.engine import EngineConfig, LLMEngine
+
+STEP_SECONDS = subjects.WORKER_TTL + 1.5
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64))
+
+
+def watch(nats_url: str, stop: threading.Event, ages: list[float]) -> None:
+    """In a thread of its own (the test's loop is the worker's, blocked by the step): the age of w0's
+    heartbeat in the registry, every 0.1 s."""
+    async def main():
+        nc = await nats.connect(nats_url)
+        registry = await subjects.registry(nc.jetstream())
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                ages.append(time.time() - decode((await registry.get("w0")).value, Heartbeat).ts)
+            await asyncio.sleep(0.1)
+        await nc.close()
+    asyncio.run(main())
+
+
+def run_one_slow_step(nats_url: str, engine: LLMEngine, monkeypatch) -> list[float]:
+    step = engine.step
+    slow = {"left": 1}
+
+    def one_slow_step():
+        if slow["left"] and engine.has_unfinished():
+            slow["left"] -= 1
+            time.sleep(STEP_SECONDS)             # blocks the worker's loop, as a long step does
+        return step()
+    monkeypatch.setattr(engine, "step", one_slow_step)
+    stop, ages = threading.Event(), []
+    watcher = threading.Thread(target=watch, args=(nats_url, stop, ages))
+
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        async with worker(nats_url, engine):
+            watcher.start()
+            await asyncio.sleep(1.0)
+            done = asyncio.Event()
+
+            async def seen(msg):
+                if b"final" in msg.data:
+                    done.set()
+            await nc.subscribe(subjects.out("slow"), cb=seen)
+            item = WorkItem(TokenizedRequest("slow", "t", SamplingParams(max_tokens=3), [5, 6, 7]), "w0", time.time())
+            await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id("slow"))
+            await asyncio.wait_for(done.wait(), 30)
+            await asyncio.sleep(0.5)
+        stop.set()
+        await nc.close()
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        watcher.join(10)
+    return ages
+
+
+def test_a_step_longer_than_worker_ttl_does_not_let_the_heartbeat_lapse(nats_url, engine, monkeypatch):
+    ages = run_one_slow_step(nats_url, engine, monkeypatch)
+    assert len(ages) > 10 * STEP_SECONDS * 0.8   # it watched the whole step
+    assert max(ages) < subjects.WORKER_TTL - 1.0, max(ages)
+
+
+def test_a_loop_silent_past_max_step_seconds_is_let_lapse(nats_url, engine, monkeypatch):
+    monkeypatch.setattr(sideline, "MAX_STEP_SECONDS", 1.0)
+    monkeypatch.setattr("workers.service.MAX_STEP_SECONDS", 1.0)
+    ages = run_one_slow_step(nats_url, engine, monkeypatch)
+    assert max(ages) > subjects.WORKER_TTL         # the stand-in beats stopped: the router would see it leave
