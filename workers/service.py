@@ -22,6 +22,7 @@ import torch
 
 from schemas import subjects
 from schemas.detokenizer import PROMPT_CONTEXT
+from schemas.hashing import hash_blocks
 from schemas.log import configure
 from schemas.messages import (
     Cancel,
@@ -34,6 +35,7 @@ from schemas.messages import (
     KvSnapshot,
     Logprobs,
     Outcome,
+    Prefilled,
     Progress,
     Resend,
     Speculation,
@@ -52,6 +54,7 @@ from workers.distributed import WorkerFailure
 from workers.engine import speculative
 from workers.engine.engine import EngineConfig, LLMEngine
 from workers.engine.request import Request
+from workers.kv_transfer import NatsKvTransport
 from workers.models import catalogue
 
 LEAVE_WAIT = 2.0               # seconds a stopping worker waits for the ends it is storing
@@ -81,6 +84,7 @@ class Running:
     published: float = 0.0          # time.time() of its last chunk
     subject: str = ""               # tb.out.<request id>
     strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
+    cached_tokens: int = -1         # a handed-off request: the prefill worker's prefix hit (-1: the engine's)
 
     @property
     def tail(self) -> list[int]:
@@ -90,7 +94,8 @@ class Running:
 
 class WorkerService:
     def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
-                 chunk_rate: float = subjects.CHUNK_RATE):
+                 chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
+                 kv_load_failure_policy: str = "recompute"):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
         self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
@@ -108,6 +113,9 @@ class WorkerService:
         self.blamed = ""                             # the one this worker's previous life said so of, if any
         self.spec_k: int | None = None               # k at the last look where some request could draft
         self.drops = drops()                         # test hook only: chunks not published
+        self.role, self.kv_load_failure_policy = role, kv_load_failure_policy
+        self.transport = NatsKvTransport(nc, self.id, engine, log)
+        self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
         if self.drops:
             log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
 
@@ -119,8 +127,9 @@ class WorkerService:
         await self.nc.subscribe(subjects.RESEND_ALL, cb=self.on_resend)
         self.engine.kv.record_changes()
         await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
+        await self.transport.start()
         await self.heartbeat()
-        self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks)
+        self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks, role=self.role)
         loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
                                                      self.progress_loop)]
         await self.stop.wait()
@@ -155,6 +164,9 @@ class WorkerService:
             now, interval = time.time(), self.chunk_interval()
             for req in updated:
                 await self.emit(req, now, interval)
+                run = self.running.get(req.request_id)
+                if run is not None and run.item.prefill and not req.finished:
+                    self.hand_off(run, req)
             if self.engine.kv.changes:
                 await self.publish_kv()
             for _ in range(INTAKE_TURNS):        # fetches, cancels, acks, heartbeats
@@ -206,7 +218,7 @@ class WorkerService:
             return
         del self.running[rid]
         usage = {"prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
-                 "cached_tokens": max(req.num_cached_tokens, 0)}
+                 "cached_tokens": run.cached_tokens if run.cached_tokens >= 0 else max(req.num_cached_tokens, 0)}
         timing = {"queue_ms": max(0.0, run.received - r.created) * 1e3 if r.created else None,
                   "ttft_ms": (run.first_token - run.received) * 1e3 if run.first_token else None,
                   "e2e_ms": (now - run.received) * 1e3}
@@ -307,6 +319,64 @@ class WorkerService:
                            r.prompt_token_ids[-PROMPT_CONTEXT:])
         await self.nc.publish(msg.reply, encode(chunk))
         self.log.info("tokens resent", request_id=ask.id, offset=ask.offset, tokens=len(chunk.token_ids))
+
+    # -- disaggregated serving ------------------------------------------------------------------
+
+    def hand_off(self, run: Running, req: Request) -> None:
+        """A remote prefill is done (its first token published): the prompt's blocks are offered under a
+        lease, the request leaves the engine, and it goes back to the router (TB_ROUTE) with what a decode
+        worker needs to continue it. Its work item is acked once the handoff is stored."""
+        bs = self.engine.config.block_size
+        lease, hashes = self.transport.offer(req.request_id, req.block_hashes[:req.num_prompt_tokens // bs])
+        r = run.item.request
+        prefilled = Prefilled(self.id, lease, hashes, bs, req.output_token_ids, req.seed,
+                              max(req.num_cached_tokens, 0), run.seq, run.received, run.first_token)
+        self.engine.abort(req.request_id)        # its blocks are freed; the offered ones stay pinned
+        del self.running[req.request_id]
+        self.spawn(self.publish_handoff(run, dataclasses.replace(r, prefilled=prefilled)))
+        self.log.info("request handed off", request_id=r.id, tenant=r.tenant, blocks=len(hashes),
+                      prompt_tokens=req.num_prompt_tokens, output_tokens=req.num_output_tokens)
+
+    async def publish_handoff(self, run: Running, handed: TokenizedRequest) -> None:
+        """Stores the handoff (retried through a broker restart), then acks the prefill's work item. Not
+        stored: the lease goes and the item stays unacked, so it comes again and is prefilled again."""
+        rid = handed.id
+        try:
+            await subjects.publish(self.js, subjects.route(handed.tenant), encode(handed),
+                                   subjects.msg_id(rid, f"{rid}.pd"), self.log)
+            await run.msg.ack()
+        except (nats.errors.Error, asyncio.TimeoutError, subjects.NotStored) as e:
+            self.transport.release(rid)
+            self.log.error("handoff not stored; the prefill will run again", request_id=rid,
+                           error=str(e) or type(e).__name__)
+
+    async def pull(self, item: WorkItem, msg) -> bool:
+        """A handed-off request's KV: what this worker's prefix cache lacks of the blocks the prefill
+        worker offered comes over the bus. A pull that fails leaves the rest to be recomputed here, or
+        (--kv-load-failure-policy fail) ends the request with an error naming the transfer: False."""
+        r, p = item.request, item.request.prefilled
+        self.pulling[r.id] = msg
+        try:
+            pulled = await self.transport.fetch(r.id, p, hash_blocks(r.prompt_token_ids, self.engine.config.block_size,
+                                                                     r.cache_salt))
+        finally:
+            self.pulling.pop(r.id, None)
+        fields = {"request_id": r.id, "prefill_worker": p.worker, "offered": len(p.block_hashes),
+                  "cached": pulled.cached, "pulled": pulled.blocks, "bytes": pulled.bytes,
+                  "ms": round(pulled.seconds * 1e3, 3)}
+        if not pulled.error:
+            self.log.info("kv pulled", **fields)
+            return True
+        if self.kv_load_failure_policy == "fail":
+            self.engine.kv.unpin(r.id)
+            self.log.error("kv pull failed; the request fails (--kv-load-failure-policy fail)", error=pulled.error,
+                           **fields)
+            await self.give_up(item, msg, "kv_transfer_failed", f"the KV of the prompt could not be pulled from "
+                               f"prefill worker {p.worker}: {pulled.error} (--kv-load-failure-policy fail)")
+            return False
+        self.transport.stats.recomputes += 1
+        self.log.warning("kv pull failed; recomputing what is missing", error=pulled.error, **fields)
+        return True
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -422,17 +492,28 @@ class WorkerService:
                                    f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
             return
         output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
+        p = r.prefilled
+        if p is not None:
+            if len(output) < len(p.output_token_ids):    # what the prefill worker sent, unless its client has more
+                output = list(p.output_token_ids)
+            if r.id in self.pulling or not await self.pull(item, msg):
+                return
         if self.holds(item, msg):                # taken meanwhile, from another delivery of the same burst
+            self.engine.kv.unpin(r.id)
             return
         try:
             output = self.add(r, output, strikes)
         except ValueError as e:
+            self.engine.kv.unpin(r.id)
             self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
             await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
             await msg.term()
             return
-        self.running[r.id] = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id),
-                                     strikes=strikes)
+        run = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id), strikes=strikes)
+        if p is not None:                        # its timing and prefix hit are the prefill worker's
+            run.received, run.first_token, run.seq, run.cached_tokens = p.received, p.first_token, max(p.chunks, 1), \
+                p.cached_tokens
+        self.running[r.id] = run
         self.prompt_tokens += len(r.prompt_token_ids)
         self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt, strikes=strikes,
                       prompt_tokens=len(r.prompt_token_ids), resumed=len(output))
@@ -460,14 +541,15 @@ class WorkerService:
         alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
         request starts over from its prompt, and the gateway drops what its client has. Returns the
         output it continues after."""
+        seed = r.prefilled.seed if r.prefilled is not None else None
         try:
-            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0)
+            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0, seed)
             return output
         except ValueError as e:
             if not output:
                 raise
             self.log.warning("progress not resumable; starting from the prompt", request_id=r.id, error=str(e))
-        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0)
+        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0, seed)
         return []
 
     async def progress(self, rid: str) -> list[int]:
@@ -507,6 +589,7 @@ class WorkerService:
             except WorkerFailure as e:
                 self.fail(e)
                 return
+            self.transport.expire(time.monotonic())
             try:
                 await self.heartbeat()
             except nats.js.errors.NoStreamResponseError:     # the bucket is gone (a wiped store): make it again
@@ -527,7 +610,8 @@ class WorkerService:
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.queued_blocks(), self.suspect, spec))), 2 * subjects.HEARTBEAT_SECONDS)
+            self.queued_blocks(), self.suspect, spec, self.role,
+            self.transport.snapshot() if self.role != "both" else None))), 2 * subjects.HEARTBEAT_SECONDS)
 
     def watch_k(self, spec: Speculation) -> None:
         """Logs the engine's k when it differs from the one of the last look. A look after a step where
@@ -544,11 +628,12 @@ class WorkerService:
         """In-progress acks keep JetStream from redelivering work that is still running."""
         while True:
             await asyncio.sleep(subjects.IN_PROGRESS_SECONDS)
-            for run in list(self.running.values()):
+            held = [(rid, run.msg) for rid, run in self.running.items()] + list(self.pulling.items())
+            for rid, msg in held:
                 try:
-                    await run.msg.in_progress()
+                    await msg.in_progress()
                 except subjects.BUS_ERRORS as e:
-                    self.log.warning("in-progress ack failed", request_id=run.item.request.id, error=str(e))
+                    self.log.warning("in-progress ack failed", request_id=rid, error=str(e))
 
 
 async def last_suspect(nc, worker: str) -> str:
@@ -669,7 +754,8 @@ async def serve(args) -> None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
-        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log, args.chunk_rate)
+        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log, args.chunk_rate,
+                                args.role, args.kv_load_failure_policy)
         service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -697,6 +783,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.no_speculative_adaptive and args.speculative is None:
         p.error("--no-speculative-adaptive fixes the K of --speculative: give --speculative too")
+    if args.role != "both" and args.tp > 1:
+        p.error(f"--role {args.role} with --tp {args.tp}: the KV transfer of disaggregated serving moves one "
+                f"rank's pool; tensor-parallel workers serve with --role both")
     subjects.run(serve(args))
 
 

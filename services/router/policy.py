@@ -9,6 +9,14 @@ heartbeat, and three policies.
 - least-loaded: (running + waiting + routed since the heartbeat) / max_num_seqs, in turn among equals.
 - round-robin: each live worker in turn.
 The prefix index is consulted under every policy, so each decision has a predicted hit to compare.
+
+Disaggregated serving (workers of role prefill and decode; role both is colocated): a request
+goes to a prefill worker when its uncached prompt — on the decode-capable worker that holds most
+of it — is longer than max_local_prefill tokens and some prefill worker has at most
+max_prefill_queue requests waiting (NVIDIA Dynamo's conditional disaggregation); otherwise a
+decode-capable worker prefills it itself. With no decode-capable worker alive, every request is
+prefilled remotely (its handoff waits for one). A handoff (a prefilled request) goes to a
+decode-capable worker. The policy picks within the pool decided on.
 """
 import math
 from dataclasses import dataclass, field
@@ -75,6 +83,8 @@ class Choice:
     new_blocks: int = 0             # what it adds to the worker's load until its next heartbeat
     state: Worker | None = None     # the worker's state it was counted in
     best_hit_tokens: int = 0        # the longest predicted hit on any live worker
+    prefill: bool = False           # a remote prefill: the worker is a prefill worker
+    why: str = ""                   # "remote:<why>" / "local:<why>" with prefill workers alive, "handoff", or ""
 
 
 class Registry:
@@ -97,8 +107,36 @@ class Registry:
     def live(self, now: float) -> list[Worker]:
         return sorted((w for w in self.workers.values() if now - w.hb.ts < WORKER_TTL), key=lambda w: w.hb.worker)
 
-    def pick(self, now: float, prompt: list[int] = (), salt: str | None = None) -> Choice | None:
+    def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False
+             ) -> Choice | None:
+        """A worker for a request (a handoff: a decode-capable one), or None when none can take it."""
         live = self.live(now)
+        decode = [w for w in live if w.hb.role != "prefill"]
+        prefill = [w for w in live if w.hb.role == "prefill"]
+        if handoff:
+            return self.within(decode, now, prompt, salt, why="handoff")
+        if not prefill:
+            return self.within(live, now, prompt, salt)
+        where, why = self.disaggregate(decode, prefill, prompt, salt)
+        choice = self.within(prefill if where == "remote" else decode, now, prompt, salt, f"{where}:{why}")
+        choice.prefill = where == "remote"
+        return choice
+
+    def disaggregate(self, decode: list[Worker], prefill: list[Worker], prompt: list[int], salt: str | None
+                     ) -> tuple[str, str]:
+        """Where a request is prefilled, "remote" or "local", and why."""
+        if not decode:
+            return "remote", "no_decode_workers"
+        uncached = len(prompt) - max(self.hits(decode, prompt, salt).values())
+        if uncached <= self.options.max_local_prefill:
+            return "local", "short"
+        if min(w.hb.waiting + w.routed for w in prefill) > self.options.max_prefill_queue:
+            return "local", "prefill_queue"
+        return "remote", "long"
+
+    def within(self, live: list[Worker], now: float, prompt: list[int], salt: str | None, why: str = ""
+               ) -> Choice | None:
+        """The policy's pick among these workers."""
         if not live:
             return None
         hits = self.hits(live, prompt, salt)
@@ -112,6 +150,7 @@ class Registry:
         choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
         choice.best_hit_tokens = max(hits.values())
         choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens, now)
+        choice.why = why
         return choice
 
     def hits(self, live: list[Worker], prompt: list[int], salt: str | None) -> dict[str, int]:

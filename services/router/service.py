@@ -82,7 +82,8 @@ class RouterService:
     def options_log(self) -> dict:
         o = self.options
         return {"policy": o.policy, "alpha": o.alpha, "kv_watermark": o.kv_watermark,
-                "queue_watermark": o.queue_watermark, "load_cap": o.load_cap, "index_cap": self.index.cap}
+                "queue_watermark": o.queue_watermark, "load_cap": o.load_cap, "index_cap": self.index.cap,
+                "max_local_prefill": o.max_local_prefill, "max_prefill_queue": o.max_prefill_queue}
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -319,10 +320,11 @@ class RouterService:
         if (item := received(msg, WorkItem, self.log, "work item")) is None:
             await msg.term()
             return 0
-        worker = await self.pick(msg, item.request)
-        if worker is None:                          # past its deadline
+        choice = await self.pick(msg, item.request)
+        if choice is None:                          # past its deadline
             await self.give_up(msg, item.request)
             return 0
+        worker = choice.worker
         strike = taken and suspect in ("", item.request.id)
         if worker == departed and not strike:
             await msg.nak()
@@ -330,7 +332,7 @@ class RouterService:
         strikes = item.strikes + strike
         if strike:
             self.log.warning("strike", request_id=item.request.id, worker=departed, strikes=strikes)
-        await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1, strikes))
+        await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1, strikes, choice.prefill))
         await msg.ack_sync()                        # before the consumer goes: a plain ack can be lost with it
         return -1 if worker == departed else 1
 
@@ -343,30 +345,31 @@ class RouterService:
         if (req := received(msg, TokenizedRequest, self.log, "tokenized request")) is None:
             await msg.term()
             return
-        worker = await self.pick(msg, req)
-        if worker is None:
+        choice = await self.pick(msg, req)
+        if choice is None:
             await self.give_up(msg, req)
             return
         try:
-            await self.send(WorkItem(req, worker, time.time()))
+            await self.send(WorkItem(req, choice.worker, time.time(), prefill=choice.prefill))
         except subjects.NotStored as e:             # not acked: JetStream redelivers it
-            self.log.error("work publish failed", request_id=req.id, worker=worker, error=str(e))
+            self.log.error("work publish failed", request_id=req.id, worker=choice.worker, error=str(e))
             return
         await msg.ack()
 
-    async def pick(self, msg, req: TokenizedRequest) -> str | None:
-        """A worker for the request; with none alive, waits (the request stays in TB_ROUTE, kept alive),
-        until REQUEST_DEADLINE after its creation: None, the request is to be given up."""
+    async def pick(self, msg, req: TokenizedRequest) -> Choice | None:
+        """A worker for the request (a prefilled one: a decode-capable worker); with none alive, waits (the
+        request stays in TB_ROUTE, kept alive), until REQUEST_DEADLINE after its creation: None, the
+        request is to be given up."""
         waited = 0.0
         while True:
             now = time.time()
             if subjects.past_deadline(req.created, now):
                 return None
             self.drop_lapsed(now)
-            choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt)
+            choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt, req.prefilled is not None)
             if choice is not None:
                 self.decided(req, choice)
-                return choice.worker
+                return choice
             await asyncio.sleep(NO_WORKER_POLL)
             waited += NO_WORKER_POLL
             if waited >= subjects.IN_PROGRESS_SECONDS:
@@ -393,16 +396,23 @@ class RouterService:
         return True
 
     def decided(self, req: TokenizedRequest, choice: Choice) -> None:
+        """Counts a decision. A handoff's is not the one whose prefix hit the completion reports (the
+        prefill worker's): the prefill decision stays the pending one."""
         s, n = self.stats, len(req.prompt_token_ids)
         s.routed += 1
         s.guarded += choice.guarded
         s.routed_to[choice.worker] = s.routed_to.get(choice.worker, 0) + 1
-        self.pending[req.id] = (choice, n)
-        if len(self.pending) > MAX_PENDING:
-            self.pending.popitem(last=False)
+        if req.prefilled is not None:
+            s.handoffs += 1
+        else:
+            self.pending[req.id] = (choice, n)
+            if len(self.pending) > MAX_PENDING:
+                self.pending.popitem(last=False)
+            if choice.why:
+                s.prefill[choice.why] = s.prefill.get(choice.why, 0) + 1
         self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=choice.worker, prompt_tokens=n,
                       predicted_hit_tokens=choice.hit_tokens, best_hit_tokens=choice.best_hit_tokens,
-                      cost=round(choice.cost, 2), guarded=choice.guarded,
+                      cost=round(choice.cost, 2), guarded=choice.guarded, prefill=choice.why or None,
                       costs={w: round(c, 2) for w, c in choice.costs.items()})
         choice.costs = {}                           # it waits for its completion: keep it small
 

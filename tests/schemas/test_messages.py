@@ -159,5 +159,5 @@ def test_the_decode_leg_of_a_disaggregated_request_has_its_own_message_id():
 
 def test_a_handoff_with_a_bad_prefilled_field_is_refused_naming_it():
     bad = TokenizedRequest("r1", "t", SAMPLING, [5, 6], prefilled=Prefilled("w 0", "l-r1", [], 16, [9], 1))
-    with pytest.raises(WireError, match="prefilled.worker"):
+    with pytest.raises(WireError, match=r"prefilled\.worker"):
         decode(encode(bad))

@@ -141,17 +141,20 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False) -> Request:
+                    cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False,
+                    seed: int | None = None) -> Request:
         """Queues a request. With output_token_ids (a request moved from another worker) it continues
         after them: prompt + those tokens are computed as one prefill, and positions, penalties,
         max_tokens and stop conditions go on as if it had never moved. `isolate`: its steps run
-        alone until its first token (a request suspected of crashing a worker)."""
+        alone until its first token (a request suspected of crashing a worker). `seed`: the seed
+        another worker drew for it (a handed-off request), when its params bring none."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         self.check_request(prompt_token_ids, params)
         if output_token_ids:
             self.check_resume(prompt_token_ids, output_token_ids, params)
-        seed = as_int64(params.seed) if params.seed is not None else self.seeds.getrandbits(63)
+        seed = as_int64(params.seed) if params.seed is not None else seed if seed is not None \
+            else self.seeds.getrandbits(63)
         req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
                       self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids))
         self.requests[request_id] = req
@@ -161,6 +164,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> Request | None:
         """Ends a request wherever it is and frees its KV; None when it is not (or no longer) here."""
         req = self.requests.pop(request_id, None)
+        self.kv.unpin(request_id)
         if req is not None:
             self.scheduler.abort(req)
             if self.speculator is not None:

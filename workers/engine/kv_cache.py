@@ -6,6 +6,11 @@ hash and waits in an LRU free list; it is evicted (its hash forgotten) only when
 reuse. Requests free their blocks tail first, so a chain's tail is evicted before its parents.
 With record_changes() on, the hashes stored and evicted are kept until take_changes(): the worker
 publishes them once per step as a KV event, for the router's index.
+
+Disaggregated serving pins blocks outside any running request, under an owner: a prefill worker
+pins the prompt blocks it offers until the decode worker has pulled them (pin), and a decode
+worker holds the blocks it pulls into (reserve, then register once their KV is written) and the
+ones of the prompt it had already, until the request is admitted (unpin).
 """
 from dataclasses import dataclass
 
@@ -69,6 +74,7 @@ class KVCacheManager:
         self.num_hashed: dict[str, int] = {}          # request id -> how many of its blocks are registered
         self.prefix_queries = self.prefix_hits = 0    # in tokens
         self.changes: dict[int, bool] | None = None   # hash -> stored / evicted since take_changes(); None: off
+        self.pins: dict[str, list[Block]] = {}        # owner -> blocks it holds outside any running request
 
     @property
     def num_blocks(self) -> int:
@@ -186,6 +192,49 @@ class KVCacheManager:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free.append(block)
+
+    def pin(self, owner: str, hashes: list[int]) -> list[int]:
+        """Holds the cached blocks of `hashes` until unpin(owner): not evicted, not reused. Returns the
+        hashes pinned (those cached), in order."""
+        held = []
+        blocks = self.pins.setdefault(owner, [])
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                continue
+            if block.ref_cnt == 0:
+                self.free.remove(block)
+            block.ref_cnt += 1
+            blocks.append(block)
+            held.append(h)
+        return held
+
+    def reserve(self, owner: str, n: int) -> list[Block]:
+        """Up to n free blocks (the least recently used cached KV is evicted, as for any allocation) for
+        KV that comes from elsewhere, held under owner until unpin; fewer when fewer are free."""
+        blocks = [self.pop_free() for _ in range(min(n, self.free.num_free))]
+        self.pins.setdefault(owner, []).extend(blocks)
+        return blocks
+
+    def register(self, block: Block, h: int) -> bool:
+        """Names a reserved block whose KV has been written by its chained hash: a prefix-cache hit from
+        now on. False when another block holds that hash already (this one stays unnamed)."""
+        if block.hash is not None or h in self.cached:
+            return False
+        block.hash = h
+        self.cached[h] = block
+        if self.changes is not None:
+            self.changes[h] = True
+        return True
+
+    def unpin(self, owner: str) -> None:
+        """Lets owner's pinned blocks go, last first: unnamed ones to the head of the free list (reused
+        first, they hold nothing), named ones to its tail like any freed block."""
+        for block in reversed(self.pins.pop(owner, ())):
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} unpinned twice"
+            if block.ref_cnt == 0:
+                (self.free.append if block.hash is not None else self.free.appendleft)(block)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (e.g. between benchmark runs); only when no request holds one."""

@@ -76,6 +76,16 @@ class ModelRunner:
         for i, attn in enumerate(layers):
             attn.kernels, attn.k_cache, attn.v_cache = self.kernels, self.kv_pool[0, i], self.kv_pool[1, i]
 
+    def read_blocks(self, block_ids: list[int], layers: range) -> torch.Tensor:
+        """The KV of these blocks for these layers, [2, layers, blocks, block_size, Hkv, D], contiguous on the CPU."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_pool.device)
+        return self.kv_pool[:, layers.start:layers.stop].index_select(2, ids).cpu().contiguous()
+
+    def write_blocks(self, block_ids: list[int], layers: range, kv: torch.Tensor) -> None:
+        """Writes KV read by read_blocks (on another worker) into these blocks."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_pool.device)
+        self.kv_pool[:, layers.start:layers.stop].index_copy_(2, ids, kv.to(self.kv_pool.device))
+
     def prepare(self, batch: Batch, block_tables: list[list[int]]) -> "StepInputs":
         """The flattened batch, on the CPU."""
         input_ids, q_lens, starts = [], batch.num_new_tokens, []

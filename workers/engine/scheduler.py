@@ -126,6 +126,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 return
             self.waiting.popleft()
+            self.kv.unpin(req.request_id)          # KV pulled for it (disaggregated): its own blocks hold it now
             self.kv.record_prefix_query(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
