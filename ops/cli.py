@@ -8,12 +8,13 @@ import re
 import sys
 
 from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
-from services.router.policy import POLICIES
+from services.router.policy import POLICIES, Options
 
 ENVIRONMENT = """environment:
   TOKENBUS_HOME     where tokenbus keeps its models and the data and logs of `tokenbus up`
                     (default: ~/.cache/tokenbus; logs in $TOKENBUS_HOME/data/logs, see `tokenbus logs`)
   TOKENBUS_API_KEY  the API key of `tokenbus chat` and `tokenbus bench`"""
+ROUTER = Options()                         # the router's defaults, named in up's help
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -82,6 +83,13 @@ def size(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, e.g. 4GiB, 512MiB or 1073741824")
     return int(m.group(1)) * UNITS[m.group(2)]
+
+
+def count(text: str) -> int:
+    """A whole number from 0 up: workers, tokens or requests."""
+    if text.strip().isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 0 up")
 
 
 def speculative(text: str) -> str:
@@ -356,12 +364,30 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--nats-sync", metavar="always|DURATION",
                    help="the started nats-servers' fsync: before every acknowledgement (always: the default of a "
                         "cluster) or every DURATION (2m: NATS's default, kept by one server); see docs/cluster.md")
-    u.add_argument("--workers", type=int, default=1, help="worker replicas (processes), each with its own engine")
+    u.add_argument("--workers", type=count, help="colocated worker replicas (processes, each with its own engine, "
+                   "prefilling and decoding what it takes; ids w0, w1, ...) (default: 1; 0 with --prefill-workers or "
+                   "--decode-workers)")
+    u.add_argument("--prefill-workers", type=count, default=0, metavar="P",
+                   help="disaggregated serving: P workers with --role prefill (p0, p1, ...) compute long prompts and "
+                        "hand each request to a decode-capable worker, which pulls the KV (docs/operations.md)")
+    u.add_argument("--decode-workers", type=count, default=0, metavar="D",
+                   help="D workers with --role decode (d0, d1, ...): they continue handed-off requests and prefill "
+                        "short prompts themselves")
+    u.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
+                   help="a decode worker whose KV pull fails: recompute what it lacks, or fail the request "
+                        "(default: the worker's, recompute)")
     u.add_argument("--gateways", type=int, default=1,
                    help="gateway processes, on --port, --port + 1, ...: a client cut off by one resumes on another")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
+    u.add_argument("--max-local-prefill", type=count, metavar="N",
+                   help="with prefill workers: a prompt with more uncached tokens than N is prefilled on a prefill "
+                        "worker, a shorter one on its decode worker "
+                        f"(default: the router's, {ROUTER.max_local_prefill})")
+    u.add_argument("--max-prefill-queue", type=count, metavar="N",
+                   help="...unless every prefill worker has more than N requests queued: then the decode worker "
+                        f"prefills it (default: the router's, {ROUTER.max_prefill_queue})")
     u.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use; the tiny model "
                                    "when it cannot be pulled)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
@@ -408,8 +434,9 @@ def parser() -> argparse.ArgumentParser:
     bc.set_defaults(func=delegate("ops.bus"))
 
     lo = sub.add_parser("logs", help="the logs of `tokenbus up`'s services, one or all")
-    lo.add_argument("service", nargs="?", help="one service: nats, tokenizer, router, w0, w1, ..., gateway "
-                                               "(default: all, each line prefixed with its service)")
+    lo.add_argument("service", nargs="?", help="one service: nats, tokenizer, router, a worker (w0, w1, ...; "
+                                               "p0, ... prefill; d0, ... decode), gateway (default: all, each line "
+                                               "prefixed with its service)")
     lo.add_argument("--follow", "-f", action="store_true", help="keep printing lines as they are written")
     lo.add_argument("--tail", type=int, metavar="N", help="start with the last N lines of each log (default: all)")
     lo.add_argument("--data-dir", help="the stack's --data-dir (default: $TOKENBUS_HOME/data)")

@@ -18,11 +18,12 @@ def logs_dir(data_dir: str | None) -> Path:
 
 
 def start_order(path: Path) -> tuple:
-    """nats, tokenizer, router, w0, w1, ..., gateway (the order `up` starts them), then any other."""
+    """nats, tokenizer, router, the workers (w0, w1, ..., p0, ..., d0, ...), gateway (the order `up` starts
+    them), then any other."""
     name = path.stem
-    worker = re.fullmatch(r"w(\d+)", name)
+    worker = re.fullmatch(r"([wpd])(\d+)", name)
     if worker:
-        return (3, int(worker.group(1)), name)
+        return (3, "wpd".index(worker.group(1)), int(worker.group(2)))
     return ({"nats": 0, "tokenizer": 1, "router": 2, "gateway": 4}.get(name, 5), 0, name)
 
 

@@ -6,7 +6,7 @@ import orjson
 
 from ops import broker
 from schemas import subjects
-from schemas.messages import Heartbeat, Speculation
+from schemas.messages import Heartbeat, KvTransfer, Speculation
 
 FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
           "prefix_cache_hits", "requests_finished")
@@ -26,16 +26,22 @@ async def heartbeats(js) -> list[Heartbeat]:
 
 
 def as_json(beats: list[Heartbeat]) -> dict:
-    return {"workers": [{"id": b.worker, **{f: getattr(b, f) for f in FIELDS[1:]},
-                         "speculation": dataclasses.asdict(b.speculation) if b.speculation else None} for b in beats]}
+    return {"workers": [{"id": b.worker, "role": b.role, **{f: getattr(b, f) for f in FIELDS[1:]},
+                         "speculation": dataclasses.asdict(b.speculation) if b.speculation else None,
+                         "kv_transfer": dataclasses.asdict(b.kv_transfer) if b.kv_transfer else None}
+                        for b in beats]}
 
 
 def table(beats: list[Heartbeat]) -> str:
-    head = ["worker", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished", "speculation"]
-    rows = [[b.worker, str(b.running), str(b.waiting),
+    """One row per worker; the kv transfer column only when some worker is disaggregated."""
+    disaggregated = any(b.kv_transfer is not None for b in beats)
+    head = ["worker", "role", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished", "speculation",
+            *(["kv transfer"] if disaggregated else [])]
+    rows = [[b.worker, b.role, str(b.running), str(b.waiting),
              f"{1 - b.kv_blocks_free / max(b.kv_blocks_total, 1):.1%}", f"{b.kv_blocks_free}/{b.kv_blocks_total} free",
              f"{b.prefix_cache_hits / b.prefix_cache_queries:.1%}" if b.prefix_cache_queries else "-",
-             str(b.requests_finished), speculation(b.speculation)] for b in beats]
+             str(b.requests_finished), speculation(b.speculation),
+             *([kv_transfer(b.role, b.kv_transfer)] if disaggregated else [])] for b in beats]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
     return "\n".join(lines) if rows else "no workers registered"
@@ -47,6 +53,27 @@ def speculation(s: Speculation | None) -> str:
         return "off"
     accepted = f"{s.acceptance_rate:.1%} accepted" if s.draft_tokens else "nothing drafted yet"
     return f"{s.method} k={s.k}/{s.k_max}{'' if s.adaptive else ' fixed'}, {accepted}"
+
+
+def kv_transfer(role: str, t: KvTransfer | None) -> str:
+    """What a prefill worker handed off and served, or what a decode worker pulled, how fast, how often it failed."""
+    if t is None:
+        return "-"
+    if role == "prefill":
+        return f"handed off {t.handoffs}, served {t.served_blocks} blk, {t.leases} leases"
+    if not t.transfers:
+        return "nothing pulled yet"
+    recomputed = f", {t.recomputes} recomputed" if t.recomputes else ""
+    return (f"pulled {t.pulled_blocks} blk / {size(t.pulled_bytes)}, p99 {t.transfer_ms_p99:.0f} ms, "
+            f"{t.failures} failed{recomputed}")
+
+
+def size(n: int) -> str:
+    """Bytes in the largest unit they fill, a decimal below 10 of it: 512 B, 12 kB, 40 MB, 3.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
+    return f"{n} B"
 
 
 def main(args) -> None:

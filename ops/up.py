@@ -1,6 +1,7 @@
 """`tokenbus up`: the whole local stack as processes. An embedded nats-server (unless --nats-url names
-a running one), then tokenizer, router, N workers and the gateways; it waits until every stage is
-pulling and a worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
+a running one), then tokenizer, router, the workers (N colocated ones, w0..; for disaggregated serving
+P prefill workers, p0.., and D decode workers, d0..) and the gateways; it waits until every stage is
+pulling and every worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
 child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
 import os
@@ -65,6 +66,8 @@ class Stack:
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)    # each child's own environment
     log_starts: dict[str, int] = field(default_factory=dict)  # each child's log size when it started
+    prefill_workers: int = 0                      # workers with --role prefill, after the `workers` colocated ones
+    decode_workers: int = 0                       # and with --role decode
 
     @property
     def address(self) -> str:
@@ -99,6 +102,13 @@ class Stack:
     def https(self) -> list[str]:
         return [f"http://{self.address}:{self.port + i}" for i in range(self.gateways)]
 
+    @property
+    def worker_roles(self) -> dict[str, str]:
+        """Every worker's id and role: w0.. colocated (both), p0.. prefill, d0.. decode."""
+        return {**{f"w{i}": "both" for i in range(self.workers)},
+                **{f"p{i}": "prefill" for i in range(self.prefill_workers)},
+                **{f"d{i}": "decode" for i in range(self.decode_workers)}}
+
     def start(self) -> None:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -112,9 +122,10 @@ class Stack:
         files = hf_dir(self.model)  # a GGUF's tokenizer and config, as the files the tokenizer and gateway read
         self.spawn("tokenizer", "services.tokenizer", *common, "--model", files, *self.tokenizer_args)
         self.spawn("router", "services.router", *common, *self.router_args)
-        for i in range(self.workers):
-            self.spawn(f"w{i}", "workers.service", *common, "--model", self.model, "--id", f"w{i}", *self.worker_args,
-                       env=self.worker_env, role="worker")
+        for name, role in self.worker_roles.items():
+            self.spawn(name, "workers.service", *common, "--model", self.model, "--id", name,
+                       *([] if role == "both" else ["--role", role]), *self.worker_args, env=self.worker_env,
+                       role="worker")
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
         for i, name in enumerate(self.gateway_names):
             self.spawn(name, "services.gateway", *common, "--model", files, "--host", self.host,
@@ -179,7 +190,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if all(map(healthy, self.https)) and asyncio.run(pipeline_ready(self.nats_url, self.workers,
+            if all(map(healthy, self.https)) and asyncio.run(pipeline_ready(self.nats_url, len(self.worker_roles),
                                                                             self.credentials)):
                 return
             time.sleep(0.25)
@@ -338,8 +349,39 @@ def given(args, *options: str) -> list[str]:
 def worker_args(args) -> list[str]:
     """What every worker of the stack is started with, from up's options."""
     return [*(["--tp", str(args.tp)] if args.tp > 1 else []),
-            *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative"),
+            *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative",
+                   "kv-load-failure-policy"),
             *(["--no-speculative-adaptive"] if args.no_speculative_adaptive else [])]
+
+
+def colocated(args) -> int:
+    """--workers, or its default: 1, or 0 with prefill or decode workers (a disaggregated stack)."""
+    if args.workers is not None:
+        return args.workers
+    return 0 if args.prefill_workers or args.decode_workers else 1
+
+
+def check_roles(args) -> None:
+    """ValueError (the CLI prints it) for prefill workers with no worker to decode, or roles with --tp."""
+    if args.prefill_workers and not args.decode_workers and not colocated(args):
+        raise ValueError(f"--prefill-workers {args.prefill_workers} needs a worker to decode what they prefill: "
+                         "give --decode-workers (or --workers) too")
+    if (args.prefill_workers or args.decode_workers) and args.tp > 1:
+        raise ValueError(f"--prefill-workers and --decode-workers do not take --tp {args.tp}: the KV transfer does "
+                         "not support tensor-parallel workers yet")
+
+
+def router_args(args) -> list[str]:
+    return ["--policy", args.router, *given(args, "max-local-prefill", "max-prefill-queue")]
+
+
+def workers_line(stack: Stack) -> str:
+    """What up says it starts: '2 worker(s)', or '1 prefill and 1 decode worker(s)'."""
+    roles = stack.prefill_workers or stack.decode_workers
+    counts = [(stack.workers, " colocated" if roles else ""), (stack.prefill_workers, " prefill"),
+              (stack.decode_workers, " decode")]
+    parts = [f"{n}{kind}" for n, kind in counts if n]
+    return f"{' and '.join(parts) or '0'} worker(s)"
 
 
 def check_speculative(args) -> None:
@@ -360,13 +402,15 @@ def main(args) -> None:
     check_keys(args.host, args.api_keys)
     check_nats(args)
     check_speculative(args)
+    check_roles(args)
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
     model = resolve(args.model)
-    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, args.workers, worker_args(args),
-                  router_args=["--policy", args.router], tokenizer_args=given(args, "max-model-len"),
+    stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
+                  router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
                   gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways,
-                  nats_sync=args.nats_sync, **security)
+                  nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
+                  decode_workers=args.decode_workers, **security)
     if args.nats_cluster > 1:
         stack.nats_nodes = cluster.local_nodes(args.nats_cluster, data_dir, args.nats_port)
     signal.signal(signal.SIGTERM, interrupt)
@@ -374,7 +418,7 @@ def main(args) -> None:
     status = 0
     try:
         stack.start()
-        print(f"tokenbus: starting {args.workers} worker(s) of tensor-parallel size {args.tp} on {model} "
+        print(f"tokenbus: starting {workers_line(stack)} of tensor-parallel size {args.tp} on {model} "
               f"(logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
         more = "".join(f"\n  gateway {i}  {u}" for i, u in enumerate(stack.urls[1:], 1))

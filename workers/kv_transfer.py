@@ -21,6 +21,9 @@ hashes, layer range, dtype, shape, or an error), then the raw bytes of a [2, lay
 block_size, kv_heads, head_dim] tensor.
 """
 import asyncio
+import functools
+import os
+import signal
 import struct
 import time
 from collections import deque
@@ -36,6 +39,8 @@ from schemas.messages import KvFetch, KvTransfer, Prefilled, WireError, decode, 
 from workers.engine.engine import LLMEngine
 
 TRANSFER_WINDOW = 256          # transfers the p50/p99 are computed over
+DIE_AFTER = "TB_TEST_KV_DIE_AFTER"   # TEST HOOK, off when unset: a prefill worker SIGKILLs itself after
+                                     # answering this many fetches (a death mid-transfer)
 HEADER = struct.Struct(">I")
 
 
@@ -111,16 +116,36 @@ class NatsKvTransport:
 
     def __init__(self, nc, worker: str, engine: LLMEngine, log):
         self.nc, self.worker, self.engine, self.log = nc, worker, engine, log
-        self.kv, self.runner = engine.kv, engine.runner
+        self.kv = engine.kv
         self.leases: dict[str, Lease] = {}
         self.stats = KvTransfer()
         self.durations: deque[float] = deque(maxlen=TRANSFER_WINDOW)
         self.fetches = asyncio.Semaphore(subjects.KV_FETCH_WINDOW)
-        self.budget = max(1, nc.max_payload - subjects.KV_PAYLOAD_MARGIN)
+        self.die_after = int(os.environ.get(DIE_AFTER, "0"))
+
+    @functools.cached_property
+    def runner(self):
+        return self.engine.runner
+
+    @functools.cached_property
+    def budget(self) -> int:
+        """Bytes of KV one KvBlocks message carries at most."""
+        return max(1, self.nc.max_payload - subjects.KV_PAYLOAD_MARGIN)
+
+    @functools.cached_property
+    def num_layers(self) -> int:
+        return len(self.runner.model.attention_layers())
+
+    @functools.cached_property
+    def shape(self) -> tuple[int, int, int]:
+        """One layer's K (or V) of one block: block_size, kv heads, head dim."""
         attn = self.runner.model.attention_layers()[0]
-        self.num_layers = len(self.runner.model.attention_layers())
-        self.shape = (self.engine.config.block_size, attn.num_kv_heads, attn.head_dim)   # of one layer's K (or V)
-        self.layer_bytes = 2 * self.runner.dtype.itemsize * self.shape[0] * self.shape[1] * self.shape[2]
+        return self.engine.config.block_size, attn.num_kv_heads, attn.head_dim
+
+    @functools.cached_property
+    def layer_bytes(self) -> int:
+        """One layer of one block, K and V."""
+        return 2 * self.runner.dtype.itemsize * self.shape[0] * self.shape[1] * self.shape[2]
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kv_transfer(self.worker), cb=self.on_fetch)
@@ -158,6 +183,12 @@ class NatsKvTransport:
         if not msg.reply:
             return
         await self.nc.publish(msg.reply, self.answer(ask))
+        if self.die_after:                       # the test hook: one falsy check when off
+            self.die_after -= 1
+            if not self.die_after:
+                await self.nc.flush()
+                self.log.warning("test hook: dying mid-transfer", hook=DIE_AFTER)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def answer(self, ask: KvFetch) -> bytes:
         """The KvBlocks for one fetch, or one naming why not."""

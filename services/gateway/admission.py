@@ -3,7 +3,9 @@
   the request did not use when it ends; and a cap on its concurrent requests (429 + Retry-After);
 - the cluster, from the worker registry: some worker must be able to take the request soon, its
   queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
-  overloaded cluster refuses quickly instead of queueing without bound.
+  overloaded cluster refuses quickly instead of queueing without bound. Only a worker that decodes
+  (role both or decode) counts: a prefill worker hands every request on to one, and a decode worker
+  prefills the prompts no prefill worker has room for, so the decoding workers' room is the cluster's.
 
 The gateway does not tokenize: a text prompt is estimated at BYTES_PER_TOKEN and the bucket is
 settled with the worker's counts when the request ends."""
@@ -70,7 +72,7 @@ def estimate(req: GenerateRequest) -> int:
 
 class Cluster:
     """The workers the registry shows, and the requests this gateway sent each since its last heartbeat
-    (charged to the one the router would pick: the least loaded)."""
+    (charged to the decoding worker the router would pick: the least loaded)."""
 
     def __init__(self):
         self.workers: dict[str, Heartbeat] = {}
@@ -98,6 +100,10 @@ class Cluster:
         live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
+        live = [hb for hb in live if hb.role != "prefill"]
+        if not live:
+            raise ApiError(503, "no decode worker is registered (role both or decode): prefill workers cannot finish "
+                           "a request alone; retry shortly", "unavailable", retry_after=BUSY_RETRY)
         fit = [hb for hb in live if math.ceil(tokens / hb.block_size) <= hb.kv_blocks_total]
         if not fit:
             largest = max(live, key=lambda hb: hb.kv_blocks_total)

@@ -5,10 +5,13 @@
 - what every worker pushes over NATS in its heartbeat (per worker, read from the tb_workers
   bucket at scrape time): running and waiting requests, KV blocks, prefix-cache tokens,
   preemptions, tokens and finished requests, counted since the worker started; for a worker that
-  speculates, its drafts, their acceptance and its current k (tokenbus_spec_decode_*);
+  speculates, its drafts, their acceptance and its current k (tokenbus_spec_decode_*); its role
+  (tokenbus_worker_role); for a disaggregated worker, its KV transfers (tokenbus_kv_transfer_*, by
+  worker and role);
 - what every router pushes on tb.router.stats.<router> each second (per router, the latest record
-  kept by a core subscription): its decisions per worker, the guard's interventions, and the
-  predicted vs actual prefix-hit tokens of the requests it routed, counted since it started.
+  kept by a core subscription): its decisions per worker, the guard's interventions, the
+  predicted vs actual prefix-hit tokens of the requests it routed, and with prefill workers where it
+  had each prompt prefilled and why, and its handoffs to decode workers, counted since it started.
 With several gateways, sum the per-tenant series over them; the per-worker and per-router series
 are the same on every gateway."""
 import asyncio
@@ -58,6 +61,27 @@ SPEC_METRICS = {
                             "The moving average of the per-token acceptance that an adaptive k is chosen by."),
 }
 
+# Heartbeat.kv_transfer field -> (metric name, kind, help); labelled by worker and role, for disaggregated workers
+KV_TRANSFER_METRICS = {
+    "handoffs": ("tokenbus_kv_transfer_handoffs", "counter", "Requests a prefill worker prefilled and handed off."),
+    "leases": ("tokenbus_kv_transfer_leases", "gauge", "KV offers a prefill worker holds pinned for decode workers."),
+    "served_blocks": ("tokenbus_kv_transfer_served_blocks", "counter", "KV blocks a prefill worker served."),
+    "served_bytes": ("tokenbus_kv_transfer_served_bytes", "counter", "Bytes of KV a prefill worker served."),
+    "transfers": ("tokenbus_kv_transfer_transfers", "counter",
+                  "Handed-off requests whose KV a decode worker pulled or tried to."),
+    "pulled_blocks": ("tokenbus_kv_transfer_pulled_blocks", "counter", "KV blocks a decode worker pulled."),
+    "pulled_bytes": ("tokenbus_kv_transfer_pulled_bytes", "counter", "Bytes of KV a decode worker pulled."),
+    "cached_blocks": ("tokenbus_kv_transfer_cached_blocks", "counter",
+                      "Offered KV blocks a decode worker held already (not pulled)."),
+    "failures": ("tokenbus_kv_transfer_failures", "counter",
+                 "Transfers that failed (a timeout, a gone prefill worker, a mismatch)."),
+    "recomputes": ("tokenbus_kv_transfer_recomputes", "counter",
+                   "Requests that computed the KV a failed transfer lacked."),
+    "transfer_seconds": ("tokenbus_kv_transfer_seconds", "counter", "Time spent in transfers, all together."),
+    "transfer_ms_p50": ("tokenbus_kv_transfer_ms_p50", "gauge", "Median transfer time over the recent transfers, ms."),
+    "transfer_ms_p99": ("tokenbus_kv_transfer_ms_p99", "gauge", "99th percentile of the recent transfer times, ms."),
+}
+
 
 class Workers:
     """A collector of the latest heartbeats (set just before each scrape)."""
@@ -67,27 +91,34 @@ class Workers:
 
     def collect(self):
         live = GaugeMetricFamily("tokenbus_workers", "Workers with a live heartbeat.", value=len(self.beats))
-        families = [live, *per_worker(WORKER_METRICS, [(hb.worker, hb) for hb in self.beats], value)]
-        spec = [(hb.worker, hb.speculation) for hb in self.beats if hb.speculation is not None]
+        role = GaugeMetricFamily("tokenbus_worker_role", "1 for each live worker, labelled with its role (both: "
+                                 "colocated; prefill, decode: disaggregated).", labels=["worker", "role"])
+        for hb in self.beats:
+            role.add_metric([hb.worker, hb.role], 1)
+        families = [live, role, *per_worker(WORKER_METRICS, [([hb.worker], hb) for hb in self.beats], value)]
+        spec = [([hb.worker], hb.speculation) for hb in self.beats if hb.speculation is not None]
         if spec:                           # none: no series, not even their HELP lines
             families += per_worker(SPEC_METRICS, spec, getattr)
             by_position = GaugeMetricFamily("tokenbus_spec_decode_acceptance_by_position", "Accepted over verified "
                                             "draft tokens at each draft position (0: the first draft).",
                                             labels=["worker", "position"])
-            for worker, s in spec:
+            for (worker,), s in spec:
                 for i, rate in enumerate(s.acceptance_per_position):
                     by_position.add_metric([worker, str(i)], rate)
             families.append(by_position)
+        kvx = [([hb.worker, hb.role], hb.kv_transfer) for hb in self.beats if hb.kv_transfer is not None]
+        if kvx:                            # no disaggregated worker: no series
+            families += per_worker(KV_TRANSFER_METRICS, kvx, getattr, ["worker", "role"])
         return families
 
 
-def per_worker(metrics: dict, sources: list[tuple[str, object]], read) -> list:
-    """A family per metric, a sample per (worker, source): read(source, field)."""
+def per_worker(metrics: dict, sources: list[tuple[list[str], object]], read, labels=("worker",)) -> list:
+    """A family per metric, a sample per (label values, source): read(source, field)."""
     families = []
     for field, (name, kind, doc) in metrics.items():
-        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["worker"])
-        for worker, source in sources:
-            family.add_metric([worker], read(source, field))
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=list(labels))
+        for values, source in sources:
+            family.add_metric(values, read(source, field))
         families.append(family)
     return families
 
@@ -140,7 +171,26 @@ class Routers:
                 routed.add_metric([s.router, worker], n)
             for worker, n in sorted(s.index_blocks.items()):
                 index.add_metric([s.router, worker], n)
-        return [*families, routed, index]
+        return [*families, routed, index, *prefill_families(routers)]
+
+
+def prefill_families(routers: list[RouterStats]) -> list:
+    """Where each router had prompts prefilled and why ("remote:long" -> where=remote, why=long), and its
+    handoffs; none while no router has made a prefill decision or a handoff (no prefill workers)."""
+    pd = [s for s in routers if s.prefill or s.handoffs]
+    if not pd:
+        return []
+    decisions = CounterMetricFamily("tokenbus_router_prefill_decisions", "Where the router had a prompt prefilled "
+                                    "(remote: a prefill worker, local: its decode worker) and why.",
+                                    labels=["router", "where", "why"])
+    handoffs = CounterMetricFamily("tokenbus_router_handoffs", "Prefilled requests the router placed on a decode "
+                                   "worker.", labels=["router"])
+    for s in pd:
+        for key, n in sorted(s.prefill.items()):
+            where, _, why = key.partition(":")
+            decisions.add_metric([s.router, where, why], n)
+        handoffs.add_metric([s.router], s.handoffs)
+    return [decisions, handoffs]
 
 
 def value(hb: Heartbeat, field: str) -> float:

@@ -1,4 +1,5 @@
 """Keys files, token buckets and cluster admission, in memory."""
+import dataclasses
 import hashlib
 import json
 import time
@@ -95,6 +96,23 @@ def test_admission_refuses_when_every_worker_is_past_the_watermark_and_counts_wh
     assert busy.value.status == 503 and busy.value.retry_after == 1.0
     a.cluster.update(heartbeat(max_num_seqs=2))   # a fresh heartbeat shows the queue drained
     a.admit(key, 1, 1, now=0.0)
+
+
+def test_only_workers_that_decode_count_as_room_a_prefill_worker_cannot_finish_a_request_alone():
+    a = Admission()
+    a.cluster.update(dataclasses.replace(heartbeat("p0", max_num_seqs=2), role="prefill"))
+    with pytest.raises(ApiError) as alone:
+        a.admit(keys.OPEN, 1, 1, now=0.0)
+    assert alone.value.status == 503 and "no decode worker is registered (role both or decode)" in alone.value.message
+    a.cluster.update(dataclasses.replace(heartbeat("d0", max_num_seqs=2), role="decode"))
+    a.cluster.update(heartbeat("w0", max_num_seqs=2, running=4))      # colocated, at the watermark already
+    for _ in range(4):                            # the decode worker's 2 running + 2 queued
+        assert a.cluster.place(2, time.time()) == "d0"
+    with pytest.raises(ApiError) as busy:         # the idle prefill worker is no room
+        a.cluster.place(2, time.time())
+    assert busy.value.code == "overloaded" and a.cluster.added["p0"] == 0
+    a.cluster.update(heartbeat("w0", max_num_seqs=2))                 # a colocated worker decodes too
+    assert a.cluster.place(2, time.time()) == "w0"
 
 
 def test_a_gateway_that_was_stopped_trusts_the_heartbeats_it_could_not_refresh_for_one_ttl():

@@ -1,18 +1,21 @@
 """The gateway's /metrics: Prometheus text that the official parser reads, per-tenant request metrics that
 move as requests run through the gateway (fake downstream), per-worker metrics from the heartbeats,
-per-router metrics from the routers' stats records."""
+per-router metrics from the routers' stats records, and the disaggregated series (roles, KV transfers,
+prefill decisions) from the collectors directly."""
 import asyncio
 import dataclasses
 import time
 import urllib.request
 
 import orjson
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
-from schemas.messages import Heartbeat, RouterStats, Speculation, encode
+from schemas.messages import Heartbeat, KvTransfer, RouterStats, Speculation, encode
+from services.gateway.metrics import Metrics
 from tests.services.fake_pipeline import Downstream, gateway
 
 HISTOGRAMS = ("tokenbus_time_to_first_token_seconds", "tokenbus_time_per_output_token_seconds",
@@ -157,3 +160,51 @@ def test_router_metrics_come_from_the_stats_of_live_routers(nats_url, tiny_model
     assert m[("tokenbus_router_routed_total", (("router", "r1"), ("worker", "w1")))] == 3
     assert m[("tokenbus_router_index_blocks", (("router", "r1"), ("worker", "w0")))] == 40
     assert not any(dict(labels).get("router") in ("r0", "r2") for _, labels in m)
+
+
+def collected(metrics) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of a Metrics' registry, as the parser reads its text."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+            for s in family.samples}
+
+
+def test_kv_transfer_metrics_come_per_worker_and_role_from_disaggregated_workers_only():
+    plain = Heartbeat("w0", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)
+    metrics = Metrics()
+    metrics.workers.beats = [plain]
+    without = generate_latest(metrics.registry).decode()
+    assert "tokenbus_kv_transfer" not in without
+    assert collected(metrics)[("tokenbus_worker_role", (("role", "both"), ("worker", "w0")))] == 1
+    prefill = KvTransfer(handoffs=5, leases=2, served_blocks=40, served_bytes=12_000)
+    decode = KvTransfer(transfers=5, pulled_blocks=38, pulled_bytes=11_400, cached_blocks=2, failures=1, recomputes=1,
+                        transfer_seconds=0.25, transfer_ms_p50=40.0, transfer_ms_p99=90.5)
+    metrics.workers.beats = [dataclasses.replace(plain, worker="d0", role="decode", kv_transfer=decode),
+                             dataclasses.replace(plain, worker="p0", role="prefill", kv_transfer=prefill), plain]
+    m = collected(metrics)
+    d0, p0 = (("role", "decode"), ("worker", "d0")), (("role", "prefill"), ("worker", "p0"))
+    assert [m[("tokenbus_worker_role", labels)] for labels in (d0, p0)] == [1, 1]
+    counters = {"transfers": 5, "pulled_blocks": 38, "pulled_bytes": 11_400, "cached_blocks": 2, "failures": 1,
+                "recomputes": 1, "seconds": 0.25, "handoffs": 0}
+    assert {k: m[(f"tokenbus_kv_transfer_{k}_total", d0)] for k in counters} == counters
+    assert (m[("tokenbus_kv_transfer_ms_p50", d0)], m[("tokenbus_kv_transfer_ms_p99", d0)]) == (40.0, 90.5)
+    assert (m[("tokenbus_kv_transfer_handoffs_total", p0)], m[("tokenbus_kv_transfer_leases", p0)]) == (5, 2)
+    assert (m[("tokenbus_kv_transfer_served_blocks_total", p0)], m[("tokenbus_kv_transfer_served_bytes_total", p0)]) \
+        == (40, 12_000)
+    kvx = [dict(labels)["worker"] for name, labels in m if name.startswith("tokenbus_kv_transfer")]
+    assert len(kvx) == 2 * 13 and set(kvx) == {"d0", "p0"}                  # none of the colocated w0
+
+
+def test_router_prefill_decisions_are_split_into_where_and_why_and_absent_without_prefill_workers():
+    metrics = Metrics()
+    metrics.routers.seen(RouterStats("r0", time.time(), "prefix", 3, 0, 3, 30, 0, 0, 0, 0, 0))
+    assert "tokenbus_router_prefill" not in generate_latest(metrics.registry).decode()
+    assert "tokenbus_router_handoffs" not in generate_latest(metrics.registry).decode()
+    metrics.routers.seen(RouterStats("r1", time.time(), "prefix", 9, 0, 9, 900, 0, 0, 0, 0, 0, handoffs=4,
+                                     prefill={"remote:long": 4, "local:short": 3, "local:prefill_queue": 2}))
+    m = collected(metrics)
+    decisions = {(dict(labels)["where"], dict(labels)["why"]): v for (name, labels), v in m.items()
+                 if name == "tokenbus_router_prefill_decisions_total" and dict(labels)["router"] == "r1"}
+    assert decisions == {("remote", "long"): 4, ("local", "short"): 3, ("local", "prefill_queue"): 2}
+    assert m[("tokenbus_router_handoffs_total", (("router", "r1"),))] == 4
+    assert not any(dict(labels).get("router") == "r0" for name, labels in m if "prefill" in name or "handoff" in name)

@@ -218,3 +218,50 @@ def test_equal_costs_go_to_the_least_loaded():
     reg = registry(beat("w0", running=3, total=100, free=90), beat("w1", running=1, total=100, free=90),
                    beat("w2", running=2, total=100, free=90))
     assert picks(reg, 1, prompt(0)) == ["w1"]
+
+
+# -- disaggregated serving --------------------------------------------------------------------------
+
+def role(hb: Heartbeat, r: str) -> Heartbeat:
+    hb.role = r
+    return hb
+
+
+def test_a_long_uncached_prompt_goes_to_a_prefill_worker_and_a_short_one_or_a_cached_one_stays_local():
+    reg = registry(role(beat("p0"), "prefill"), role(beat("d0"), "decode"), max_local_prefill=4 * BS)
+    long, short = prompt(0, extra=2 * BS), [5] * (3 * BS)          # 10 blocks; 3
+    choice = reg.pick(NOW, long)
+    assert (choice.worker, choice.prefill, choice.why) == ("p0", True, "remote:long")
+    choice = reg.pick(NOW, short)
+    assert (choice.worker, choice.prefill, choice.why) == ("d0", False, "local:short")
+    holds(reg, "d0", SYSTEM)                     # d0 holds 8 of the 10 blocks: 2 blocks (+1 token) to prefill
+    choice = reg.pick(NOW, prompt(1, extra=2 * BS))
+    assert (choice.worker, choice.why) == ("d0", "local:short")
+
+
+def test_a_long_prompt_stays_local_while_every_prefill_worker_has_its_queue_full():
+    reg = registry(role(beat("p0", waiting=2), "prefill"), role(beat("p1", waiting=1), "prefill"),
+                   role(beat("d0"), "decode"), max_local_prefill=0, max_prefill_queue=1)
+    got = [reg.pick(NOW, prompt(i)) for i in range(3)]
+    assert [(c.worker, c.why) for c in got] == [("p1", "remote:long"), ("d0", "local:prefill_queue"),
+                                                ("d0", "local:prefill_queue")]   # p1: 1 waiting + 1 routed
+
+
+def test_without_a_decode_capable_worker_every_request_is_prefilled_remotely_and_a_handoff_waits():
+    reg = registry(role(beat("p0"), "prefill"), max_local_prefill=10_000)
+    choice = reg.pick(NOW, [5] * 3)
+    assert (choice.worker, choice.prefill, choice.why) == ("p0", True, "remote:no_decode_workers")
+    assert reg.pick(NOW, [5] * 3, handoff=True) is None
+
+
+def test_a_handoff_goes_to_a_decode_capable_worker_preferring_the_one_holding_the_prompt():
+    reg = registry(role(beat("p0"), "prefill"), role(beat("d0"), "decode"), beat("w0"))
+    holds(reg, "p0", SYSTEM)
+    holds(reg, "w0", SYSTEM)
+    choice = reg.pick(NOW, prompt(0), handoff=True)
+    assert (choice.worker, choice.prefill, choice.why, choice.hit_tokens) == ("w0", False, "handoff", 8 * BS)
+
+
+def test_colocated_workers_alone_decide_as_before():
+    reg = registry(beat("w0"), beat("w1"), max_local_prefill=0)
+    assert [(c.prefill, c.why) for c in (reg.pick(NOW, prompt(i)) for i in range(2))] == [(False, "")] * 2

@@ -49,8 +49,9 @@ def expected(tiny_model):
 class Cluster:
     """The router, p0 and d0 on one bus; generate() sends a tokenized request and gathers its stream."""
 
-    def __init__(self, nats_url: str, tiny_model: str, policy: str = "recompute"):
-        self.url, self.model, self.policy = nats_url, tiny_model, policy
+    def __init__(self, nats_url: str, tiny_model: str, policy: str = "recompute",
+                 roles: tuple[str, str] = ("prefill", "decode")):
+        self.url, self.model, self.policy, self.roles = nats_url, tiny_model, policy, roles
         self.engines = {w: LLMEngine(tiny_model, EngineConfig(block_size=BS, num_kv_blocks=128)) for w in ("p0", "d0")}
 
     async def __aenter__(self):
@@ -58,7 +59,7 @@ class Cluster:
         self.js = self.nc.jetstream()
         await subjects.ensure_streams(self.js)
         self.conns, self.tasks, self.workers = [], [], {}
-        for name, role in (("p0", "prefill"), ("d0", "decode")):
+        for name, role in zip(("p0", "d0"), self.roles):
             nc = await nats.connect(self.url)
             from schemas.log import configure
             service = WorkerService(nc, self.engines[name], name, "tiny", configure("worker").bind(worker=name),
@@ -126,21 +127,21 @@ def hashes_of(engine: LLMEngine, tokens: list[int], salt: str | None = None) -> 
     return hash_blocks(tokens, engine.config.block_size, salt)[:len(tokens) // BS]
 
 
-def test_one_prefill_and_one_decode_worker_give_the_offline_engine_s_tokens_greedy_and_seeded(
+def test_one_prefill_and_one_decode_worker_give_the_colocated_and_the_offline_engine_s_tokens(
         nats_url, tiny_model, expected):
     long_a, long_b, short = prompt(150), prompt(97, 3), prompt(30, 11)
+    requests = [("long-g", long_a, GREEDY), ("long-s", long_b, SEEDED), ("short-g", short, GREEDY),
+                ("short-s", short, SEEDED)]
 
-    async def main():
-        async with Cluster(nats_url, tiny_model) as c:
-            got = {}
-            for rid, tokens, params in [("long-g", long_a, GREEDY), ("long-s", long_b, SEEDED),
-                                        ("short-g", short, GREEDY), ("short-s", short, SEEDED)]:
-                got[rid] = await c.generate(rid, tokens, params)
+    async def main(roles):
+        async with Cluster(nats_url, tiny_model, roles=roles) as c:
+            got = {rid: await c.generate(f"{roles[0]}-{rid}", tokens, params) for rid, tokens, params in requests}
             return got, c.stats("p0"), c.stats("d0"), c.router.stats, c.engines
 
-    got, p, d, router, engines = asyncio.run(main())
-    for rid, tokens, params in [("long-g", long_a, GREEDY), ("long-s", long_b, SEEDED), ("short-g", short, GREEDY),
-                                ("short-s", short, SEEDED)]:
+    colocated = asyncio.run(main(("both", "both")))[0]
+    got, p, d, router, engines = asyncio.run(main(("prefill", "decode")))
+    assert {rid: g[0] for rid, g in got.items()} == {rid: g[0] for rid, g in colocated.items()}
+    for rid, tokens, params in requests:
         tokens_out, final, chunks = got[rid]
         assert tokens_out == expected(tokens, params), rid
         assert final.finish_reason == "length" and final.usage["prompt_tokens"] == len(tokens)

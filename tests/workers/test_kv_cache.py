@@ -3,8 +3,10 @@ tail-first freeing, salts."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from schemas.sampling import SamplingParams
 from tests.workers.engine_helpers import BLOCK, check_invariants, make_request
 from workers.engine.kv_cache import KVCacheManager
+from workers.engine.request import Request
 
 
 def compute(kv: KVCacheManager, req, hits=()):
@@ -181,3 +183,22 @@ def test_changes_are_recorded_only_when_asked_and_name_each_hash_by_its_last_cha
     kv.reset_prefix_cache()
     stored, evicted = kv.take_changes()                   # stored then evicted in one take: evicted
     assert stored == [] and set(evicted) == set(c.block_hashes[:2]) | set(b.block_hashes[:3])
+
+
+# -- pins (disaggregated serving) --------------------------------------------------------------------
+
+def test_pinned_blocks_are_neither_evicted_nor_reused_until_unpinned():
+    kv = KVCacheManager(4, 2)
+    a = Request("a", [1, 2, 3, 4, 5], 5, SamplingParams(), 0, 2)
+    assert kv.allocate_slots(a, 5)
+    kv.free_request(a)                           # 3 blocks free again, the 2 full ones cached
+    held = kv.pin("lease:a", a.block_hashes[:2] + [12345])
+    assert held == a.block_hashes[:2] and kv.num_free_blocks == 2
+    taken = kv.reserve("b", 5)                   # only the unpinned free blocks
+    assert len(taken) == 2 and all(h in kv.cached for h in held)
+    assert kv.register(taken[0], 777) and not kv.register(taken[1], 777) and kv.cached[777] is taken[0]
+    kv.unpin("b")
+    assert kv.num_free_blocks == 2 and next(iter(kv.free)) is taken[1]   # unnamed: reused first
+    kv.unpin("lease:a")
+    assert kv.num_free_blocks == 4 and all(b.ref_cnt == 0 for b in kv.blocks)
+    assert kv.pins == {}
