@@ -6,7 +6,11 @@ Configurations, each on a fresh stack (its own nats-server, router, gateway, tem
   --max-local-prefill between the chat prompts' length and the long prompts';
 - with --large also colocated-3 (3 workers) against disagg-1p2d (1 prefill + 2 decode).
 Every worker runs --threads (default 1) torch threads: on a 2-core machine two workers use the two
-cores in either configuration (the other services share them too).
+cores in either configuration (the other services share them too). Every worker's step holds
+--max-num-batched-tokens (default 256) tokens at most, so a long prompt is prefilled in chunks: a
+worker heartbeats between steps (its write acknowledged a step later), and on one busy core a step
+of 512 SmolLM2 tokens already let heartbeats lapse past WORKER_TTL (3 s): the router took the
+prefill worker for gone and re-routed its requests until they were dead-lettered.
 
 The workload, the same token ids for every configuration (random ids from --seed), greedy, EOS
 ignored: --chat-streams chat streams in a closed loop (each sends its next short prompt when the
@@ -24,6 +28,7 @@ The goal: disaggregation's chat TPOT p99 at least 2× lower than colocated's, it
 10%. The command exits 1 when a configuration cannot run.
 """
 import asyncio
+import dataclasses
 import random
 import socket
 import sys
@@ -55,14 +60,10 @@ CONNECTIONS = 16           # websockets the requests are spread over at most
 
 @dataclass(frozen=True, slots=True)
 class Roles:
+    """A configuration's workers: colocated (w0..), prefill (p0..) and decode (d0..), as Stack starts them."""
     both: int = 0
     prefill: int = 0
     decode: int = 0
-
-    def workers(self) -> list[tuple[str, str]]:
-        """(id, role) of each worker: w0.. colocated, p0.. prefill, d0.. decode (as `tokenbus up` names them)."""
-        return [*((f"w{i}", "both") for i in range(self.both)), *((f"p{i}", "prefill") for i in range(self.prefill)),
-                *((f"d{i}", "decode") for i in range(self.decode))]
 
 
 CONFIGS = {"colocated": Roles(both=2), "disagg": Roles(prefill=1, decode=1)}
@@ -81,9 +82,9 @@ class Workload:
     seed: int
     vocab: int
 
-    def chats(self, seed: int | None = None) -> Iterator[list[int]]:
+    def chats(self, stream: str = "chat") -> Iterator[list[int]]:
         """The chat prompts, in order: the same endless sequence for every configuration."""
-        rng = random.Random(self.seed if seed is None else seed)
+        rng = random.Random(f"{self.seed}-{stream}")
         while True:
             yield [rng.randrange(16, self.vocab) for _ in range(rng.randint(*self.chat_input_len))]
 
@@ -103,7 +104,7 @@ def workload(args, vocab: int, context: int) -> Workload:
     if args.chat_input_len[1] >= long_len:
         raise ValueError(f"--chat-input-len up to {args.chat_input_len[1]} must be shorter than the long prompts, "
                          f"{long_len} tokens")
-    rng = random.Random(args.seed + 1)
+    rng = random.Random(f"{args.seed}-long")      # a string: random.Random(-1) is random.Random(1)
     longs = [[rng.randrange(16, vocab) for _ in range(long_len)] for _ in range(args.long_requests)]
     return Workload(args.chat_streams, tuple(args.chat_input_len), args.chat_output, longs, args.long_output,
                     1 / args.long_rate, args.seed, vocab)
@@ -133,22 +134,27 @@ async def drive(url: str, w: Workload) -> tuple[list[Result], list[Result], floa
         await asyncio.sleep(i * w.long_interval)
         longs.append(await ask(client, prompt, w.long_output))
 
+    async def arrivals() -> None:
+        await asyncio.gather(*(long(i, p) for i, p in enumerate(w.long_prompts)))
+        done.set()
+
     start = time.perf_counter()
     try:
-        streams = [asyncio.create_task(stream()) for _ in range(w.chat_streams)]
-        try:
-            await asyncio.gather(*(long(i, p) for i, p in enumerate(w.long_prompts)))
-        finally:
-            done.set()
-        await asyncio.gather(*streams)
+        async with asyncio.TaskGroup() as tg:          # a failed request cancels the others
+            for _ in range(w.chat_streams):
+                tg.create_task(stream())
+            tg.create_task(arrivals())
+        seconds = time.perf_counter() - start
+    except ExceptionGroup as e:
+        raise e.exceptions[0] from None
     finally:
         await client.close()
-    return chats, longs, time.perf_counter() - start
+    return chats, longs, seconds
 
 
 async def warm(url: str, w: Workload, workers: int) -> None:
     """A long prompt and two chat prompts per worker, all at once, of tokens the run never sends."""
-    rng, chats = random.Random(w.seed - 1), w.chats(w.seed - 2)
+    rng, chats = random.Random(f"{w.seed}-warm-long"), w.chats("warm-chat")
     longs = [[rng.randrange(16, w.vocab) for _ in w.long_prompts[0]] for _ in range(workers)]
     client = WsClient(url, min(3 * workers, CONNECTIONS), None, OPTIONS)
     await client.open()
@@ -230,18 +236,15 @@ def drain(server: socket.socket, nbytes: int) -> None:
 # -- one configuration ----------------------------------------------------------------------------
 
 def start(model: str, roles: Roles, args, data_dir: Path) -> tuple[Stack, str]:
-    """A stack of these workers, ready; and its router's id. The role workers are spawned here, with the
-    ids `tokenbus up --prefill-workers --decode-workers` gives them."""
+    """A started stack of these workers, and its router's id."""
     router = f"bench-disagg-{int(time.time() * 1000) % 100000}"
-    worker_args = ["--threads", str(args.threads)]
-    stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=0, worker_args=worker_args,
+    stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=roles.both,
+                  prefill_workers=roles.prefill, decode_workers=roles.decode,
+                  worker_args=["--threads", str(args.threads), "--max-num-batched-tokens",
+                               str(args.max_num_batched_tokens)],
                   worker_env={"OMP_NUM_THREADS": str(args.threads)},
                   router_args=["--id", router, "--max-local-prefill", str(args.max_local_prefill)])
     stack.start()
-    for name, role in roles.workers():
-        stack.spawn(name, "workers.service", "--nats-url", stack.nats_url, "--model", model, "--id", name,
-                    "--role", role, *worker_args, env=stack.worker_env, role="worker")
-    stack.workers = len(roles.workers())
     return stack, router
 
 
@@ -249,14 +252,14 @@ def measure(model: str, roles: Roles, w: Workload, args, data_dir: Path) -> dict
     stack, router = start(model, roles, args, data_dir)
     try:
         stack.wait_ready()
-        asyncio.run(warm(stack.url, w, stack.workers))
+        asyncio.run(warm(stack.url, w, len(stack.worker_roles)))
         beats, stats_before = snapshot(stack, router)
         chats, longs, seconds = asyncio.run(drive(stack.url, w))
         after, stats_after = snapshot(stack, router)
     finally:
         stack.stop()
     row = figures(chats, longs, seconds)
-    row["workers"] = [name for name, _ in roles.workers()]
+    row["workers"] = dict(stack.worker_roles)
     row["finished_per_worker"] = {k: b.requests_finished - beats[k].requests_finished for k, b in after.items()}
     row["router_prefill"] = {k: v - stats_before.prefill.get(k, 0) for k, v in stats_after.prefill.items()
                              if v - stats_before.prefill.get(k, 0)}
@@ -310,9 +313,10 @@ def run(args) -> dict:
     if args.max_local_prefill is None:
         args.max_local_prefill = (args.chat_input_len[1] + len(w.long_prompts[0])) // 2
     configs = {**CONFIGS, **(LARGE if args.large else {})}
-    report = {"model": model, "threads": args.threads, "workload": w.describe(), "seed": args.seed,
+    report = {"model": model, "threads": args.threads, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "workload": w.describe(), "seed": args.seed,
               "long_len": len(w.long_prompts[0]), "max_local_prefill": args.max_local_prefill,
-              "configs": {name: dict(r.workers()) for name, r in configs.items()}, "results": {}}
+              "configs": {name: dataclasses.asdict(r) for name, r in configs.items()}, "results": {}}
     print(f"bench-disagg: {w.describe()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, roles in configs.items():
@@ -363,8 +367,9 @@ def prefill(r: dict) -> str:
 
 
 def table(report: dict) -> str:
-    lines = [f"bench-disagg: {report['model']}, {report['threads']} torch thread(s) per worker; long prompts "
-             f"above {report['max_local_prefill']} uncached tokens go to a prefill worker",
+    lines = [f"bench-disagg: {report['model']}, {report['threads']} torch thread(s) and steps of at most "
+             f"{report['max_num_batched_tokens']} tokens per worker; long prompts above {report['max_local_prefill']} "
+             f"uncached tokens go to a prefill worker",
              report["workload"],
              f"{'':13}{'workers':>12}{'chat TPOT p50':>14}{'p99':>8}{'ITL p99':>9}{'long TTFT p50':>15}{'p99':>9}"
              f"{'tok/s':>8}{'chats':>7}{'remote/local':>14}"]

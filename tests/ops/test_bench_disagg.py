@@ -15,7 +15,7 @@ from schemas.messages import Heartbeat, KvTransfer
 def bench_args(model: str, **kw) -> Namespace:
     defaults = {"model": model, "chat_streams": 3, "chat_input_len": [20, 40], "chat_output": 8, "long_requests": 2,
                 "long_rate": 2.0, "long_len": None, "long_output": 4, "max_local_prefill": None, "large": False,
-                "threads": 1, "seed": 0, "data_dir": None, "json": None, "plot": None}
+                "threads": 1, "max_num_batched_tokens": 256, "seed": 0, "data_dir": None, "json": None, "plot": None}
     return Namespace(**{**defaults, **kw})
 
 
@@ -29,7 +29,8 @@ def test_colocated_and_disaggregated_run_the_same_workload_and_the_long_prompts_
     assert png.read_bytes().startswith(b"\x89PNG")
     report = orjson.loads(path.read_bytes())
     assert report["long_len"] == long_len and report["max_local_prefill"] == (40 + long_len) // 2
-    assert report["configs"] == {"colocated": {"w0": "both", "w1": "both"}, "disagg": {"p0": "prefill", "d0": "decode"}}
+    workers = {name: r["workers"] for name, r in report["results"].items()}
+    assert workers == {"colocated": {"w0": "both", "w1": "both"}, "disagg": {"p0": "prefill", "d0": "decode"}}
     for name, r in report["results"].items():
         assert r["long_requests"] == 2 and r["chat_requests"] >= 3, name
         assert r["output_tokens"] == 8 * r["chat_requests"] + 4 * 2, name   # every request to its length
@@ -65,7 +66,7 @@ def test_a_configuration_that_cannot_run_is_named_and_fails_the_command(tiny_mod
 
 def fake_row(tpot_p99: float = 10.0, tps: float = 100.0) -> dict:
     figure = {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": tpot_p99}
-    return {"workers": ["w0"], "chat_tpot_ms": figure, "chat_itl_ms": figure, "long_ttft_ms": figure,
+    return {"workers": {"w0": "both"}, "chat_tpot_ms": figure, "chat_itl_ms": figure, "long_ttft_ms": figure,
             "output_tokens_per_s": tps, "chat_requests": 3, "router_prefill": {}, "kv_transfer": None}
 
 
@@ -88,6 +89,8 @@ def test_the_workload_is_the_same_token_ids_for_the_same_seed_and_fits_the_conte
     a, b = w.chats(), w.chats()
     first = [next(a) for _ in range(20)]
     assert first == [next(b) for _ in range(20)] and all(10 <= len(p) <= 20 for p in first)
+    warm = w.chats("warm-chat")
+    assert not set(map(tuple, first)) & {tuple(next(warm)) for _ in range(20)}       # the warm-up's are others
     assert all(16 <= t < 4096 for p in first + w.long_prompts for t in p) and w.long_interval == 0.5
     assert {len(p) for p in bd.workload(args, 4096, 1024).long_prompts} == {1024 - 4 - 1}   # the context's most
     with pytest.raises(ValueError, match="--long-len 1021 \\+ --long-output 4 must stay under the model's context"):
@@ -117,7 +120,7 @@ def test_kv_figures_are_the_decode_workers_pulls_during_the_run_against_a_loopba
 def test_the_command_parses_with_its_defaults():
     args = parser().parse_args(["bench-disagg"])
     assert (args.model, args.chat_streams, args.chat_input_len, args.chat_output, args.long_requests, args.long_rate,
-            args.long_len, args.threads, args.large) == ("smollm2-135m-instruct", 8, [100, 300], 64, 6, 0.1, None, 1,
-                                                         False)
+            args.long_len, args.threads, args.max_num_batched_tokens, args.large) == (
+        "smollm2-135m-instruct", 8, [100, 300], 64, 6, 0.1, None, 1, 256, False)
     args = parser().parse_args(["bench-disagg", "--large", "--long-len", "1500", "--json", "r.json"])
     assert args.large and args.long_len == 1500 and args.json == "r.json"
