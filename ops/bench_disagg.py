@@ -7,9 +7,9 @@ Configurations, each on a fresh stack (its own nats-server, router, gateway, tem
 - with --large also colocated-3 (3 workers) against disagg-1p2d (1 prefill + 2 decode).
 Every worker runs --threads (default 1) torch threads: on a 2-core machine two workers use the two
 cores in either configuration (the other services share them too). Every worker's step holds
---max-num-batched-tokens (default 256) tokens at most, so a long prompt is prefilled in chunks: a
+--max-num-batched-tokens (default 128) tokens at most, so a long prompt is prefilled in chunks: a
 worker heartbeats between steps (its write acknowledged a step later), and on one busy core a step
-of 512 SmolLM2 tokens already let heartbeats lapse past WORKER_TTL (3 s): the router took the
+of 256 SmolLM2 tokens already let heartbeats lapse past WORKER_TTL (3 s): the router took the
 prefill worker for gone and re-routed its requests until they were dead-lettered.
 
 The workload, the same token ids for every configuration (random ids from --seed), greedy, EOS

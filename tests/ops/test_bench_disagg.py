@@ -15,7 +15,7 @@ from schemas.messages import Heartbeat, KvTransfer
 def bench_args(model: str, **kw) -> Namespace:
     defaults = {"model": model, "chat_streams": 3, "chat_input_len": [20, 40], "chat_output": 8, "long_requests": 2,
                 "long_rate": 2.0, "long_len": None, "long_output": 4, "max_local_prefill": None, "large": False,
-                "threads": 1, "max_num_batched_tokens": 256, "seed": 0, "data_dir": None, "json": None, "plot": None}
+                "threads": 1, "max_num_batched_tokens": 128, "seed": 0, "data_dir": None, "json": None, "plot": None}
     return Namespace(**{**defaults, **kw})
 
 
@@ -121,6 +121,6 @@ def test_the_command_parses_with_its_defaults():
     args = parser().parse_args(["bench-disagg"])
     assert (args.model, args.chat_streams, args.chat_input_len, args.chat_output, args.long_requests, args.long_rate,
             args.long_len, args.threads, args.max_num_batched_tokens, args.large) == (
-        "smollm2-135m-instruct", 8, [100, 300], 64, 6, 0.1, None, 1, 256, False)
+        "smollm2-135m-instruct", 8, [100, 300], 64, 6, 0.1, None, 1, 128, False)
     args = parser().parse_args(["bench-disagg", "--large", "--long-len", "1500", "--json", "r.json"])
     assert args.large and args.long_len == 1500 and args.json == "r.json"
