@@ -279,6 +279,32 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--plot", metavar="FILE", help="TPOT and throughput bars per configuration (.png or .svg)")
     bs.set_defaults(func=delegate("ops.bench_spec", exits=True))
 
+    bd = sub.add_parser("bench-disagg", help="colocated workers vs disaggregated prefill/decode on as many workers, "
+                                             "one mixed workload: chat TPOT, long-prompt TTFT, throughput, KV "
+                                             "transfer over NATS vs a socket copy")
+    bd.add_argument("--model", default=DEFAULT_MODEL, help=MODEL)
+    bd.add_argument("--chat-streams", type=int, default=8, help="chat streams in a closed loop")
+    bd.add_argument("--chat-input-len", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"),
+                    help="tokens of each chat prompt, uniform in [MIN, MAX]")
+    bd.add_argument("--chat-output", type=int, default=64, help="output tokens of each chat request")
+    bd.add_argument("--long-requests", type=int, default=6, help="long prompts in the run")
+    bd.add_argument("--long-rate", type=float, default=0.1, help="long prompts per second, at a fixed interval")
+    bd.add_argument("--long-len", type=int, help="tokens of each long prompt (default: 2048, or less if the model's "
+                                                 "context minus --long-output is less)")
+    bd.add_argument("--long-output", type=int, default=16, help="output tokens of each long request")
+    bd.add_argument("--max-local-prefill", type=int, metavar="N", help="the router's: prompts with more uncached "
+                    "tokens go to a prefill worker (default: halfway between the longest chat prompt and --long-len)")
+    bd.add_argument("--large", action="store_true", help="also 3 colocated workers vs 1 prefill + 2 decode")
+    bd.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
+    bd.add_argument("--max-num-batched-tokens", type=int, default=128, help="tokens of one worker step at most: "
+                    "long prompts are prefilled in chunks of this (a worker heartbeats between steps)")
+    bd.add_argument("--seed", type=int, default=0, help="seed of the random workload")
+    bd.add_argument("--data-dir", help="keep each configuration's logs here, in a folder of its name "
+                                       "(default: a temporary directory)")
+    bd.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bd.add_argument("--plot", metavar="FILE", help="TPOT, TTFT and throughput bars per configuration (.png or .svg)")
+    bd.set_defaults(func=delegate("ops.bench_disagg", exits=True))
+
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help=BENCH_MODEL)
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"],
