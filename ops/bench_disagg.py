@@ -7,10 +7,8 @@ Configurations, each on a fresh stack (its own nats-server, router, gateway, tem
 - with --large also colocated-3 (3 workers) against disagg-1p2d (1 prefill + 2 decode).
 Every worker runs --threads (default 1) torch threads: on a 2-core machine two workers use the two
 cores in either configuration (the other services share them too). Every worker's step holds
---max-num-batched-tokens (default 128) tokens at most, so a long prompt is prefilled in chunks: a
-worker heartbeats between steps (its write acknowledged a step later), and on one busy core a step
-of 256 SmolLM2 tokens already let heartbeats lapse past WORKER_TTL (3 s): the router took the
-prefill worker for gone and re-routed its requests until they were dead-lettered.
+--max-num-batched-tokens (default 2048, the worker's own default) tokens at most, so a long prompt is
+prefilled in chunks of that: a colocated worker's chat streams wait for each chunk's step.
 
 The workload, the same token ids for every configuration (random ids from --seed), greedy, EOS
 ignored: --chat-streams chat streams in a closed loop (each sends its next short prompt when the

@@ -296,8 +296,8 @@ def parser() -> argparse.ArgumentParser:
                     "tokens go to a prefill worker (default: halfway between the longest chat prompt and --long-len)")
     bd.add_argument("--large", action="store_true", help="also 3 colocated workers vs 1 prefill + 2 decode")
     bd.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
-    bd.add_argument("--max-num-batched-tokens", type=int, default=128, help="tokens of one worker step at most: "
-                    "long prompts are prefilled in chunks of this (a worker heartbeats between steps)")
+    bd.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens of one worker step at most "
+                    "(default: the worker's): long prompts are prefilled in chunks of this")
     bd.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bd.add_argument("--data-dir", help="keep each configuration's logs here, in a folder of its name "
                                        "(default: a temporary directory)")

@@ -121,6 +121,6 @@ def test_the_command_parses_with_its_defaults():
     args = parser().parse_args(["bench-disagg"])
     assert (args.model, args.chat_streams, args.chat_input_len, args.chat_output, args.long_requests, args.long_rate,
             args.long_len, args.threads, args.max_num_batched_tokens, args.large) == (
-        "smollm2-135m-instruct", 8, [100, 300], 64, 6, 0.1, None, 1, 128, False)
+        "smollm2-135m-instruct", 8, [100, 300], 64, 6, 0.1, None, 1, 2048, False)
     args = parser().parse_args(["bench-disagg", "--large", "--long-len", "1500", "--json", "r.json"])
     assert args.large and args.long_len == 1500 and args.json == "r.json"
