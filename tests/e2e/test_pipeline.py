@@ -202,9 +202,10 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
     workers = orjson.loads(capsys.readouterr().out)["workers"]
     assert [w["id"] for w in workers] == ["w0", "w1"]
     assert set(workers[0]) == {"id", "running", "waiting", "kv_blocks_total", "kv_blocks_free",
-                               "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "speculation"}
+                               "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "speculation",
+                               "role", "kv_transfer"}
     assert all(w["kv_blocks_total"] == 512 and w["requests_finished"] > 0 and w["speculation"] is None
-               for w in workers)
+               and w["role"] == "both" and w["kv_transfer"] is None for w in workers)
     main(["status", "--nats-url", stack.nats_url])
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["worker", "running", "waiting"] and len(table) == 3
