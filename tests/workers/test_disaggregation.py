@@ -50,16 +50,16 @@ class Cluster:
     """The router, p0 and d0 on one bus; generate() sends a tokenized request and gathers its stream."""
 
     def __init__(self, nats_url: str, tiny_model: str, policy: str = "recompute",
-                 roles: tuple[str, str] = ("prefill", "decode")):
-        self.url, self.model, self.policy, self.roles = nats_url, tiny_model, policy, roles
-        self.engines = {w: LLMEngine(tiny_model, EngineConfig(block_size=BS, num_kv_blocks=128)) for w in ("p0", "d0")}
+                 roles: tuple[str, str] = ("prefill", "decode"), names: tuple[str, str] = ("p0", "d0")):
+        self.url, self.model, self.policy, self.roles, self.names = nats_url, tiny_model, policy, roles, names
+        self.engines = {w: LLMEngine(tiny_model, EngineConfig(block_size=BS, num_kv_blocks=128)) for w in names}
 
     async def __aenter__(self):
         self.nc = await nats.connect(self.url)
         self.js = self.nc.jetstream()
         await subjects.ensure_streams(self.js)
         self.conns, self.tasks, self.workers = [], [], {}
-        for name, role in zip(("p0", "d0"), self.roles):
+        for name, role in zip(self.names, self.roles):
             nc = await nats.connect(self.url)
             from schemas.log import configure
             service = WorkerService(nc, self.engines[name], name, "tiny", configure("worker").bind(worker=name),
@@ -77,13 +77,13 @@ class Cluster:
         return self
 
     async def __aexit__(self, *exc):
+        self.tasks[2].cancel()                   # the router first: workers leaving would have their work moved
+        with contextlib.suppress(BaseException):
+            await asyncio.wait(self.tasks[2:], timeout=5)
         for service in self.workers.values():
             service.stop.set()
         with contextlib.suppress(BaseException):
             await asyncio.wait(self.tasks[:2], timeout=5)
-        self.tasks[2].cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait(self.tasks[2:], timeout=5)
         for nc in [*self.conns, self.nc]:
             with contextlib.suppress(Exception):
                 await nc.close()
@@ -133,13 +133,13 @@ def test_one_prefill_and_one_decode_worker_give_the_colocated_and_the_offline_en
     requests = [("long-g", long_a, GREEDY), ("long-s", long_b, SEEDED), ("short-g", short, GREEDY),
                 ("short-s", short, SEEDED)]
 
-    async def main(roles):
-        async with Cluster(nats_url, tiny_model, roles=roles) as c:
+    async def main(roles, names):
+        async with Cluster(nats_url, tiny_model, roles=roles, names=names) as c:
             got = {rid: await c.generate(f"{roles[0]}-{rid}", tokens, params) for rid, tokens, params in requests}
-            return got, c.stats("p0"), c.stats("d0"), c.router.stats, c.engines
+            return got, c.stats(names[0]), c.stats(names[1]), c.router.stats, c.engines
 
-    colocated = asyncio.run(main(("both", "both")))[0]
-    got, p, d, router, engines = asyncio.run(main(("prefill", "decode")))
+    colocated = asyncio.run(main(("both", "both"), ("w0", "w1")))[0]
+    got, p, d, router, engines = asyncio.run(main(("prefill", "decode"), ("p0", "d0")))
     assert {rid: g[0] for rid, g in got.items()} == {rid: g[0] for rid, g in colocated.items()}
     for rid, tokens, params in requests:
         tokens_out, final, chunks = got[rid]
