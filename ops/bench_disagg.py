@@ -29,7 +29,6 @@ import asyncio
 import dataclasses
 import random
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -38,10 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
-
 from ops.bench import Result, WsClient, stats
-from ops.bench_peers import OPTIONS, fmt, ratio
+from ops.bench_peers import OPTIONS, finish, fmt, ratio
 from ops.procs import free_port
 from ops.status import read_registry
 from ops.up import Stack
@@ -331,16 +328,8 @@ def run(args) -> dict:
 
 def main(args) -> int:
     report = run(args)
-    print(table(report))
-    if args.json:
-        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    if args.plot:
-        plot(report, args.plot)
-    bad = [name for name, r in report["results"].items() if "error" in r]
-    for name in bad:
-        print(f"bench-disagg: {name} did not run: {report['results'][name]['error'].splitlines()[0]}",
-              file=sys.stderr)
-    return 1 if bad else 0
+    bad = [f"{name} did not run: {r['error'].splitlines()[0]}" for name, r in report["results"].items() if "error" in r]
+    return finish("bench-disagg", report, args, table, plot, bad)
 
 
 # -- the table ------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import itertools
 import math
 import random
 import resource
+import sys
 import tempfile
 import time
 import traceback
@@ -541,6 +542,18 @@ def compare(rows: dict[str, dict], flops: list[float], peaks: dict[str, float]) 
             **{f"{k}_p50": ratio(r[k]["p50"], base[k]["p50"]) for k in ("ttft_ms", "tpot_ms")}}
         peak = peaks.get(PEAK_OF.get(precision, ""))
         r["share_of_peak"] = round(flops[r["round"]] / r["seconds"] / (peak * 1e9), 4) if peak else None
+
+
+def finish(command: str, report: dict, args, table, plot, failures: list[str]) -> int:
+    """The end of a bench command's run: its table, --json, --plot, then what failed on stderr (exit 1)."""
+    print(table(report))
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.plot:
+        plot(report, args.plot)
+    for message in failures:
+        print(f"{command}: {message}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

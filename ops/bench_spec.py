@@ -27,15 +27,23 @@ takes only free blocks that hold no cached KV, and none should wait for one.
 import gc
 import math
 import random
-import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
-
-import orjson
 
 from ops.bench import Corpus, length
-from ops.bench_peers import BLOCK_SIZE, OPTIONS, EngineLoop, Turn, Workload, closed_loop, figures, fmt, ratio, warmup
+from ops.bench_peers import (
+    BLOCK_SIZE,
+    OPTIONS,
+    EngineLoop,
+    Turn,
+    Workload,
+    closed_loop,
+    figures,
+    finish,
+    fmt,
+    ratio,
+    warmup,
+)
 
 GOAL_SPEEDUP = 1.5        # single: n-gram TPOT p50 at least this many times lower than off's
 GOAL_THROUGHPUT = 0.97    # concurrent: adaptive n-gram's output tokens/s at least this share of off's
@@ -331,15 +339,7 @@ def failures(report: dict) -> list[str]:
 
 def main(args) -> int:
     report = run(args)
-    print(table(report))
-    if args.json:
-        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    if args.plot:
-        plot(report, args.plot)
-    bad = failures(report)
-    for message in bad:
-        print(f"bench-spec: {message}", file=sys.stderr)
-    return 1 if bad else 0
+    return finish("bench-spec", report, args, table, plot, failures(report))
 
 
 # -- the table ------------------------------------------------------------------------------------
