@@ -208,7 +208,7 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
                and w["role"] == "both" and w["kv_transfer"] is None for w in workers)
     main(["status", "--nats-url", stack.nats_url])
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:3] == ["worker", "running", "waiting"] and len(table) == 3
+    assert table[0].split()[:4] == ["worker", "role", "running", "waiting"] and len(table) == 3
 
 
 @pytest.mark.parametrize("service", ["tokenizer", "gateway"])
