@@ -1,0 +1,66 @@
+"""`tokenbus plan`'s arithmetic: on the seed's product (70B on 8×H100) against the design's own estimates,
+and on a tiny config worked by hand."""
+import json
+
+import pytest
+
+from ops import plan
+from ops.cli import main
+from workers.models.config import ModelConfig
+
+SEED = plan.Plan(ModelConfig.from_hf(plan.MODELS["llama-3-70b"]), plan.GPUS["h100-sxm"], 8, plan.Workload(),
+                 plan.Efficiency())
+
+
+def test_the_seed_plan_lands_on_the_design_s_estimates():
+    assert SEED.kv_bytes_per_token() / 1e6 == pytest.approx(0.3, rel=0.1)       # ≈0.3 MB: 0.328
+    assert SEED.kv_per_node() / 1e9 == pytest.approx(400, rel=0.1)              # ≈400 GB: 435
+    assert SEED.concurrency(full=True) == SEED.kv_per_node() / (SEED.kv_bytes_per_token() * 3400)
+    assert SEED.concurrency(full=True) == pytest.approx(300, rel=0.35)          # ≈300: 390, why in docs/capacity.md
+    assert parameters_b() == pytest.approx(70.55, abs=0.01)                     # Llama-3-70B's 70.55 B
+    assert SEED.w.peak_rps == pytest.approx(5208, abs=1)                        # the design's ~5k requests/s
+
+
+def parameters_b() -> float:
+    return plan.parameters(SEED.cfg) / 1e9
+
+
+def test_a_node_s_rate_keeps_every_slo_and_the_fleet_follows_from_it():
+    r = SEED.report()
+    node = r["node"]
+    assert node["step_s"] <= 0.04 + 1e-9 and node["ttft_s"] <= 0.7 and node["batch"] <= SEED.concurrency(full=True)
+    assert not SEED.fits(SEED.steady(node["rate"] * 1.01))        # the highest such rate
+    assert r["nodes_at_peak"] == -(-SEED.w.peak_rps // (node["rate"] * 0.8))
+    hours = r["gpu_hours_per_day"]["provisioned_for_peak"]
+    tokens = SEED.w.mean_rps * 86400 * 3400
+    assert r["usd_per_million_tokens"]["2"]["provisioned_for_peak"] == pytest.approx(hours * 2 / (tokens / 1e6))
+    reused = plan.Plan(SEED.cfg, SEED.gpu, 8, plan.Workload(prefix_reuse=0.5), SEED.eff).report()
+    assert reused["nodes_at_peak"] < r["nodes_at_peak"]          # a cached prefix is prefill not done
+
+
+def test_a_tiny_config_by_hand():
+    cfg = ModelConfig.from_hf(plan.hf(vocab=100, hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1,
+                                      context=64, tie=True))
+    gpu = plan.Gpu("toy", memory=1e6, bandwidth=1e6, flops=1e9)
+    p = plan.Plan(cfg, gpu, 1, plan.Workload(dau=86400, turns=1, input_tokens=10, output_tokens=4, peak_factor=2),
+                  plan.Efficiency(mfu=1.0, mbu=1.0, memory_utilization=1.0, target_utilization=1.0))
+    # head_dim 4; per layer q 8, k 4, v 4, o 8×8, mlp 3×8×16: 8·(8+4+4) + 8·8 + 384 = 576; 2 layers: 1152
+    assert cfg.matmul_params() == 1152
+    assert plan.parameters(cfg) == 1152 + 100 * 8 + 5 * 8          # tied embedding, 2 norms a layer and the last
+    assert p.weight_bytes() == 2 * 1992
+    assert p.kv_bytes_per_token() == 2 * 2 * 1 * 4 * 2              # K and V, 2 layers, 1 head of 4, 2 bytes
+    assert p.kv_per_node() == 1e6 - 3984
+    assert p.concurrency() == pytest.approx((1e6 - 3984) / (32 * 12))   # 10 in + 4 / 2 out
+    assert p.decode_seconds(0) == pytest.approx(3984 / 1e6)          # the weights' bytes at 1 MB/s
+    assert p.w.mean_rps == 1 and p.w.peak_rps == 2
+
+
+def test_the_command_prints_each_step_and_json(capsys):
+    main(["plan"])
+    out = capsys.readouterr().out
+    for step in (" 1. weights per GPU", " 2. KV per token", " 3. KV per node", " 4. concurrent requests",
+                 " 5. roofline", " 6. one node", " 7. nodes at the peak", "$ per 1M tokens at $2/GPU-hour"):
+        assert step in out
+    main(["plan", "--model", "llama-3-8b", "--gpu", "l4", "--tp", "1", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["tp"] == 1 and r["gpu"]["name"] == "L4" and r["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
