@@ -252,10 +252,10 @@ def text(r: dict, model: str) -> str:
     g = r["gpu"]
     lines = [
         f"plan: {model} on {r['tp']} × {g['name']} per node ({g['memory'] / GB:.0f} GB, "
-        f"{g['bandwidth'] / 1e12:.2f} TB/s, {g['flops'] / 1e12:.0f} TFLOP/s each); MFU {e['mfu']}, MBU {e['mbu']}, "
+        f"{g['bandwidth'] / 1e12:.2f} TB/s, {g['flops'] / 1e12:.3g} TFLOP/s each); MFU {e['mfu']}, MBU {e['mbu']}, "
         f"memory utilization {e['memory_utilization']}",
-        f"workload: {w['dau']:,.0f} users × {w['turns']:g} turns/day = {w['mean_rps']:,.0f} requests/s on average, "
-        f"{w['peak_rps']:,.0f} at the peak (× {w['peak_factor']:g}); {w['input_tokens']} in / {w['output_tokens']} out "
+        f"workload: {w['dau']:,.0f} users × {w['turns']:g} turns/day = {w['mean_rps']:,.4g} requests/s on average, "
+        f"{w['peak_rps']:,.4g} at the peak (× {w['peak_factor']:g}); {w['input_tokens']} in / {w['output_tokens']} out "
         f"tokens, {w['prefix_reuse']:.0%} of the prompt from the prefix cache",
         f" 1. weights per GPU      {r['model']['parameters'] / 1e9:.2f} B params × {r['bytes_per_parameter']} B / "
         f"{r['tp']} = {r['weights_per_gpu_bytes'] / GB:.1f} GB",
@@ -278,7 +278,7 @@ def text(r: dict, model: str) -> str:
         f"{node['batch']:.0f}, TTFT {node['ttft_s'] * 1e3:.0f} ms, {node['prefill_share']:.0%} of each step "
         f"prefilling; {r['node_output_tokens_per_s']:,.0f} output + {r['node_prefill_tokens_per_s']:,.0f} prefill "
         f"tokens/s",
-        f" 7. nodes at the peak    {w['peak_rps']:,.0f} / ({node['rate']:.2f} × {e['target_utilization']}) = "
+        f" 7. nodes at the peak    {w['peak_rps']:,.4g} / ({node['rate']:.2f} × {e['target_utilization']}) = "
         f"{r['nodes_at_peak']:,} nodes ({r['nodes_at_peak'] * r['tp']:,} GPUs)",
         f"    GPU-hours a day      {r['gpu_hours_per_day']['provisioned_for_peak']:,.0f} provisioned for the peak, "
         f"{r['gpu_hours_per_day']['following_the_load']:,.0f} following the load",

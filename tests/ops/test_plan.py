@@ -64,3 +64,12 @@ def test_the_command_prints_each_step_and_json(capsys):
     main(["plan", "--model", "llama-3-8b", "--gpu", "l4", "--tp", "1", "--json"])
     r = json.loads(capsys.readouterr().out)
     assert r["tp"] == 1 and r["gpu"]["name"] == "L4" and r["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+
+
+def test_this_cpu_is_measured_and_planned_like_a_gpu(capsys):
+    main(["plan", "--model", "smollm2-135m", "--gpu", "cpu", "--tp", "1", "--dau", "1000", "--input-tokens", "300",
+          "--output-tokens", "100", "--ttft-slo-ms", "5000", "--tpot-slo-ms", "500", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["gpu"]["name"].startswith("this CPU") and r["gpu"]["flops"] > 1e9 and r["gpu"]["bandwidth"] > 1e8
+    assert r["bytes_per_parameter"] == 4 and r["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4     # float32
+    assert r["node"]["rate"] > 0 and r["nodes_at_peak"] >= 1
