@@ -311,22 +311,29 @@ def parser() -> argparse.ArgumentParser:
     pn.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
                     "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
     pn.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4", "cpu"],
-                    help="a GPU preset, or cpu: this machine, its matmul peak and copy bandwidth measured now")
-    pn.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"], help="with --gpu cpu")
-    pn.add_argument("--tp", type=int, default=8, help="GPUs of one node (one replica, tensor parallel)")
-    pn.add_argument("--dau", type=float, default=10e6, help="daily active users")
-    pn.add_argument("--turns", type=float, default=15.0, help="turns per user and day")
-    pn.add_argument("--input-tokens", type=int, default=3000)
-    pn.add_argument("--output-tokens", type=int, default=400)
-    pn.add_argument("--peak-factor", type=float, default=3.0, help="the peak request rate over the day's mean")
-    pn.add_argument("--prefix-reuse", type=float, default=0.0, help="share of prompt tokens the prefix cache serves")
-    pn.add_argument("--ttft-slo-ms", type=float, default=700.0)
-    pn.add_argument("--tpot-slo-ms", type=float, default=40.0)
-    pn.add_argument("--mfu", type=float, default=0.5, help="share of the peak FLOP/s a step reaches")
-    pn.add_argument("--mbu", type=float, default=0.7, help="share of the memory bandwidth a step reaches")
+                    help="a GPU preset, or cpu: this machine, its matmul peak and copy bandwidth measured now "
+                         "(default h100-sxm)")
+    pn.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="with --gpu cpu: the dtype the matmul peak is measured and the weights are sized in "
+                         "(default float32)")
+    pn.add_argument("--tp", type=int, default=8, help="GPUs of one node (one replica, tensor parallel; default 8)")
+    pn.add_argument("--dau", type=float, default=10e6, help="daily active users (default 10M)")
+    pn.add_argument("--turns", type=float, default=15.0, help="turns per user and day (default 15)")
+    pn.add_argument("--input-tokens", type=int, default=3000, help="prompt tokens of a turn (default 3000)")
+    pn.add_argument("--output-tokens", type=int, default=400, help="output tokens of a turn (default 400)")
+    pn.add_argument("--peak-factor", type=float, default=3.0,
+                    help="the peak request rate over the day's mean (default 3)")
+    pn.add_argument("--prefix-reuse", type=float, default=0.0,
+                    help="share of prompt tokens the prefix cache serves (default 0)")
+    pn.add_argument("--ttft-slo-ms", type=float, default=700.0, help="time to the first token (default 700)")
+    pn.add_argument("--tpot-slo-ms", type=float, default=40.0, help="time per output token (default 40)")
+    pn.add_argument("--mfu", type=float, default=0.5, help="share of the peak FLOP/s a step reaches (default 0.5)")
+    pn.add_argument("--mbu", type=float, default=0.7,
+                    help="share of the memory bandwidth a step reaches (default 0.7)")
     pn.add_argument("--memory-utilization", type=float, default=0.9, help="share of each GPU's memory for "
-                    "weights and KV")
-    pn.add_argument("--usd-per-gpu-hour", type=float, nargs="+", default=[2.0, 4.0])
+                    "weights and KV (default 0.9)")
+    pn.add_argument("--usd-per-gpu-hour", type=float, nargs="+", default=[2.0, 4.0],
+                    help="prices the $ per 1M tokens is given at (default 2 4)")
     pn.add_argument("--json", action="store_true", help="the figures as JSON")
     pn.set_defaults(func=delegate("ops.plan"))
 
