@@ -39,11 +39,12 @@ from pathlib import Path
 
 from ops.bench import Result, WsClient, stats
 from ops.bench_peers import OPTIONS, finish, fmt, ratio
+from ops.bench_routing import router_stats
 from ops.procs import free_port
 from ops.status import read_registry
 from ops.up import Stack
 from schemas import subjects
-from schemas.messages import Heartbeat, RouterStats, decode
+from schemas.messages import Heartbeat, RouterStats
 
 GOAL_TPOT = 2.0            # colocated's chat TPOT p99 over disaggregation's, at least
 GOAL_THROUGHPUT = 0.9      # disaggregation's output tokens/s over colocated's, at least
@@ -162,21 +163,14 @@ async def warm(url: str, w: Workload, workers: int) -> None:
 
 # -- what the stack says --------------------------------------------------------------------------
 
-async def router_stats(nats_url: str, router: str, timeout: float = 5.0) -> RouterStats:
-    """The router's next stats record (it publishes one every ROUTER_STATS_SECONDS)."""
-    nc = await subjects.connect(nats_url, "bench-disagg")
-    try:
-        sub = await nc.subscribe(subjects.router_stats(router))
-        return decode((await sub.next_msg(timeout=timeout)).data, RouterStats)
-    finally:
-        await nc.close()
-
-
 def snapshot(stack: Stack, router: str) -> tuple[dict[str, Heartbeat], RouterStats]:
-    """Every worker's heartbeat and the router's stats, a heartbeat after whatever just ended."""
+    """Every worker's heartbeat and the router's next stats record, a heartbeat after whatever just ended."""
     time.sleep(3 * subjects.HEARTBEAT_SECONDS)
     beats = {b.worker: b for b in asyncio.run(read_registry(stack.nats_url))}
-    return beats, asyncio.run(router_stats(stack.nats_url, router))
+    record = asyncio.run(router_stats(stack.nats_url, router, lambda s: True, timeout=5.0))
+    if record is None:
+        raise TimeoutError(f"router {router} published no stats within 5 s")
+    return beats, record
 
 
 def kv_pulls(before: dict[str, Heartbeat], after: dict[str, Heartbeat]) -> dict | None:

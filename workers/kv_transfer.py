@@ -22,6 +22,7 @@ block_size, kv_heads, head_dim] tensor.
 """
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -162,7 +163,12 @@ class NatsKvTransport:
     @functools.cached_property
     def layer_bytes(self) -> int:
         """One layer of one block, K and V."""
-        return 2 * self.runner.dtype.itemsize * self.shape[0] * self.shape[1] * self.shape[2]
+        return self.runner.block_bytes() // self.num_layers
+
+    @functools.cached_property
+    def dtype(self) -> str:
+        """The pool's dtype as a KvBlocks header names it."""
+        return str(self.runner.dtype).removeprefix("torch.")
 
     async def start(self, side=None) -> None:
         self.side, self.main = side, asyncio.get_running_loop()
@@ -235,7 +241,7 @@ class NatsKvTransport:
         self.stats.served_blocks += len(ask.hashes) if layers.start == 0 else 0
         self.stats.served_bytes += kv.nbytes
         return pack({"lease": ask.lease, "hashes": ask.hashes, "layers": [layers.start, layers.stop],
-                     "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, data)
+                     "dtype": self.dtype, "shape": list(kv.shape)}, data)
 
     # -- the decode side --------------------------------------------------------------------------
 
@@ -290,12 +296,11 @@ class NatsKvTransport:
         if header.get("error"):
             raise TransferError(f"the prefill worker refused the fetch: {header['error']}")
         want_shape = [2, len(piece.layers), len(piece.hashes), *self.shape]
-        dtype = str(self.runner.dtype).removeprefix("torch.")
         if header.get("hashes") != piece.hashes or header.get("layers") != [piece.layers.start, piece.layers.stop]:
             raise TransferError("the prefill worker answered with other blocks than asked")
-        if header.get("dtype") != dtype or header.get("shape") != want_shape:
+        if header.get("dtype") != self.dtype or header.get("shape") != want_shape:
             raise TransferError(f"the prefill worker's KV is {header.get('dtype')} {header.get('shape')}, this "
-                                f"worker's {dtype} {want_shape}: another model, dtype or block size")
+                                f"worker's {self.dtype} {want_shape}: another model, dtype or block size")
         if len(data) != self.layer_bytes * len(piece.layers) * len(piece.hashes):
             raise TransferError(f"a KvBlocks message of {len(data)} bytes, not the shape's")
         kv = torch.frombuffer(bytearray(data), dtype=self.runner.dtype).view(want_shape)
@@ -316,11 +321,7 @@ class NatsKvTransport:
             self.durations.append(out.seconds * 1e3)
 
     def snapshot(self) -> KvTransfer:
-        """The counts for the heartbeat, with the transfer time percentiles of the recent transfers."""
-        s = self.stats
-        s.leases = len(self.leases)
-        if self.durations:
-            ms = sorted(self.durations)
-            s.transfer_ms_p50 = round(ms[len(ms) // 2], 3)
-            s.transfer_ms_p99 = round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3)
-        return KvTransfer(**{k: getattr(s, k) for k in s.__slots__})
+        """The counts for the heartbeat, with the leases held and the percentiles of the recent transfers' times."""
+        ms = sorted(self.durations) or [0.0]
+        return dataclasses.replace(self.stats, leases=len(self.leases), transfer_ms_p50=round(ms[len(ms) // 2], 3),
+                                   transfer_ms_p99=round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3))

@@ -176,9 +176,6 @@ class WorkerService:
             now, interval = time.time(), self.chunk_interval()
             for req in updated:
                 await self.emit(req, now, interval)
-                run = self.running.get(req.request_id)
-                if run is not None and run.item.prefill and not req.finished:
-                    self.hand_off(run, req)
             if self.engine.kv.changes:
                 await self.publish_kv()
             for _ in range(INTAKE_TURNS):        # fetches, cancels, acks, heartbeats
@@ -192,7 +189,8 @@ class WorkerService:
 
     async def emit(self, req: Request, now: float, interval: float = 0.0) -> None:
         """Publishes the request's tokens not sent yet: the first at once, the last with the final chunk,
-        the others once `interval` has passed since the stream's last chunk."""
+        the others once `interval` has passed since the stream's last chunk. A remote prefill is handed
+        off once its first chunk is out."""
         run = self.running.get(req.request_id)
         if run is None:
             return
@@ -210,6 +208,8 @@ class WorkerService:
             run.seq, run.sent, run.published = run.seq + 1, run.sent + len(new), now
             if not self.drops or str(chunk.seq) not in self.drops:     # the test hook, off: one falsy check
                 await self.nc.publish(run.subject, encode(chunk))
+            if run.item.prefill:
+                self.hand_off(run, req)
 
     async def announce_suspect(self) -> None:
         """Before a request with a strike runs alone, the heartbeat says so: if this worker dies now,

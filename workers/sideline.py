@@ -42,7 +42,7 @@ class Sideline:
         """Closes the side connection (its subscriptions end) and the thread."""
         if self.nc is not None:
             try:
-                await asyncio.wait_for(self.run(self.nc.close()), 5)
+                await asyncio.wait_for(self.run(subjects.close(self.nc)), 5)
             except Exception as e:               # the server may be gone already
                 self.log.warning("side connection not closed cleanly", error=str(e) or type(e).__name__)
         try:
