@@ -57,6 +57,9 @@ class StepTrace:
     seconds: float          # the whole step
     forward_seconds: float  # model forward + logits
     kv_waste_slots: int     # allocated but unused KV slots over the scheduled requests
+    num_sampled: int = 0    # the step's shape for a cost model (ops.sim_cost.StepShape): rows that sample
+    attention: float = 0.0  # Σ new tokens × the keys each attends to
+    kv_read: int = 0        # Σ context after the step
 
 
 class LLMEngine:
@@ -197,6 +200,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.draft(batch, self.scheduler)
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
+        shape = step_shape(batch) if self.trace is not None else None
         self.check_alive()
         run_start = time.perf_counter()
         try:
@@ -217,7 +221,7 @@ class LLMEngine:
             waste = sum(len(t) * self.config.block_size - r.num_computed_tokens
                         for r, t in zip(batch.requests, tables))
             self.trace.append(StepTrace(len(batch.requests), batch.num_tokens, time.perf_counter() - start,
-                                        self.runner.forward_seconds - forward_before, waste))
+                                        self.runner.forward_seconds - forward_before, waste, *shape))
         return updated
 
     def run(self, batch: Batch, tables: list[list[int]]):
@@ -288,6 +292,18 @@ class LLMEngine:
             "steps": self.num_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+
+def step_shape(batch: Batch) -> tuple[int, float, int]:
+    """(rows that sample × (1 + drafts), attention pairs, KV read) of a step about to run: what a cost
+    model needs beyond its tokens and rows."""
+    sampled, pairs, kv_read = 0, 0.0, 0
+    for req, n, samples, drafts in zip(batch.requests, batch.num_new_tokens, batch.samples, batch.drafts):
+        context = req.num_computed_tokens + n
+        sampled += samples * (1 + len(drafts))
+        pairs += n * (context - (n - 1) / 2)
+        kv_read += context
+    return sampled, pairs, kv_read
 
 
 def sub_batch(batch: Batch, rows: list[int]) -> Batch:
