@@ -337,6 +337,74 @@ def parser() -> argparse.ArgumentParser:
     pn.add_argument("--json", action="store_true", help="the figures as JSON")
     pn.set_defaults(func=delegate("ops.plan"))
 
+    sm = sub.add_parser("sim", help="a discrete-event simulation of a fleet that runs the project's own scheduler, "
+                                    "KV cache manager and router with a cost model per step: latency percentiles, "
+                                    "goodput under the SLOs, load, prefix hits; or the fewest workers for the SLOs")
+    sm.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
+                    "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
+    sm.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4"],
+                    help="the GPU preset a step's roofline cost is computed for (default h100-sxm)")
+    sm.add_argument("--tp", type=int, default=8, help="GPUs of one worker (tensor parallel; default 8)")
+    sm.add_argument("--mfu", type=float, default=0.5, help="share of the peak FLOP/s a step reaches (default 0.5)")
+    sm.add_argument("--mbu", type=float, default=0.7,
+                    help="share of the memory bandwidth a step reaches (default 0.7)")
+    sm.add_argument("--memory-utilization", type=float, default=0.9, help="share of each GPU's memory for "
+                    "weights and KV (default 0.9)")
+    sm.add_argument("--workers", type=int, default=8, help="colocated workers per router cell (default 8)")
+    sm.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers per cell (default 0)")
+    sm.add_argument("--decode-workers", type=int, default=0, help="decode-only workers per cell (default 0)")
+    sm.add_argument("--cells", type=int, default=1, help="router cells of that make-up in the fleet, each with its "
+                    "own router and share of the arrivals (default 1)")
+    sm.add_argument("--sample-cells", type=int, default=0, help="cells simulated, standing for all of them "
+                    "(default 0: every cell)")
+    sm.add_argument("--processes", type=int, default=1, help="cells simulated at once (default 1)")
+    sm.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    sm.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (default 0: what the plan "
+                    "leaves for KV on the worker's GPUs)")
+    sm.add_argument("--max-num-seqs", type=int, default=512, help="requests a worker runs at once (default 512)")
+    sm.add_argument("--max-batched-tokens", type=int, default=2048,
+                    help="token budget of one step: the chunked-prefill size (default 2048)")
+    sm.add_argument("--max-model-len", type=int, default=8192, help="context length (default 8192)")
+    sm.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                    help="the router's policy (default prefix)")
+    sm.add_argument("--max-local-prefill", type=int, default=1000, help="with prefill workers: uncached prompt "
+                    "tokens a decode worker prefills itself (default 1000)")
+    sm.add_argument("--max-prefill-queue", type=int, default=2, help="with prefill workers: requests queued on "
+                    "the least queued one at most, for a remote prefill (default 2)")
+    sm.add_argument("--kv-gb-per-s", type=float, default=25.0, help="with prefill workers: a KV transfer's "
+                    "bandwidth in GB/s (default 25, a 200 Gb/s RDMA link)")
+    sm.add_argument("--dispatch-ms", type=float, default=5.0, help="an arrival to its worker's queue: gateway, "
+                    "tokenizer, router and bus (default 5)")
+    sm.add_argument("--stream-ms", type=float, default=2.0, help="a sampled token to the client (default 2)")
+    sm.add_argument("--rate", type=float, default=40.0, help="requests/s over the fleet (default 40)")
+    sm.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (default 60)")
+    sm.add_argument("--warmup", type=float, default=0.0, help="seconds of arrivals not measured (default 0)")
+    sm.add_argument("--turns", type=int, default=8, help="turns of a conversation (default 8)")
+    sm.add_argument("--system-tokens", type=int, default=1000, help="tokens of a system prompt (default 1000)")
+    sm.add_argument("--system-prompts", type=int, default=8, help="system prompts conversations draw from "
+                    "(default 8)")
+    sm.add_argument("--user-tokens", type=int, default=150, help="tokens of a user message (default 150)")
+    sm.add_argument("--output-tokens", type=int, default=400, help="tokens of an answer (default 400)")
+    sm.add_argument("--replay", metavar="FILE", help="arrivals from a `tokenbus log export` file instead of chats "
+                    "(default: none)")
+    sm.add_argument("--spec-k", type=int, default=0, help="draft tokens per decoding request and step "
+                    "(default 0: no speculation)")
+    sm.add_argument("--spec-acceptance", type=float, default=0.7,
+                    help="the chance each draft token is kept, up to the first rejected (default 0.7)")
+    sm.add_argument("--spec-draft-cost", type=float, default=0.0, help="a draft token's cost as a share of the "
+                    "target's decode step (default 0: n-gram drafts)")
+    sm.add_argument("--spec-max-batch", type=int, default=1 << 30, help="no drafting in steps of more requests "
+                    "(default: no limit)")
+    sm.add_argument("--ttft-slo-ms", type=float, default=700.0, help="time to the first token, p99 (default 700)")
+    sm.add_argument("--tpot-slo-ms", type=float, default=40.0, help="time per output token, p99 (default 40)")
+    sm.add_argument("--search", action="store_true", help="find the fewest colocated workers per cell that meet "
+                    "the SLOs at --rate (default: off)")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the sampled tokens (default 0)")
+    sm.add_argument("--json", action="store_true", help="the figures as JSON (default: a table)")
+    sm.add_argument("--plot", metavar="FILE", help="TTFT and TPOT CDFs and per-worker load (.png or .svg; "
+                    "default: none)")
+    sm.set_defaults(func=delegate("ops.sim"))
+
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help=BENCH_MODEL)
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"],

@@ -94,6 +94,7 @@ class Registry:
         self.workers: dict[str, Worker] = {}
         self.recent: dict[str, tuple[float, float]] = {}     # worker -> (decayed count of requests, as of)
         self.last = ""
+        self.known: dict[int, list[int]] = {}                # the block hashes pick() was given
 
     def update(self, hb: Heartbeat) -> None:
         self.workers[hb.worker] = Worker(hb)
@@ -107,9 +108,11 @@ class Registry:
     def live(self, now: float) -> list[Worker]:
         return sorted((w for w in self.workers.values() if now - w.hb.ts < WORKER_TTL), key=lambda w: w.hb.worker)
 
-    def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False
-             ) -> Choice | None:
-        """A worker for a request (a handoff: a decode-capable one), or None when none can take it."""
+    def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False,
+             hashes: dict[int, list[int]] | None = None) -> Choice | None:
+        """A worker for a request (a handoff: a decode-capable one), or None when none can take it.
+        `hashes` may bring the prompt's block hashes per block size, already known (the simulator's)."""
+        self.known = hashes or {}
         live = self.live(now)
         decode = [w for w in live if w.hb.role != "prefill"]
         prefill = [w for w in live if w.hb.role == "prefill"]
@@ -161,7 +164,10 @@ class Registry:
         for w in live:
             bs = w.hb.block_size
             if bs not in hashes:
-                hashes[bs] = hash_blocks(prompt[:max(len(prompt) - 1, 0)], bs, salt)
+                full = max(len(prompt) - 1, 0) // bs
+                known = self.known.get(bs, ())
+                hashes[bs] = known[:full] if len(known) >= full else hash_blocks(prompt[:max(len(prompt) - 1, 0)],
+                                                                                  bs, salt, known)
             hits[w.hb.worker] = self.index.overlap(w.hb.worker, hashes[bs]) * bs
         return hits
 

@@ -32,7 +32,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1             # prefix-cache hit when first scheduled
-    block_hashes: list[int] = field(default_factory=list)   # of the full blocks of token_ids
+    block_hashes: list[int] = field(default_factory=list)   # of the full blocks of token_ids (given: of its head)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
@@ -41,7 +41,7 @@ class Request:
     num_resumed_tokens: int = 0             # output tokens it came with (a migrated request)
 
     def __post_init__(self):
-        self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt)
+        self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt, self.block_hashes)
 
     @property
     def num_tokens(self) -> int:
