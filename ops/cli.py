@@ -405,6 +405,36 @@ def parser() -> argparse.ArgumentParser:
                     "default: none)")
     sm.set_defaults(func=delegate("ops.sim"))
 
+    sc = sub.add_parser("sim-check", help="tokenbus sim with the CPU cost fitted on this machine against the real "
+                                          "stack on the same requests: TTFT, TPOT and throughput errors")
+    sc.add_argument("--model", help=BENCH_MODEL)
+    sc.add_argument("--workers", type=int, nargs="+", default=[1, 3], help="worker counts, a stack each (default 1 3)")
+    sc.add_argument("--workloads", nargs="+", choices=["poisson", "chat"], default=["poisson", "chat"],
+                    help="which workloads, in this order (default poisson chat)")
+    sc.add_argument("--requests", type=int, default=40, help="poisson: requests per worker (default 40)")
+    sc.add_argument("--rate", type=float, default=4.0, help="poisson: requests/s per worker (default 4)")
+    sc.add_argument("--prompt-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"),
+                    help="poisson: prompt tokens, uniform in [MIN, MAX] (default 64 512)")
+    sc.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
+                    help="poisson: output tokens, uniform in [MIN, MAX] (default 16 64)")
+    sc.add_argument("--conversations", type=int, default=4, help="chat: conversations per worker (default 4)")
+    sc.add_argument("--turns", type=int, default=4, help="chat: turns per conversation (default 4)")
+    sc.add_argument("--system-prompts", type=int, default=2, help="chat: shared system prompts (default 2)")
+    sc.add_argument("--system-len", type=int, default=256, help="chat: tokens of a system prompt (default 256)")
+    sc.add_argument("--user-len", type=int, nargs=2, default=[32, 96], metavar=("MIN", "MAX"),
+                    help="chat: tokens of a user turn, uniform in [MIN, MAX] (default 32 96)")
+    sc.add_argument("--reply-len", type=int, default=32, help="chat: output tokens of each turn (default 32)")
+    sc.add_argument("--think", type=float, default=2.0, help="chat: a user's pause before each turn, uniform up to "
+                    "this many seconds (default 2)")
+    sc.add_argument("--kv-blocks", type=int, default=2000, help="KV blocks per worker (default 2000)")
+    sc.add_argument("--max-num-seqs", type=int, default=64, help="requests in a step at most (default 64)")
+    sc.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in a step at most (default 512)")
+    sc.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    sc.add_argument("--seed", type=int, default=0, help="seed of the random workloads (default 0)")
+    sc.add_argument("--data-dir", help="keep each stack's logs here (default: a temporary directory)")
+    sc.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    sc.set_defaults(func=delegate("ops.sim_check", exits=True))
+
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help=BENCH_MODEL)
     br.add_argument("--policies", nargs="+", choices=POLICIES, default=["round-robin", "least-loaded", "prefix"],

@@ -74,6 +74,8 @@ class SimConfig:
     dispatch_s: float = 0.0      # arrival -> the worker's queue (gateway, tokenizer, router, bus)
     stream_s: float = 0.0        # a sampled token -> the client
     step_overhead_s: float = 0.0 # per step, outside the engine's step (publishing tokens)
+    intake_steps: int = 0        # a request reaching a busy worker joins its queue after this many of its steps
+                                 # (a real worker takes work between steps, and its checks wait on the bus)
     # the workload: Poisson chats (unless arrivals are given)
     rate: float = 10.0           # requests/s over the whole fleet
     duration: float = 60.0       # seconds of arrivals
@@ -140,6 +142,7 @@ class Worker:
                                    self.kv)
         self.busy = False
         self.batch = None
+        self.intake: list[list] = []                    # [steps left, request] not in the scheduler yet
         self.seq = 0                                    # KV events sent
         self.finished = self.prompt_tokens = self.generation_tokens = 0
         self.busy_s = 0.0
@@ -266,6 +269,9 @@ class Cell:
         track.worker, track.choice = choice.worker, choice
         w = self.workers[choice.worker]
         w.prompt_tokens += req.num_prompt_tokens
+        if w.busy and self.cfg.intake_steps:
+            w.intake.append([self.cfg.intake_steps, req])
+            return choice
         w.sched.add(req)
         self.start(w)
         return choice
@@ -328,7 +334,17 @@ class Cell:
         if stored or removed:
             w.seq += 1
             self.registry.index.apply(KvEvent(w.name, w.seq, stored, removed))
+        self.take_intake(w)
         self.start(w)
+
+    def take_intake(self, w: Worker) -> None:
+        """After a step: the requests whose intake is done join the queue (all of them on an idle worker)."""
+        idle = not w.sched.has_unfinished()
+        for item in w.intake:
+            item[0] -= 1
+            if item[0] <= 0 or idle:
+                w.sched.add(item[1])
+        w.intake = [item for item in w.intake if item[0] > 0 and not idle]
 
     def finish(self, w: Worker, req: Request, track: Track) -> None:
         track.end, track.tokens = self.now, req.num_output_tokens

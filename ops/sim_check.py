@@ -1,0 +1,313 @@
+"""`tokenbus sim-check`: how well `tokenbus sim`, with the CPU cost fitted on this machine, predicts the
+real CPU stack.
+
+For each worker count and workload, a fresh stack (`tokenbus up`'s processes: nats-server, tokenizer,
+router, the workers, the gateway) is warmed with prompts of every length the run sends, then:
+1. probes, one request at a time on the idle stack, measure what the simulator takes as constants:
+   the dispatch (the gateway accepting a request → its worker receiving it: the completion records'
+   queue_ms), the stream (a token sampled → the client: the rest of the client's TTFT beyond the
+   worker's) and each step's work outside the engine (the worker's TPOT beyond the fitted decode step);
+2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
+   output has its max_tokens:
+   - poisson: one-turn requests of random prompts, Poisson arrivals;
+   - chat: conversations of several turns behind a few shared system prompts, each turn the whole
+     history (with the replies the model gave) plus a new user message, after a pause to type it;
+3. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
+   in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants.
+Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
+((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
+Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count.
+"""
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import websockets
+
+from ops import sim, sim_cost
+from ops.bench import Result
+from ops.bench_routing import records, results_seq
+from ops.procs import free_port
+from ops.up import Stack
+from workers.models.catalogue import resolve
+from workers.models.config import ModelConfig
+
+REQUEST_TIMEOUT = 300.0       # seconds; a request slower than this means the stack is broken
+PROBES = 6                    # idle requests, one at a time
+PROBE_PROMPT, PROBE_OUTPUT = 32, 24
+PROBE_LONG = 384
+INTAKE_STEPS = 2              # a busy worker takes a request after its step, and adds it after the next (its
+                              # checks' replies on the bus come in during that step): workers/service.py
+METRICS = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
+
+
+@dataclass(slots=True)
+class Sent:
+    """One request as the client sent it and saw it."""
+    at: float                     # seconds from the run's start
+    prompt: list[int]
+    max_tokens: int
+    result: Result
+    output: list[int] = field(default_factory=list)
+
+
+class Client:
+    """Many requests on one websocket, as token ids; frames go to the queue of their id."""
+
+    def __init__(self, ws, t0: float):
+        self.ws, self.t0, self.queues, self.n = ws, t0, {}, 0
+
+    async def read(self) -> None:
+        async for raw in self.ws:
+            t = time.perf_counter()
+            frame = orjson.loads(raw)
+            self.queues[frame["id"]].put_nowait((t, frame))
+
+    async def send(self, prompt: list[int], max_tokens: int) -> Sent:
+        self.n += 1
+        rid, queue = str(self.n), asyncio.Queue()
+        self.queues[rid] = queue
+        s = Sent(time.perf_counter() - self.t0, prompt, max_tokens, Result(time.perf_counter()))
+        await self.ws.send(orjson.dumps({"type": "generate", "id": rid, "prompt_token_ids": prompt,
+                                         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).decode())
+        while True:
+            t, frame = await asyncio.wait_for(queue.get(), REQUEST_TIMEOUT)
+            if frame["type"] == "error":
+                raise RuntimeError(f"a request of {len(prompt)} prompt tokens failed: {frame}")
+            if frame["type"] == "delta" and frame["token_ids"]:
+                s.result.chunks.append(t)
+                s.output += frame["token_ids"]
+            if frame["type"] == "done":
+                del self.queues[rid]
+                s.result.end, s.result.output_tokens = t, len(s.output)
+                return s
+
+
+@contextlib.asynccontextmanager
+async def connect(url: str):
+    async with websockets.connect(url, max_size=None, compression=None) as ws:
+        c = Client(ws, time.perf_counter())
+        reader = asyncio.create_task(c.read())
+        try:
+            yield c
+        finally:
+            reader.cancel()
+
+
+# -- workloads ------------------------------------------------------------------------------------
+
+def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(16, vocab) for _ in range(n)]
+
+
+async def poisson(c: Client, args, workers: int, vocab: int, seed: int) -> list[Sent]:
+    rng = random.Random(seed)
+    asks, at = [], 0.0
+    for _ in range(args.requests * workers):
+        asks.append((at, tokens(rng, rng.randint(*args.prompt_len), vocab), rng.randint(*args.output_len)))
+        at += rng.expovariate(args.rate * workers)
+
+    async def one(at: float, prompt: list[int], n: int) -> Sent:
+        await asyncio.sleep(max(0.0, c.t0 + at - time.perf_counter()))
+        return await c.send(prompt, n)
+    return list(await asyncio.gather(*(one(*a) for a in asks)))
+
+
+async def chat(c: Client, args, workers: int, vocab: int, seed: int) -> list[Sent]:
+    rng = random.Random(seed)
+    systems = [tokens(rng, args.system_len, vocab) for _ in range(args.system_prompts)]
+    sent: list[Sent] = []
+
+    async def conversation(k: int) -> None:
+        history = list(systems[k % len(systems)])
+        await asyncio.sleep(rng.uniform(0, args.think))
+        for _ in range(args.turns):
+            history += tokens(rng, rng.randint(*args.user_len), vocab)
+            s = await c.send(list(history), args.reply_len)
+            sent.append(s)
+            history += s.output
+            await asyncio.sleep(rng.uniform(0, args.think))
+    await asyncio.gather(*(conversation(k) for k in range(args.conversations * workers)))
+    return sent
+
+
+WORKLOADS = {"poisson": poisson, "chat": chat}
+
+
+async def drive(url: str, run, *a) -> list[Sent]:
+    async with connect(url) as c:
+        return await run(c, *a)
+
+
+# -- the stack ------------------------------------------------------------------------------------
+
+def threads_for(workers: int) -> int:
+    """A worker's share of the cores, one left to the other services: OpenMP threads that outnumber the
+    cores they get stall at every barrier (a busy neighbour makes a step tens of times slower)."""
+    return max(1, ((os.cpu_count() or 1) - 1) // workers)
+
+
+def start(model: str, workers: int, args, data_dir: Path) -> Stack:
+    threads = threads_for(workers)
+    stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
+                  worker_args=["--threads", str(threads), "--num-kv-blocks", str(args.kv_blocks),
+                               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+                               str(args.max_num_batched_tokens), "--block-size", str(args.block_size)],
+                  worker_env={"OMP_NUM_THREADS": str(threads)})
+    stack.start()
+    stack.wait_ready()
+    return stack
+
+
+async def warm(url: str, args, workers: int, vocab: int) -> None:
+    """Each worker's first steps of a shape are slow (allocations, kernels): prompts of every length the
+    run sends, a few at once per worker, twice, of tokens the run never sends."""
+    rng = random.Random("warm")
+    longest = max(args.prompt_len[1], args.system_len + args.turns * (args.user_len[1] + args.reply_len))
+    lengths = [16, 64, 256, longest // 2, longest]
+    async with connect(url) as c:
+        for _ in range(2):
+            await asyncio.gather(*(c.send(tokens(rng, min(n, args.max_model_len - 20), vocab), 8)
+                                   for n in lengths for _ in range(workers)))
+
+
+@dataclass(slots=True)
+class Scaled:
+    """A cost model's steps, `scale` times as long: the engine's steps inside the stack, which shares the
+    cores with the other services, against the same steps alone (where the cost was fitted)."""
+    cost: sim_cost.StepCost
+    scale: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.cost.name} × {self.scale:.2f}"
+
+    def seconds(self, shape: sim_cost.StepShape) -> float:
+        return self.scale * self.cost.seconds(shape)
+
+
+def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int) -> tuple[Scaled, dict]:
+    """The stack's step cost and the constants outside the engine, from idle requests one at a time (see the
+    module's doc): short prompts that decode, then long ones whose first step is one prefill. A worker's
+    TPOT is scale × the decode step's cost + the overhead, its TTFT of a long prompt scale × the prefill's +
+    the overhead."""
+    rng = random.Random("probe")
+    after = asyncio.run(results_seq(stack.nats_url))
+    asks = [(PROBE_PROMPT, PROBE_OUTPUT)] * PROBES + [(PROBE_LONG, 2)] * PROBES
+
+    async def serial() -> list[Sent]:
+        async with connect(stack.url) as c:
+            return [await c.send(tokens(rng, n, vocab), m) for n, m in asks]
+    sent = asyncio.run(serial())
+    recs = sorted(asyncio.run(records(stack.nats_url, after, len(asks))), key=lambda r: r.created)
+    short, long = recs[:PROBES], recs[PROBES:]
+    tpot = statistics.median((r.timing["e2e_ms"] - r.timing["ttft_ms"]) / 1e3 / (PROBE_OUTPUT - 1) for r in short)
+    ttft = statistics.median(r.timing["ttft_ms"] / 1e3 for r in long)
+    decode, prefill = sim_cost.StepShape(), sim_cost.StepShape()
+    decode.add(1, PROBE_PROMPT + PROBE_OUTPUT // 2, 1)
+    prefill.add(PROBE_LONG, PROBE_LONG, 1)
+    scale = max(1.0, (ttft - tpot) / (cost.seconds(prefill) - cost.seconds(decode)))
+    dispatch = statistics.median(r.timing["queue_ms"] for r in recs) / 1e3
+    client_over_worker = statistics.median(s.result.ttft - r.timing["ttft_ms"] / 1e3 for s, r in zip(sent, recs))
+    return Scaled(cost, scale), {"dispatch_s": dispatch, "stream_s": max(0.0, client_over_worker - dispatch),
+                                 "step_overhead_s": max(0.0, tpot - scale * cost.seconds(decode))}
+
+
+# -- one configuration ----------------------------------------------------------------------------
+
+def real_figures(sent: list[Sent]) -> dict:
+    ok = [s.result for s in sent]
+    start = min(r.start for r in ok)
+    out = sum(r.output_tokens for r in ok)
+    return {"ttft_s": sim.percentiles([r.ttft for r in ok]),
+            "tpot_s": sim.percentiles([r.tpot for r in ok if r.tpot is not None]),
+            "output_tokens_per_s": out / (max(r.end for r in ok) - start), "requests": len(ok),
+            "output_tokens": out}
+
+
+def simulated(sent: list[Sent], cost, consts: dict, workers: int, args) -> dict:
+    t0 = min(s.at for s in sent)
+    arrivals = sorted((sim.Arrival(s.at - t0, s.prompt, s.max_tokens) for s in sent), key=lambda a: a.at)
+    cfg = sim.SimConfig(workers=workers, cost=cost, block_size=args.block_size, num_blocks=args.kv_blocks,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, rate=0.0, drain=REQUEST_TIMEOUT,
+                        intake_steps=INTAKE_STEPS, **consts)
+    r = sim.simulate(cfg, arrivals)
+    out = r["output_tokens_per_s"] * r["sim_seconds"]
+    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"],
+            "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
+            "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]}
+
+
+def errors(real: dict, simd: dict) -> dict:
+    err = {f"{m[:-2]}_{q}": simd[m][q] / real[m][q] - 1 for m, q in METRICS}
+    err["throughput"] = simd["output_tokens_per_s"] / real["output_tokens_per_s"] - 1
+    return {k: round(v, 4) for k, v in err.items()}
+
+
+def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> list[dict]:
+    threads = threads_for(workers)
+    rows = []
+    for k, name in enumerate(args.workloads):
+        stack = start(model, workers, args, data_dir / f"{name}-{workers}")
+        try:
+            asyncio.run(warm(stack.url, args, workers, vocab))
+            scaled, consts = probe(stack, cost, vocab)
+            sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k))
+        finally:
+            stack.stop()
+        real, simd = real_figures(sent), simulated(sent, scaled, consts, workers, args)
+        rows.append({"workload": name, "workers": workers, "threads": threads, "real": real, "sim": simd,
+                     "error": errors(real, simd), "step_scale": round(scaled.scale, 3),
+                     "constants": {k: round(v, 6) for k, v in consts.items()}})
+    return rows
+
+
+def main(args) -> int:
+    model = resolve(args.model or "tiny")
+    cfg = ModelConfig.load(model)
+    args.max_model_len = cfg.max_model_len
+    report = {"model": Path(model).name, "fits": {}, "results": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(args.data_dir or tmp)
+        for workers in args.workers:
+            cost = sim_cost.load_or_fit(model, threads_for(workers))
+            report["fits"][f"{threads_for(workers)}t"] = {"name": cost.name, "const": cost.const, "coef": cost.coef,
+                                                          "quality": cost.quality}
+            report["results"] += check(model, workers, cost, args, cfg.vocab_size, data_dir)
+    worst = max(abs(v) for r in report["results"] for v in r["error"].values())
+    report["worst_error"] = round(worst, 4)
+    print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() if args.json else table(report))
+    return 0
+
+
+def table(r: dict) -> str:
+    lines = [f"tokenbus sim-check: {r['model']}; the simulator with the CPU cost fitted on this machine against "
+             "the real stack (error = sim / real − 1)"]
+    for name, f in r["fits"].items():
+        q = f["quality"]
+        lines.append(f"fit {name}: R² {q['r2']:.3f}, held-out step error median {q['median_rel_error']:.1%}, "
+                     f"p90 {q['p90_rel_error']:.1%} ({q['held_out_steps']} steps)")
+    for row in r["results"]:
+        real, simd, err, c = row["real"], row["sim"], row["error"], row["constants"]
+        lines.append("")
+        lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s): "
+                     f"{real['requests']} requests; dispatch {c['dispatch_s'] * 1e3:.1f} ms, stream "
+                     f"{c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, "
+                     f"steps × {row['step_scale']:.2f}")
+        lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}")
+        for m, q in METRICS:
+            lines.append(f"{m[:-2].upper() + ' ' + q + ' (ms)':16}{real[m][q] * 1e3:>12.1f}{simd[m][q] * 1e3:>12.1f}"
+                         f"{err[m[:-2] + '_' + q]:>+10.1%}")
+        lines.append(f"{'output tok/s':16}{real['output_tokens_per_s']:>12.1f}{simd['output_tokens_per_s']:>12.1f}"
+                     f"{err['throughput']:>+10.1%}")
+    lines.append("")
+    lines.append(f"worst error: {r['worst_error']:.1%}")
+    return "\n".join(lines)
