@@ -164,7 +164,9 @@ class Cell:
 
     def __init__(self, cfg: SimConfig, index: int, arrivals: list[Arrival] | None = None):
         self.cfg, self.index = cfg, index
-        self.rng = random.Random(cfg.seed * 1_000_003 + index)
+        self.rng = random.Random(cfg.seed * 1_000_003 + index)          # sampled tokens, drafts kept
+        self.arrivals_rng = random.Random(cfg.seed * 1_000_003 + index + 500_000)  # prompts
+        self.clock = random.Random(cfg.seed * 1_000_003 + index + 700_000)  # arrival times: the same under any policy
         self.registry = Registry(Options(policy=cfg.policy, **cfg.router))
         names = ([(f"w{i}", "both") for i in range(cfg.workers)] + [(f"p{i}", "prefill") for i in
                  range(cfg.prefill_workers)] + [(f"d{i}", "decode") for i in range(cfg.decode_workers)])
@@ -175,7 +177,7 @@ class Cell:
         self.tracks: dict[str, Track] = {}
         self.unfinished = 0
         self.idle: deque[Conversation] = deque()
-        self.systems = [self.tokens(cfg.system_tokens) for _ in range(max(cfg.system_prompts, 1))]
+        self.systems = [self.tokens(cfg.system_tokens, self.arrivals_rng) for _ in range(max(cfg.system_prompts, 1))]
         self.system_hashes = [hash_blocks(s, cfg.block_size) for s in self.systems]
         self.conversations = 0
         self.route_s = 0.0
@@ -202,7 +204,7 @@ class Cell:
                 self.at(a.at, self.arrive, a)
             self.end = max((a.at for a in self.arrivals), default=0.0)
         elif self.rate > 0:
-            self.at(self.rng.expovariate(self.rate), self.arrive)
+            self.at(self.clock.expovariate(self.rate), self.arrive)
         limit = self.end + self.cfg.drain
         while self.events:
             t, _, fn, arg = heapq.heappop(self.events)
@@ -217,23 +219,24 @@ class Cell:
 
     # -- arrivals ---------------------------------------------------------------------------------
 
-    def tokens(self, n: int) -> list[int]:
-        rand = self.rng.randrange
+    def tokens(self, n: int, rng: random.Random | None = None) -> list[int]:
+        rand = (rng or self.rng).randrange
         return [rand(16, self.cfg.vocab_size) for _ in range(n)]
 
     def chat_turn(self) -> tuple[list[int], list[int], Conversation]:
         """The next chat request: a new conversation's first turn, or the next turn of the one idle longest."""
         cfg = self.cfg
         conv = None
-        if self.idle and self.rng.random() >= 1 / cfg.turns:
+        rng = self.arrivals_rng
+        if self.idle and rng.random() >= 1 / cfg.turns:
             conv = self.idle.popleft()
         if conv is not None and len(conv.tokens) + cfg.user_tokens + cfg.output_tokens > cfg.max_model_len:
             conv = None                                 # its history outgrew the context: the user starts over
         if conv is None:
             self.conversations += 1
-            k = self.rng.randrange(len(self.systems))
+            k = rng.randrange(len(self.systems))
             conv = Conversation(f"c{self.index}.{self.conversations}", self.systems[k], self.system_hashes[k])
-        prompt = conv.tokens + self.tokens(cfg.user_tokens)
+        prompt = conv.tokens + self.tokens(cfg.user_tokens, rng)
         conv.turn += 1
         return prompt, hash_blocks(prompt, cfg.block_size, None, conv.hashes), conv
 
@@ -242,7 +245,7 @@ class Cell:
         if a is None:
             prompt, hashes, conv = self.chat_turn()
             max_tokens = cfg.output_tokens
-            nxt = self.now + self.rng.expovariate(self.rate)
+            nxt = self.now + self.clock.expovariate(self.rate)
             if nxt < cfg.duration:
                 self.at(nxt, self.arrive)
         else:

@@ -1,0 +1,132 @@
+"""tokenbus sim: it runs the real scheduler, KV manager and router, and its figures follow from the cost model."""
+import dataclasses
+import json
+
+import pytest
+
+from ops import cli
+from ops.plan import GPUS, Efficiency, Plan, Workload, model_config
+from ops.sim import Arrival, SimConfig, replayed, search, simulate
+from ops.sim_cost import RooflineCost, StepShape
+from workers.engine.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def cost():
+    _, cfg = model_config("llama-3-8b")
+    return RooflineCost(Plan(cfg, GPUS["h100-sxm"], 1, Workload(), Efficiency()))
+
+
+def small(cost, **kw) -> SimConfig:
+    base = SimConfig(workers=2, cost=cost, num_blocks=4096, max_num_seqs=64, rate=8.0, duration=10.0, drain=60.0,
+                     turns=4, system_tokens=256, system_prompts=2, user_tokens=64, output_tokens=32, dispatch_s=0.005,
+                     stream_s=0.002)
+    return dataclasses.replace(base, **kw)
+
+
+def test_one_request_takes_its_prefill_and_decode_steps(cost):
+    """Alone on a worker, a request's TTFT is the dispatch, one prefill step of its prompt and the stream;
+    each later token one decode step at its context: the cost model's numbers, to the microsecond."""
+    prompt, out = 300, 5
+    r = simulate(small(cost, workers=1), [Arrival(0.0, list(range(16, 16 + prompt)), out)])
+    first = StepShape()
+    first.add(prompt, prompt, 1)
+    assert r["ttft_s"]["p50"] == pytest.approx(0.005 + cost.seconds(first) + 0.002, abs=1e-6)
+    decode = []
+    for i in range(out - 1):
+        s = StepShape()
+        s.add(1, prompt + 1 + i, 1)
+        decode.append(cost.seconds(s))
+    assert r["tpot_s"]["p50"] == pytest.approx(sum(decode) / len(decode), abs=1e-6)
+    assert r["finished"] == 1 and r["workers"][0]["steps"] == out
+
+
+class OneAdmissionAStep(Scheduler):
+    """Another admission policy: at most one waiting request joins each step."""
+    calls = 0
+
+    def schedule_waiting(self, batch, budget, most=None):
+        OneAdmissionAStep.calls += 1
+        super().schedule_waiting(batch, budget, 1)
+
+
+def test_the_scheduler_under_test_is_the_one_that_runs(cost):
+    """A different scheduling policy changes the simulation: the simulator steps the class it is given."""
+    burst = [Arrival(0.0, [16 + i] * 200, 16) for i in range(24)]
+    base = simulate(small(cost, workers=1), burst)
+    other = simulate(small(cost, workers=1, scheduler=OneAdmissionAStep), burst)
+    assert OneAdmissionAStep.calls > 0
+    assert other["workers"][0]["steps"] > base["workers"][0]["steps"]
+    assert other["ttft_s"]["p99"] > 2 * base["ttft_s"]["p99"]
+    assert other["config"]["scheduler"] == "OneAdmissionAStep"
+
+
+def test_prefix_routing_keeps_conversations_where_their_kv_is(cost):
+    """Multi-turn chats: the prefix policy finds each history's KV; round-robin mostly misses it."""
+    prefix = simulate(small(cost, workers=4, rate=12.0, duration=20.0, system_tokens=32))
+    rr = simulate(small(cost, workers=4, rate=12.0, duration=20.0, system_tokens=32, policy="round-robin"))
+    assert prefix["requests"] == rr["requests"] > 200
+    assert prefix["prefix_hit_rate"] > rr["prefix_hit_rate"] + 0.2
+    assert prefix["finished"] == prefix["requests"]
+
+
+def test_speculation_emits_the_expected_tokens_per_step(cost):
+    """k drafts each kept with probability a, up to the first rejected: (1 − a^(k+1)) / (1 − a) tokens a step."""
+    prompt, out, k, a = 64, 400, 3, 0.7
+    r = simulate(small(cost, workers=1, spec_k=k, spec_acceptance=a), [Arrival(0.0, list(range(16, 80)), out)])
+    steps = r["workers"][0]["steps"] - 1             # the first step prefills
+    assert (out - 1) / steps == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=0.12)
+    plain = simulate(small(cost, workers=1), [Arrival(0.0, list(range(16, 80)), out)])
+    assert r["tpot_s"]["p50"] < plain["tpot_s"]["p50"] / 1.8
+    assert prompt < out
+
+
+def test_disaggregated_prefill_hands_every_long_prompt_off(cost):
+    """Long prompts go to the prefill worker and come back to the decode worker; a slower KV link costs
+    time between the first token and the rest."""
+    arrivals = [Arrival(i * 0.5, [16 + i] * 2000, 8) for i in range(10)]
+    fast = simulate(small(cost, workers=0, prefill_workers=1, decode_workers=1, kv_bytes_per_token=131072,
+                          kv_bandwidth=25e9), arrivals)
+    slow = dataclasses.replace(small(cost, workers=0, prefill_workers=1, decode_workers=1,
+                                     kv_bytes_per_token=131072, kv_bandwidth=0.25e9))
+    slow = simulate(slow, arrivals)
+    assert fast["handoffs"] == slow["handoffs"] == 10
+    assert fast["finished"] == 10
+    assert [w["requests"] for w in fast["workers"]] == [0, 10]           # p0 hands off, d0 finishes
+    transfer = 2000 * 131072 / 0.25e9
+    assert slow["e2e_s"]["p50"] - fast["e2e_s"]["p50"] == pytest.approx(transfer, rel=0.2)
+
+
+def test_search_finds_the_fewest_workers(cost):
+    cfg = small(cost, rate=30.0, duration=8.0, ttft_slo=0.2, tpot_slo=0.02, turns=1, system_prompts=1000,
+                user_tokens=1500, output_tokens=64)
+    workers, r = search(cfg)
+    assert workers > 1 and r["meets_slo"]
+    assert not simulate(dataclasses.replace(cfg, workers=workers - 1))["meets_slo"]
+
+
+def test_sampled_cells_stand_for_the_fleet(cost):
+    cfg = small(cost, cells=4, sample_cells=2, processes=2, rate=32.0, duration=10.0)
+    r = simulate(cfg)
+    assert r["nodes"] == 8 and r["cells_simulated"] == 2
+    assert len(r["workers"]) == 4
+    assert r["requests"] == pytest.approx(32 * 10, rel=0.25)
+
+
+def test_a_log_export_replays(tmp_path, cost):
+    records = [{"id": f"r{i}", "created": 1000.0 + i, "prompt_token_ids": [20 + i] * 40, "output_token_ids": [5] * 7,
+                "sampling": {"max_tokens": 64}} for i in range(5)]
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    arrivals = replayed(str(path))
+    assert [a.at for a in arrivals] == [0.0, 1.0, 2.0, 3.0, 4.0] and arrivals[0].max_tokens == 7
+    r = simulate(small(cost), arrivals)
+    assert r["finished"] == 5 and r["output_tokens_per_s"] > 0
+
+
+def test_the_command_prints_json(capsys):
+    cli.main(["sim", "--model", "llama-3-8b", "--tp", "1", "--workers", "2", "--rate", "4", "--duration", "5",
+              "--output-tokens", "16", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["nodes"] == 2 and r["finished"] == r["requests"] > 5
+    assert set(r["ttft_s"]) == {"p50", "p90", "p99", "mean"} and "samples" not in r
