@@ -6,17 +6,22 @@ router, the workers, the gateway) is warmed with prompts of every length the run
 1. probes, one request at a time on the idle stack, measure what the simulator takes as constants:
    the dispatch (the gateway accepting a request → its worker receiving it: the completion records'
    queue_ms), the stream (a token sampled → the client: the rest of the client's TTFT beyond the
-   worker's) and each step's work outside the engine (the worker's TPOT beyond the fitted decode step);
+   worker's), and from a short prompt's decode steps and a long prompt's prefill, how much slower the
+   engine's steps are in the stack than alone (the scale of the fitted cost) and each step's work
+   outside the engine (the overhead);
 2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
    output has its max_tokens:
    - poisson: one-turn requests of random prompts, Poisson arrivals;
    - chat: conversations of several turns behind a few shared system prompts, each turn the whole
      history (with the replies the model gave) plus a new user message, after a pause to type it;
 3. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
-   in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants.
+   in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
+   busy worker taking a request INTAKE_STEPS steps after it comes.
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
-Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count.
+Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
+simulator knows no other contention: workers that together want more cores than the machine has (3
+workers on 2 cores) run slower than it says.
 """
 import asyncio
 import contextlib
