@@ -27,6 +27,7 @@ import heapq
 import json
 import math
 import random
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -517,8 +518,11 @@ def search(cfg: SimConfig, most: int = 4096) -> tuple[int, dict]:
     tried: dict[int, dict] = {}
 
     def ok(n: int) -> bool:
-        tried[n] = simulate(dataclasses.replace(cfg, workers=n))
-        return tried[n]["meets_slo"]
+        r = tried[n] = simulate(dataclasses.replace(cfg, workers=n))
+        print(f"search: {n} workers a cell: p99 TTFT {r['ttft_s']['p99'] * 1e3:,.0f} ms, p99 TPOT "
+              f"{(r['tpot_s']['p99'] or 0) * 1e3:,.1f} ms, {r['unfinished']:,.0f} unfinished: "
+              f"{'meets' if r['meets_slo'] else 'misses'} the SLOs", file=sys.stderr, flush=True)
+        return r["meets_slo"]
     lo, hi = 0, max(cfg.workers, 1)
     while not ok(hi):
         if hi >= most:
