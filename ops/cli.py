@@ -342,8 +342,13 @@ def parser() -> argparse.ArgumentParser:
                                     "goodput under the SLOs, load, prefix hits; or the fewest workers for the SLOs")
     sm.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
                     "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
-    sm.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4"],
-                    help="the GPU preset a step's roofline cost is computed for (default h100-sxm)")
+    sm.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4", "cpu"],
+                    help="the GPU preset a step's roofline cost is computed for, or cpu: this machine, the real "
+                         "engine's steps on --model measured and fitted (cached under $TOKENBUS_HOME/sim; "
+                         "default h100-sxm)")
+    sm.add_argument("--threads", type=int, default=1, help="with --gpu cpu: torch threads of a worker (default 1)")
+    sm.add_argument("--cores", type=float, default=0.0, help="with --gpu cpu: cores the workers share, each busy "
+                    "worker an equal share (default 0: a core each)")
     sm.add_argument("--tp", type=int, default=8, help="GPUs of one worker (tensor parallel; default 8)")
     sm.add_argument("--mfu", type=float, default=0.5, help="share of the peak FLOP/s a step reaches (default 0.5)")
     sm.add_argument("--mbu", type=float, default=0.7,
@@ -367,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--max-model-len", type=int, default=8192, help="context length (default 8192)")
     sm.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                     help="the router's policy (default prefix)")
+    sm.add_argument("--alpha", type=float, default=4.0, help="the prefix policy's weight of a block to prefill "
+                    "against a block of KV held (default 4, the router's)")
     sm.add_argument("--max-local-prefill", type=int, default=1000, help="with prefill workers: uncached prompt "
                     "tokens a decode worker prefills itself (default 1000)")
     sm.add_argument("--max-prefill-queue", type=int, default=2, help="with prefill workers: requests queued on "

@@ -75,6 +75,7 @@ class SimConfig:
     dispatch_s: float = 0.0      # arrival -> the worker's queue (gateway, tokenizer, router, bus)
     stream_s: float = 0.0        # a sampled token -> the client
     step_overhead_s: float = 0.0 # per step, outside the engine's step (publishing tokens)
+    cores: float = 0.0           # CPU cores the workers share, each busy one an equal share (0: a device each)
     intake_steps: int = 0        # a request reaching a busy worker joins its queue after this many of its steps
                                  # (a real worker takes work between steps, and its checks wait on the bus)
     # the workload: Poisson chats (unless arrivals are given)
@@ -297,6 +298,8 @@ class Cell:
             shape.add(n, req.num_computed_tokens + n, (1 + len(drafts)) if samples else 0)
             drafted += len(drafts)
         seconds = cfg.cost.seconds(shape) + cfg.step_overhead_s
+        if cfg.cores:                                   # CPU workers beyond the cores time-share them
+            seconds *= max(1.0, (1 + sum(x.busy for x in self.workers.values())) / cfg.cores)
         if drafted and cfg.spec_draft_cost:
             seconds += cfg.spec_draft_cost * cfg.spec_k * cfg.cost.seconds(
                 StepShape(shape.rows, shape.rows, shape.rows, float(shape.kv_read), shape.kv_read))
@@ -582,8 +585,22 @@ def gpu_config(args) -> SimConfig:
     return config(args, RooflineCost(plan), kv_blocks, plan.kv_bytes_per_token())
 
 
+def cpu_config(args) -> SimConfig:
+    """The simulation of CPU workers: each step's cost fitted on this machine's real engine (ops.sim_cost),
+    the workers sharing its cores."""
+    from ops import sim_cost
+    from workers.models.catalogue import resolve
+    from workers.models.config import ModelConfig
+    model = ModelConfig.load(resolve(args.model))
+    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4     # float32, the CPU default
+    cfg = config(args, sim_cost.load_or_fit(args.model, args.threads), args.kv_blocks or 2000, kv_per_token)
+    cfg.cores = args.cores
+    return cfg
+
+
 def config(args, cost: StepCost, kv_blocks: int, kv_bytes_per_token: float) -> SimConfig:
-    router = {"max_local_prefill": args.max_local_prefill, "max_prefill_queue": args.max_prefill_queue}
+    router = {"alpha": args.alpha, "max_local_prefill": args.max_local_prefill,
+              "max_prefill_queue": args.max_prefill_queue}
     return SimConfig(
         workers=args.workers, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         cells=args.cells, sample_cells=args.sample_cells, processes=args.processes, cost=cost,
@@ -633,7 +650,7 @@ def plot(r: dict, path: str) -> None:
 
 
 def main(args) -> None:
-    cfg = gpu_config(args)
+    cfg = cpu_config(args) if args.gpu == "cpu" else gpu_config(args)
     arrivals = replayed(args.replay) if args.replay else None
     if args.search:
         workers, r = search(cfg)

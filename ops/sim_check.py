@@ -243,7 +243,7 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args) -> dict:
     cfg = sim.SimConfig(workers=workers, cost=cost, block_size=args.block_size, num_blocks=args.kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, rate=0.0, drain=REQUEST_TIMEOUT,
-                        intake_steps=INTAKE_STEPS, **consts)
+                        intake_steps=INTAKE_STEPS, cores=os.cpu_count() or 1, **consts)
     r = sim.simulate(cfg, arrivals)
     out = r["output_tokens_per_s"] * r["sim_seconds"]
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"],

@@ -130,3 +130,12 @@ def test_the_command_prints_json(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["nodes"] == 2 and r["finished"] == r["requests"] > 5
     assert set(r["ttft_s"]) == {"p50", "p90", "p99", "mean"} and "samples" not in r
+
+
+def test_cpu_workers_share_the_cores(cost):
+    """Two busy workers on one core: each step takes twice as long as on a core of its own."""
+    arrivals = [Arrival(0.0, [16 + i] * 64, 50) for i in range(2)]
+    own = simulate(small(cost, policy="round-robin"), arrivals)
+    shared = simulate(small(cost, policy="round-robin", cores=1.0), arrivals)
+    assert [w["requests"] for w in shared["workers"]] == [1, 1]
+    assert shared["tpot_s"]["p50"] == pytest.approx(2 * own["tpot_s"]["p50"], rel=0.05)
