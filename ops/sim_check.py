@@ -185,17 +185,20 @@ async def warm(url: str, args, workers: int, vocab: int) -> None:
 
 @dataclass(slots=True)
 class Scaled:
-    """A cost model's steps, `scale` times as long: the engine's steps inside the stack, which shares the
-    cores with the other services, against the same steps alone (where the cost was fitted)."""
+    """A cost model's steps, `scale` times as long (`decode_scale` for steps that only decode): the engine's
+    steps inside the stack, which shares the cores with the other services, against the same steps alone
+    (where the cost was fitted). The two differ: a step that prefills spends its time in large matmuls, a
+    decode step in the per-step work a busy neighbour slows differently."""
     cost: sim_cost.StepCost
     scale: float
+    decode_scale: float
 
     @property
     def name(self) -> str:
-        return f"{self.cost.name} × {self.scale:.2f}"
+        return f"{self.cost.name} × {self.scale:.2f} (decode × {self.decode_scale:.2f})"
 
     def seconds(self, shape: sim_cost.StepShape) -> float:
-        return self.scale * self.cost.seconds(shape)
+        return (self.scale if shape.tokens > shape.rows else self.decode_scale) * self.cost.seconds(shape)
 
 
 def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int) -> tuple[Scaled, dict]:
@@ -219,10 +222,12 @@ def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int) -> tuple[Scaled, di
     decode.add(1, PROBE_PROMPT + PROBE_OUTPUT // 2, 1)
     prefill.add(PROBE_LONG, PROBE_LONG, 1)
     scale = max(1.0, (ttft - tpot) / (cost.seconds(prefill) - cost.seconds(decode)))
+    decode_scale = min(scale, tpot / cost.seconds(decode))
     dispatch = statistics.median(r.timing["queue_ms"] for r in recs) / 1e3
     client_over_worker = statistics.median(s.result.ttft - r.timing["ttft_ms"] / 1e3 for s, r in zip(sent, recs))
-    return Scaled(cost, scale), {"dispatch_s": dispatch, "stream_s": max(0.0, client_over_worker - dispatch),
-                                 "step_overhead_s": max(0.0, tpot - scale * cost.seconds(decode))}
+    return Scaled(cost, scale, decode_scale), {"dispatch_s": dispatch,
+                                               "stream_s": max(0.0, client_over_worker - dispatch),
+                                               "step_overhead_s": max(0.0, tpot - scale * cost.seconds(decode))}
 
 
 # -- one configuration ----------------------------------------------------------------------------
@@ -271,6 +276,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         real, simd = real_figures(sent), simulated(sent, scaled, consts, workers, args)
         rows.append({"workload": name, "workers": workers, "threads": threads, "real": real, "sim": simd,
                      "error": errors(real, simd), "step_scale": round(scaled.scale, 3),
+                     "decode_scale": round(scaled.decode_scale, 3),
                      "constants": {k: round(v, 6) for k, v in consts.items()}})
     return rows
 
@@ -306,7 +312,7 @@ def table(r: dict) -> str:
         lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s): "
                      f"{real['requests']} requests; dispatch {c['dispatch_s'] * 1e3:.1f} ms, stream "
                      f"{c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, "
-                     f"steps × {row['step_scale']:.2f}")
+                     f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f})")
         lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}")
         for m, q in METRICS:
             lines.append(f"{m[:-2].upper() + ' ' + q + ' (ms)':16}{real[m][q] * 1e3:>12.1f}{simd[m][q] * 1e3:>12.1f}"
