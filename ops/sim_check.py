@@ -8,7 +8,9 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    queue_ms), the stream (a token sampled → the client: the rest of the client's TTFT beyond the
    worker's), and from a short prompt's decode steps and a long prompt's prefill, how much slower the
    engine's steps are in the stack than alone (the scale of the fitted cost) and each step's work
-   outside the engine (the overhead);
+   outside the engine (the overhead); then, with every worker decoding a long request, how many of a
+   busy worker's steps a new request waits before it joins the engine (the intake: the worker reads
+   its work between steps, and the item's checks take replies from the bus);
 2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
    output has its max_tokens:
    - poisson: one-turn requests of random prompts, Poisson arrivals;
@@ -16,7 +18,7 @@ router, the workers, the gateway) is warmed with prompts of every length the run
      history (with the replies the model gave) plus a new user message, after a pause to type it;
 3. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
    in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
-   busy worker taking a request INTAKE_STEPS steps after it comes.
+   busy worker taking a request the probed number of its steps after it comes.
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
 Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
@@ -25,6 +27,7 @@ workers on 2 cores) run slower than it says.
 """
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import statistics
@@ -48,8 +51,7 @@ REQUEST_TIMEOUT = 300.0       # seconds; a request slower than this means the st
 PROBES = 6                    # idle requests, one at a time
 PROBE_PROMPT, PROBE_OUTPUT = 32, 24
 PROBE_LONG = 384
-INTAKE_STEPS = 2              # a busy worker takes a request after its step, and adds it after the next (its
-                              # checks' replies on the bus come in during that step): workers/service.py
+BUSY_OUTPUT = 256             # tokens of each request that keeps a worker busy while the intake is probed
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
 
 
@@ -68,6 +70,7 @@ class Client:
 
     def __init__(self, ws, t0: float):
         self.ws, self.t0, self.queues, self.n = ws, t0, {}, 0
+        self.sent: list[Sent] = []                # every request sent, as it goes
 
     async def read(self) -> None:
         async for raw in self.ws:
@@ -80,6 +83,7 @@ class Client:
         rid, queue = str(self.n), asyncio.Queue()
         self.queues[rid] = queue
         s = Sent(time.perf_counter() - self.t0, prompt, max_tokens, Result(time.perf_counter()))
+        self.sent.append(s)
         await self.ws.send(orjson.dumps({"type": "generate", "id": rid, "prompt_token_ids": prompt,
                                          "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).decode())
         while True:
@@ -225,9 +229,44 @@ def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int) -> tuple[Scaled, di
     decode_scale = min(scale, tpot / cost.seconds(decode))
     dispatch = statistics.median(r.timing["queue_ms"] for r in recs) / 1e3
     client_over_worker = statistics.median(s.result.ttft - r.timing["ttft_ms"] / 1e3 for s, r in zip(sent, recs))
-    return Scaled(cost, scale, decode_scale), {"dispatch_s": dispatch,
-                                               "stream_s": max(0.0, client_over_worker - dispatch),
-                                               "step_overhead_s": max(0.0, tpot - scale * cost.seconds(decode))}
+    consts = {"dispatch_s": dispatch, "stream_s": max(0.0, client_over_worker - dispatch),
+              "step_overhead_s": max(0.0, tpot - scale * cost.seconds(decode))}
+    return Scaled(cost, scale, decode_scale), consts
+
+
+def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -> int:
+    """How many of a busy worker's steps a request waits before it joins the engine: each worker decodes a
+    long request while short ones (one output token) come one at a time. A short request's TTFT is the
+    dispatch and the stream, the rest of the step under way (half a step on average), the intake's steps,
+    and the step that prefills it; each is timed by the long request's token gaps on the short one's
+    worker (the completion records say which), and short requests that found an idle worker are left out."""
+    rng = random.Random("intake")
+    after = asyncio.run(results_seq(stack.nats_url))
+
+    async def run() -> tuple[list[Sent], list[Sent]]:
+        async with connect(stack.url) as c:
+            busy = [asyncio.ensure_future(c.send(tokens(rng, PROBE_PROMPT, vocab), BUSY_OUTPUT))
+                    for _ in range(workers)]
+            while not all(s.result.chunks for s in c.sent):
+                await asyncio.sleep(0.01)
+            probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
+            return list(await asyncio.gather(*busy)), probes
+    busy, probes = asyncio.run(run())
+    worker = {tuple(r.prompt_token_ids): r.worker
+              for r in asyncio.run(records(stack.nats_url, after, len(busy) + len(probes)))}
+    start, end = min(p.result.start for p in probes), max(p.result.end for p in probes)
+    gaps: dict[str, list[float]] = {}
+    for s in busy:
+        gaps.setdefault(worker[tuple(s.prompt)], []).extend(
+            b - a for a, b in itertools.pairwise(s.result.chunks) if start <= a and b <= end)
+    prefill, decode = sim_cost.StepShape(), sim_cost.StepShape()
+    prefill.add(PROBE_PROMPT, PROBE_PROMPT, 1)
+    for shape in (prefill, decode):
+        shape.add(1, PROBE_PROMPT + BUSY_OUTPUT // 2, 1)
+    prefill_steps = cost.seconds(prefill) / cost.seconds(decode)
+    waits = [(p.result.ttft - consts["dispatch_s"] - consts["stream_s"]) / statistics.median(g) - prefill_steps - 0.5
+             for p in probes if (g := gaps.get(worker[tuple(p.prompt)]))]
+    return max(0, round(statistics.median(waits))) if waits else 0
 
 
 # -- one configuration ----------------------------------------------------------------------------
@@ -248,10 +287,10 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args) -> dict:
     cfg = sim.SimConfig(workers=workers, cost=cost, block_size=args.block_size, num_blocks=args.kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, rate=0.0, drain=REQUEST_TIMEOUT,
-                        intake_steps=INTAKE_STEPS, cores=os.cpu_count() or 1, **consts)
+                        cores=os.cpu_count() or 1, **consts)
     r = sim.simulate(cfg, arrivals)
     out = r["output_tokens_per_s"] * r["sim_seconds"]
-    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"],
+    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
             "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
             "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]}
 
@@ -270,10 +309,18 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
             scaled, consts = probe(stack, cost, vocab)
+            consts["intake_steps"] = intake(stack, scaled, consts, workers, vocab)
+            after = asyncio.run(results_seq(stack.nats_url))
             sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k))
+            recs = asyncio.run(records(stack.nats_url, after, len(sent)))
         finally:
             stack.stop()
         real, simd = real_figures(sent), simulated(sent, scaled, consts, workers, args)
+        real["dispatch_s"] = sim.percentiles([r.timing["queue_ms"] / 1e3 for r in recs])
+        real["worker_ttft_s"] = sim.percentiles([r.timing["ttft_ms"] / 1e3 for r in recs])
+        simd["dispatch_s"] = sim.percentiles([consts["dispatch_s"]])
+        simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"]
+                                                 for t in simd.pop("ttft_samples")])
         rows.append({"workload": name, "workers": workers, "threads": threads, "real": real, "sim": simd,
                      "error": errors(real, simd), "step_scale": round(scaled.scale, 3),
                      "decode_scale": round(scaled.decode_scale, 3),
@@ -299,6 +346,10 @@ def main(args) -> int:
     return 0
 
 
+def fmt(p: dict) -> str:
+    return f"{p['p50'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}"
+
+
 def table(r: dict) -> str:
     lines = [f"tokenbus sim-check: {r['model']}; the simulator with the CPU cost fitted on this machine against "
              "the real stack (error = sim / real − 1)"]
@@ -311,12 +362,15 @@ def table(r: dict) -> str:
         lines.append("")
         lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s): "
                      f"{real['requests']} requests; dispatch {c['dispatch_s'] * 1e3:.1f} ms, stream "
-                     f"{c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, "
+                     f"{c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
+                     f"{c['intake_steps']} steps, "
                      f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f})")
         lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}")
         for m, q in METRICS:
             lines.append(f"{m[:-2].upper() + ' ' + q + ' (ms)':16}{real[m][q] * 1e3:>12.1f}{simd[m][q] * 1e3:>12.1f}"
                          f"{err[m[:-2] + '_' + q]:>+10.1%}")
+        for m, name in (("dispatch_s", "dispatch"), ("worker_ttft_s", "worker TTFT")):
+            lines.append(f"{'  ' + name + ' p50/p99':16}{fmt(real[m]):>12}{fmt(simd[m]):>12}")
         lines.append(f"{'output tok/s':16}{real['output_tokens_per_s']:>12.1f}{simd['output_tokens_per_s']:>12.1f}"
                      f"{err['throughput']:>+10.1%}")
     lines.append("")

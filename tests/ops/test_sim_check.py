@@ -27,4 +27,8 @@ def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_mode
         assert r["real"]["requests"] == r["sim"]["requests"] == (16 if r["workload"] == "poisson" else 6)
         assert r["sim"]["output_tokens"] == pytest.approx(r["real"]["output_tokens"])   # EOS ignored: max_tokens each
         assert all(abs(e) < BOUND for e in r["error"].values()), r["error"]
+        assert r["constants"]["intake_steps"] >= 0                  # probed with the worker busy
+        for side in ("real", "sim"):                                # where the TTFT goes: dispatch, then worker
+            assert 0 < r[side]["dispatch_s"]["p50"] < r[side]["ttft_s"]["p99"]
+            assert r[side]["worker_ttft_s"]["p50"] > 0
     assert report["fits"][f"{sim_check.threads_for(1)}t"]["quality"]["held_out_steps"] > 0
