@@ -43,6 +43,10 @@ class Traffic:
             self.in_flight -= 1
 
 
+# uvicorn runs this on uvloop, whose timers count from the loop's cached clock: a sleep may end up to ~1 ms
+# before its delay has passed by the client's clock. Lower bounds on measured gaps allow this much.
+TIMER_SLACK_MS = 1.5
+
 def app(ttft: float = 0.0, itl: float = 0.0, fail_every: int = 0, key: str | None = None,
         traffic: Traffic | None = None) -> Starlette:
     """Every fail_every-th request (if set) is refused: an error frame on ws, a 429 over HTTP. With a key,
