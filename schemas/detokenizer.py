@@ -5,6 +5,8 @@ Text is released only in whole characters (a multi-byte character split across t
 its last byte), and never includes a stop string or a piece that may grow into one: the last
 len(longest stop) - 1 characters are held back until the request ends.
 """
+import re
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -50,3 +52,30 @@ class Detokenizer:
         end = len(self.text) if finished or self.stop_reason else max(len(self.text) - self.hold, self.sent)
         delta, self.sent = self.text[self.sent:end], end
         return delta
+
+
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte fallback
+
+
+def gpt2_bytes() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode), reversed: the character each byte is written as,
+    mapped back to the byte. Printable Latin-1 bytes are themselves; the rest are chr(256 + n) in order."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {chr(c): b for b, c in zip(shown + hidden, shown + [256 + n for n in range(len(hidden))])}
+
+
+GPT2_BYTES = gpt2_bytes()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for: a token may hold part of a UTF-8 character, which decoding alone shows
+    as "\ufffd" (the logprobs' `bytes` of such a token are its own)."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    if m := BYTE_TOKEN.fullmatch(piece):
+        return bytes([int(m[1], 16)])
+    if "ByteLevel" in repr(tokenizer.decoder) and all(c in GPT2_BYTES for c in piece):
+        return bytes(GPT2_BYTES[c] for c in piece)
+    return piece.replace("\u2581", " ").encode()      # SentencePiece's word start is a space

@@ -16,6 +16,8 @@ MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5           # below this (but not 0) float32 logits / temperature overflow
 MIN_REPETITION_PENALTY = 0.01    # it divides positive logits: below this they overflow float32
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 300             # token ids in one logit_bias map
+LOGIT_BIAS_BOUND = 100.0         # each bias is in [-100, 100], as OpenAI's
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     speculative: bool = True     # false: this request never verifies draft tokens (its output is the same either way)
+    logit_bias: dict[str, float] | None = None   # token id (decimal, as OpenAI's JSON keys) -> added to its logit
 
     def __post_init__(self):
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -60,6 +63,7 @@ class SamplingParams:
               f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
         check(self.seed is None or 0 <= self.seed < SEED_BOUND, "seed", "must be in [0, 2**64)", self.seed)
         check_stops(self)
+        self.logit_bias = checked_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +104,36 @@ def check_stops(p: SamplingParams) -> None:
     bad = next((t for t in p.stop_token_ids if not (isinstance(t, int) and not isinstance(t, bool)
                                                      and 0 <= t <= MAX_TOKEN_ID)), None)
     check(bad is None, "stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}]", bad)
+
+
+def check_vocabulary(p: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the field when a field is outside a vocabulary of vocab_size tokens (where the
+    vocabulary is known: the tokenizer stage and the engine)."""
+    if p.top_k > vocab_size:
+        raise ValueError(f"top_k {p.top_k} is more than the vocabulary ({vocab_size} tokens)")
+    bad = next((k for k in p.logit_bias or () if int(k) >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def checked_bias(bias) -> dict[str, float] | None:
+    """logit_bias with its keys as decimal strings (a Python caller may give ints) and its values as floats;
+    None when empty."""
+    if bias is None:
+        return None
+    check(isinstance(bias, dict), "logit_bias", "must be a map of token id to bias", bias)
+    check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"has more than MAX_LOGIT_BIAS={MAX_LOGIT_BIAS} token ids",
+          len(bias))
+    out = {}
+    for k, v in bias.items():
+        t = k if isinstance(k, int) and not isinstance(k, bool) else (int(k) if isinstance(k, str)
+                                                                       and k.isascii() and k.isdigit() else -1)
+        check(0 <= t <= MAX_TOKEN_ID, "logit_bias", f"keys must be token ids in [0, {MAX_TOKEN_ID}]", k)
+        check(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+              and -LOGIT_BIAS_BOUND <= v <= LOGIT_BIAS_BOUND, f"logit_bias[{t}]",
+              f"must be a number in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}]", v)
+        out[str(t)] = float(v)
+    return out or None
 
 
 def check(ok: bool, field: str, rule: str, value) -> None:

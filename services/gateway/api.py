@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""The OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}].
 
 A request is checked (key, body size, JSON, fields, admission) before anything is published; the
 response starts only when the pipeline's first chunk or error arrives, so an error of the tokenizer
@@ -7,6 +7,8 @@ one `data:` line per chunk, every chunk already queued written in one go; each e
 resume point (request id, request-log sequence, output tokens so far), and a POST with that id in
 Last-Event-ID resumes the stream from there, on any gateway (the body is not needed)."""
 import asyncio
+import base64
+import os
 import re
 import time
 import uuid
@@ -16,6 +18,7 @@ import orjson
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
+from schemas.detokenizer import token_bytes
 from schemas.messages import GenerateRequest
 from schemas.subjects import MAX_BODY_BYTES
 from services.gateway import errors, frames
@@ -24,8 +27,13 @@ from services.gateway.frames import FrameError
 from services.gateway.session import Exchange, Gateway, Request, leave
 
 EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative"}
+# OpenAI's fields that change nothing a completion says: checked for their type, then ignored (docs/api.md)
+IGNORED = {"store": (frames.is_bool, "true or false"), "metadata": (lambda v: isinstance(v, dict), "an object"),
+           "service_tier": (frames.is_str, "a string"), "parallel_tool_calls": (frames.is_bool, "true or false"),
+           "tool_choice": (lambda v: v == "none", '"none" (tools are not implemented)')}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
-          "frequency_penalty", "user", "stream", "stream_options", *EXTENSIONS}
+          "frequency_penalty", "logit_bias", "user", "stream", "stream_options", *EXTENSIONS, *IGNORED}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}
 ROLES = ("system", "developer", "user", "assistant")
 MAX_LOGPROBS = 20
@@ -40,7 +48,9 @@ class Call:
     api: str                                      # chat | completions
     req: GenerateRequest
     stream: bool
-    include_usage: bool
+    include_usage: bool                           # a last chunk with the usage
+    continuous_usage: bool                        # vLLM's continuous_usage_stats: the usage so far in every chunk
+    obfuscation: bool                             # OpenAI's include_obfuscation: chunks padded to hide their size
     logprobs: bool
     id: str                                       # chatcmpl-… or cmpl-…
     created: int
@@ -63,17 +73,32 @@ async def completions(request: HttpRequest):
 
 async def models(request: HttpRequest) -> Response:
     gw: Gateway = request.app.state.gateway
+    key, name = None, request.path_params.get("model")
     try:
-        gw.authorize(request.headers, request.query_params)
+        key = gw.authorize(request.headers, request.query_params)
+        if name is not None and name != gw.model:
+            raise unknown_model(name, gw)
     except ApiError as e:
-        return e.response()
-    return json({"object": "list", "data": [{"id": gw.model, "object": "model", "created": request.app.state.started,
-                                             "owned_by": "tokenbus"}]})
+        return refused(gw, key, e)
+    card = {"id": gw.model, "object": "model", "created": request.app.state.started, "owned_by": "tokenbus"}
+    return json(card if name is not None else {"object": "list", "data": [card]})
+
+
+def unknown_model(name, gw: Gateway) -> ApiError:
+    return ApiError(404, f"model {frames.show(name)} does not exist; this server serves {gw.model!r}",
+                    "model_not_found", "model")
+
+
+def refused(gw: Gateway, key, e: ApiError) -> Response:
+    """The refusal's response, counted by its code in tokenbus_request_errors_total (tenant "-" before a key
+    was accepted)."""
+    gw.metrics.error(key.tenant if key is not None else "-", e.code or str(e.status))
+    return e.response()
 
 
 async def complete(request: HttpRequest, api: str):
     gw: Gateway = request.app.state.gateway
-    t0, ex = time.perf_counter(), Exchange(gw)
+    t0, ex, key = time.perf_counter(), Exchange(gw), None
     try:
         key = gw.authorize(request.headers, request.query_params)
         last = request.headers.get("last-event-id")
@@ -84,7 +109,7 @@ async def complete(request: HttpRequest, api: str):
             call, r = await resume(request, api, gw, ex, key, last, t0)
         first = await watching(request, ex.frames.get())
     except ApiError as e:
-        return e.response()
+        return refused(gw, key, e)
     except Disconnected:
         await abort(ex)
         return Response(status_code=499)
@@ -126,19 +151,17 @@ async def body(request: HttpRequest, optional: bool = False) -> dict:
 
 async def resume(request: HttpRequest, api: str, gw: Gateway, ex: Exchange, key, last: str,
                  t0: float) -> tuple[Call, Request]:
-    """The stream a Last-Event-ID names, resumed after that event. Only stream_options.include_usage is
-    read from the body, if there is one (a client retrying its call sends it again)."""
+    """The stream a Last-Event-ID names, resumed after that event. Only stream_options is read from the
+    body, if there is one (a client retrying its call sends it again)."""
     try:
         rid, seq, offset = frames.event_point(last)
     except FrameError as e:
         raise bad(str(e), "Last-Event-ID") from None
-    b = await body(request, optional=True)
-    opts = b.get("stream_options")
-    include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    opts = stream_options(await body(request, optional=True), True)
     req = await gw.find(key, rid, seq, offset, api)
     r = await gw.resume(ex, "http", key, req, seq, offset, t0)
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
-    return Call(api, req, True, include_usage, req.sampling.logprobs is not None, prefix + rid, int(req.created),
+    return Call(api, req, True, *opts, req.sampling.logprobs is not None, prefix + rid, int(req.created),
                 gw.model), r
 
 
@@ -185,12 +208,14 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     if not isinstance(model, str):
         raise bad("model: required, a string", "model")
     if model != gw.model:
-        raise ApiError(404, f"model {frames.show(model)} does not exist; this server serves {gw.model!r}",
-                       "model_not_found", "model")
+        raise unknown_model(model, gw)
+    for name, (ok, want) in IGNORED.items():
+        if name in b and not ok(b[name]):
+            raise bad(f"{name}: expected {want}, got {frames.show(b[name])}", name)
     if b.get("n", 1) != 1 or frames.is_bool(b.get("n")):
         raise bad(f"n: only n=1 is supported (got {frames.show(b['n'])})", "n")
     stream = flag(b, "stream")
-    include_usage = stream_options(b, stream)
+    opts = stream_options(b, stream)
     fields, top = sampling_fields(api, b, gw)
     prompt = messages(b.get("messages")) if api == "chat" else dict([completion_prompt(b.get("prompt"))])
     try:
@@ -199,7 +224,7 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
         raise bad(str(e), param_of(str(e))) from None
     req.sampling.logprobs = top
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
-    return Call(api, req, stream, include_usage, top is not None, prefix + req.id, int(req.created), model)
+    return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -218,15 +243,25 @@ def flag(b: dict, name: str) -> bool:
     return v
 
 
-def stream_options(b: dict, stream: bool) -> bool:
+def stream_options(b: dict, stream: bool) -> tuple[bool, bool, bool]:
+    """(include_usage, continuous usage, obfuscation). continuous_usage_stats needs include_usage, as vLLM's."""
     opts = b.get("stream_options")
     if opts is None:
-        return False
+        return False, False, False
     if not stream:
         raise bad("stream_options: only allowed when stream is true", "stream_options")
-    if not isinstance(opts, dict) or opts.keys() - {"include_usage"}:
-        raise bad("stream_options: expected an object with include_usage", "stream_options")
-    return flag(opts, "include_usage")
+    if not isinstance(opts, dict):
+        raise bad(f"stream_options: expected an object, got {frames.kind(opts)}", "stream_options")
+    extra = sorted(opts.keys() - STREAM_OPTIONS)
+    if extra:
+        raise bad(f"stream_options.{extra[0][:40]}: unknown option (known: {', '.join(sorted(STREAM_OPTIONS))})",
+                  "stream_options")
+    try:
+        include, continuous, pad = (flag({k: v for k, v in opts.items() if v is not None}, name)
+                                    for name in ("include_usage", "continuous_usage_stats", "include_obfuscation"))
+    except ApiError as e:
+        raise bad(f"stream_options.{e.message}", "stream_options") from None
+    return include, include and continuous, pad
 
 
 def sampling_fields(api: str, b: dict, gw: Gateway) -> tuple[dict, int | None]:
@@ -313,6 +348,11 @@ def usage(r: Request) -> dict:
             "total_tokens": r.prompt_tokens + r.received, "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
 
+def usage_so_far(r: Request, offset: int) -> dict:
+    """continuous_usage_stats: the counts after the first `offset` output tokens."""
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": offset, "total_tokens": r.prompt_tokens + offset}
+
+
 def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
     """The non-streaming answer."""
     text = "".join(f["text"] for f in got if f["type"] == "delta")
@@ -328,12 +368,25 @@ def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
 
 
 def chunk(call: Call, choices: list, usage_: dict | None = None) -> bytes:
-    """The JSON of one streamed chunk."""
+    """The JSON of one streamed chunk (usage_: the final usage, or the usage so far when continuous)."""
     c = {"id": call.id, "object": "chat.completion.chunk" if call.api == "chat" else "text_completion",
          "created": call.created, "model": call.model, "choices": choices}
     if call.include_usage:
         c["usage"] = usage_
+    if not (call.obfuscation and choices):
+        return orjson.dumps(c)
+    c["obfuscation"] = ""
+    n = len(orjson.dumps(c))
+    c["obfuscation"] = pad(-n % OBFUSCATION_BLOCK or OBFUSCATION_BLOCK)
     return orjson.dumps(c)
+
+
+OBFUSCATION_BLOCK = 64      # include_obfuscation pads a chunk to a multiple of this many bytes, 1 to 64 more
+
+
+def pad(n: int) -> str:
+    """n random URL-safe characters."""
+    return base64.urlsafe_b64encode(os.urandom(n)).decode()[:n]
 
 
 def event(data: bytes, eid: bytes) -> bytes:
@@ -353,14 +406,15 @@ def delta_choice(call: Call, text: str, lp: dict | None = None, finish: str | No
     return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
-def sse(call: Call, r: Request, f: dict, gw: Gateway) -> list[bytes]:
-    """The data of the events of one frame."""
+def sse(call: Call, r: Request, f: dict, gw: Gateway, offset: int) -> list[bytes]:
+    """The data of the events of one frame, which brings the output to `offset` tokens."""
+    so_far = usage_so_far(r, offset) if call.continuous_usage else None
     if f["type"] == "delta":
         lp = logprobs(call, [f], gw) if call.logprobs else None
-        return [chunk(call, [delta_choice(call, f["text"], lp)])]
+        return [chunk(call, [delta_choice(call, f["text"], lp)], so_far)]
     if f["type"] == "error":
         return [orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body())]
-    out = [chunk(call, [delta_choice(call, "", None, f["finish_reason"])])]
+    out = [chunk(call, [delta_choice(call, "", None, f["finish_reason"])], so_far)]
     if call.include_usage:
         out.append(chunk(call, [], usage(r)))
     return [*out, b"[DONE]"]
@@ -370,13 +424,14 @@ async def events(ex: Exchange, call: Call, r: Request, first: dict):
     """The stream's bytes: each time, every frame queued so far (a resumed stream has no role chunk)."""
     gw, offset = ex.gw, r.replay
     role = call.api == "chat" and not r.resumed
-    out = [event(chunk(call, [delta_choice(call, "", role=True)]), point(r, 0))] if role else []
+    so_far = usage_so_far(r, 0) if call.continuous_usage else None
+    out = [event(chunk(call, [delta_choice(call, "", role=True)], so_far), point(r, 0))] if role else []
     pending = [first]
     while True:
         for f in pending:
             offset += len(f.get("token_ids", ()))
             eid = point(r, offset)
-            out += [event(data, eid) for data in sse(call, r, f, gw)]
+            out += [event(data, eid) for data in sse(call, r, f, gw, offset)]
         yield b"".join(out)
         if pending[-1]["type"] in ("done", "error"):
             return
@@ -428,8 +483,7 @@ def logprobs(call: Call, deltas: list[dict], gw: Gateway) -> dict:
         return gw.tokenizer.decode([t], skip_special_tokens=False)
 
     def entry(t: int, v: float) -> dict:
-        s = piece(t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+        return {"token": piece(t), "logprob": v, "bytes": list(token_bytes(gw.tokenizer, t))}
 
     if call.api == "chat":
         return {"content": [{**entry(t, v), "top_logprobs": [entry(i, w) for i, w in zip(ids, vals)]}

@@ -1,6 +1,6 @@
 """The gateway's ASGI app, served by uvicorn: the websocket chat protocol at /ws, the OpenAI-compatible
-HTTP API at /v1/* (its OpenAPI document at /openapi.json), the web chat page at /, /healthz and
-/metrics (Prometheus text)."""
+HTTP API at /v1/* (its OpenAPI document at /openapi.json), the web chat page at /, /healthz (and /health,
+vLLM's name) and /metrics (Prometheus text)."""
 import argparse
 import asyncio
 import contextlib
@@ -80,8 +80,9 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             await subjects.close(nc)
             log.info("gateway stopped")
 
-    routes = [Route("/", page), Route("/healthz", healthz), Route("/metrics", metrics),
+    routes = [Route("/", page), Route("/healthz", healthz), Route("/health", healthz), Route("/metrics", metrics),
               Route("/openapi.json", openapi_json), Route("/v1/models", api.models),
+              Route("/v1/models/{model:path}", api.models),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]), WebSocketRoute("/ws", chat)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
@@ -113,7 +114,7 @@ async def chat(ws: WebSocket) -> None:
     try:
         key = gw.authorize(ws.headers, ws.query_params)
     except ApiError as e:
-        await ws.send_denial_response(e.response())
+        await ws.send_denial_response(api.refused(gw, None, e))
         return
     await Connection(gw, ws, key).run()
 

@@ -55,6 +55,7 @@ SAMPLING = {  # field -> (check, what it must be)
     "presence_penalty": (is_num, "a number"),
     "frequency_penalty": (is_num, "a number"),
     "speculative": (is_bool, "true or false"),
+    "logit_bias": (lambda v: isinstance(v, dict), "an object of token id to bias"),
 }
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be

@@ -1,6 +1,8 @@
 """The OpenAPI document of the HTTP API, served at /openapi.json: the bounds in it are the ones the
 gateway enforces (schemathesis generates requests from it)."""
 from schemas.sampling import (
+    LOGIT_BIAS_BOUND,
+    MAX_LOGIT_BIAS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -58,7 +60,22 @@ def sampling(max_tokens: int) -> dict:
         "frequency_penalty": number(-2, 2),
         "user": nullable({"type": "string"}),
         "stream": nullable({"type": "boolean"}),
-        "stream_options": nullable(obj({"include_usage": nullable({"type": "boolean"})})),
+        "stream_options": nullable(obj({
+            "include_usage": nullable({"type": "boolean"}),
+            "continuous_usage_stats": nullable({"type": "boolean", "description": "extension (vLLM's): with "
+                                                "include_usage, the usage so far in every chunk"}),
+            "include_obfuscation": nullable({"type": "boolean", "description": "pad each chunk with an "
+                                             "`obfuscation` field to a multiple of 64 bytes (default false)"})})),
+        "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                                "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_BOUND,
+                                                         "maximum": LOGIT_BIAS_BOUND}}),
+        "store": nullable({"type": "boolean", "description": "accepted and ignored"}),
+        "metadata": nullable({"type": "object", "description": "accepted and ignored"}),
+        "service_tier": nullable({"type": "string", "description": "accepted and ignored"}),
+        "parallel_tool_calls": nullable({"type": "boolean", "description": "accepted and ignored"}),
+        "tool_choice": nullable({"type": "string", "enum": ["none"], "description": "only none: tools are not "
+                                 "implemented"}),
         "ignore_eos": nullable({"type": "boolean", "description": "extension: generate until max_tokens"}),
         "top_k": integer(-1, MAX_TOP_K),
         "min_p": number(0, 1),
@@ -166,8 +183,15 @@ def document(model: str, max_tokens: int) -> dict:
             "/v1/models": {"get": {"summary": "the served model", "responses": {
                 "200": {"description": "the models", "content": {"application/json": {"schema": models}}},
                 **errors(401, 431)}}},
-            "/healthz": {"get": {"summary": "ready when a worker is registered", "security": [], "responses": {
+            "/v1/models/{model}": {"get": {
+                "summary": "one served model", "parameters": [{"name": "model", "in": "path", "required": True,
+                                                               "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model", "content": {"application/json": {
+                    "schema": models["properties"]["data"]["items"]}}},
+                              **errors(401, 404, 431)}}},
+            **{path: {"get": {"summary": "ready when a worker is registered", "security": [], "responses": {
                 "200": {"description": "ready", "content": {"application/json": {"schema": health}}},
-                "503": {"description": "no worker", "content": {"application/json": {"schema": health}}}}}},
+                "503": {"description": "no worker", "content": {"application/json": {"schema": health}}}}}}
+               for path in ("/healthz", "/health")},
         },
     }

@@ -563,8 +563,9 @@ class Request:
         chunk starts the detokenizer."""
         if self.detok is None:
             self.detok = Detokenizer(self.conn.gw.tokenizer, chunk.prompt_tail, self.stop)
-            self.prompt_tokens = getattr(chunk, "prompt_tokens", 0)
-            self.cached_tokens = getattr(chunk, "cached_tokens", 0)
+            counts = chunk.usage if isinstance(chunk, FinalChunk) else {"prompt_tokens": chunk.prompt_tokens,
+                                                                         "cached_tokens": chunk.cached_tokens}
+            self.prompt_tokens, self.cached_tokens = counts.get("prompt_tokens", 0), counts.get("cached_tokens", 0)
         skip = self.received - chunk.offset
         assert skip >= 0, "a chunk past a gap is held, never accepted"
         new = chunk.token_ids[skip:]

@@ -11,6 +11,7 @@ import msgpack
 from schemas import subjects
 from schemas.log import configure
 from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, WireError, decode, encode
+from schemas.sampling import check_vocabulary
 
 LOG = configure("tokenizer")
 
@@ -29,8 +30,7 @@ class Tokenizer:
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids; ValueError naming the field or the limit."""
-        if req.sampling.top_k > self.vocab_size:
-            raise ValueError(f"top_k {req.sampling.top_k} is more than the vocabulary ({self.vocab_size} tokens)")
+        check_vocabulary(req.sampling, self.vocab_size)
         if req.messages is not None:
             ids = self.chat(req.messages)
         elif req.prompt is not None:

@@ -77,6 +77,24 @@ def test_a_repeated_prompt_hits_the_prefix_cache_of_its_own_tenant_only(stack):
     assert cached(beta)[1] > 0
 
 
+def test_a_one_token_completion_counts_its_prompt_streamed_or_not_on_both_apis(stack):
+    """The worker's first chunk is also its last: the prompt is still counted (it once reported 0)."""
+    alpha = client(stack, "sk-alpha")
+    model = os.path.basename(stack.model)
+    prompt = [{"role": "user", "content": "Count the prompt of a one-token answer."}]
+    whole = alpha.chat.completions.create(model=model, messages=prompt, max_tokens=1, temperature=0)
+    n = whole.usage.prompt_tokens
+    assert n > 8 and whole.usage.completion_tokens == 1 and whole.usage.total_tokens == n + 1
+    last = list(alpha.chat.completions.create(model=model, messages=prompt, max_tokens=1, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))[-1]
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (n, 1)
+    text = alpha.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=1, temperature=0)
+    assert (text.usage.prompt_tokens, text.usage.completion_tokens) == (4, 1)
+    last = list(alpha.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=1, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))[-1]
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, 1)
+
+
 def test_logprobs_and_the_context_limit_through_the_pipeline(stack):
     alpha = client(stack, "sk-alpha")
     model = os.path.basename(stack.model)

@@ -23,7 +23,8 @@ KEY = "sk-fuzz"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = [("POST", "/v1/chat/completions", "positive"), ("POST", "/v1/chat/completions", "negative"),
               ("POST", "/v1/completions", "positive"), ("POST", "/v1/completions", "negative"),
-              ("GET", "/v1/models", "positive"), ("GET", "/healthz", "positive")]
+              ("GET", "/v1/models", "positive"), ("GET", "/v1/models/{model}", "positive"),
+              ("GET", "/healthz", "positive"), ("GET", "/health", "positive")]
 
 
 async def script(down, req):

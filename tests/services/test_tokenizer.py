@@ -45,3 +45,10 @@ def test_a_top_k_larger_than_the_vocabulary_is_refused_naming_it(tok):
     with pytest.raises(ValueError, match=f"top_k 1048576 is more than the vocabulary \\({tok.vocab_size} tokens\\)"):
         tok.encode(GenerateRequest("r1", "t", SamplingParams(top_k=1 << 20), prompt="x"))
     assert tok.encode(GenerateRequest("r1", "t", SamplingParams(top_k=tok.vocab_size), prompt="x"))
+
+
+def test_a_logit_bias_token_outside_the_vocabulary_is_refused_naming_it(tok):
+    n = tok.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias: token id {n} is outside the vocabulary \\[0, {n}\\)"):
+        tok.encode(GenerateRequest("r1", "t", SamplingParams(logit_bias={n: 1}), prompt="x"))
+    assert tok.encode(GenerateRequest("r1", "t", SamplingParams(logit_bias={n - 1: 1}), prompt="x"))

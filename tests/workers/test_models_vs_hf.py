@@ -85,3 +85,24 @@ def test_a_sliding_window_caps_the_context_where_it_applies():
     assert ModelConfig.from_hf({**base, "model_type": "mistral"}).max_model_len == 4096
     assert ModelConfig.from_hf({**base, "model_type": "qwen2", "use_sliding_window": False}).max_model_len == 32768
     assert ModelConfig.from_hf({**base, "model_type": "qwen2", "use_sliding_window": True}).max_model_len == 4096
+
+
+def test_greedy_with_logit_bias_equals_hf_generate_with_the_same_sequence_bias(checkpoints):
+    """logit_bias is HF's sequence_bias on one-token sequences: a bias added to the token's logit every step."""
+    path = checkpoints["llama"]
+    engine = LLMEngine(str(path), EngineConfig(num_kv_blocks=64, device="cpu"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = PROMPTS[1]
+    plain = hf_greedy(hf, prompt, MAX_TOKENS)
+    bias = {plain[0]: -100.0, plain[3]: -3.0, 42: 2.5}            # ban the first choice, nudge two others
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logit_bias=bias)
+    req = engine.add_request("b", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    ids = torch.tensor([prompt])
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                       do_sample=False, eos_token_id=None, pad_token_id=0,
+                       sequence_bias={(t,): b for t, b in bias.items()})[0, len(prompt):].tolist()
+    assert req.output_token_ids == want and want != plain and plain[0] not in want
+    with pytest.raises(ValueError, match=r"logit_bias: token id 1000000 is outside the vocabulary \[0, "):
+        engine.add_request("v", prompt, SamplingParams(logit_bias={1000000: 1}))

@@ -362,3 +362,37 @@ def test_the_top_candidates_path_equals_filtering_the_full_sort(seed, sharpness)
     fast = torch.zeros_like(probs).scatter_(1, ids, values)
     torch.testing.assert_close(fast[fits], full[fits], rtol=0, atol=0)
     assert bool(fits.all()) == (sharpness > 1)   # peaked rows fit the candidates, flat ones do not
+
+
+def test_logit_bias_adds_to_the_logits_of_its_own_row_only():
+    logits = random_logits(3, 50, seed=8)
+    top = logits.argmax(dim=-1).tolist()
+    requests = [make_request(temperature=0, logit_bias={top[0]: -100}),           # bans row 0's argmax
+                make_request(temperature=0),
+                make_request(temperature=0, logit_bias={"7": 100})]               # forces token 7
+    tokens, _ = sampler(logits, requests)
+    assert tokens == [logits[0].topk(2).indices[1].item(), top[1], 7]
+    assert torch.equal(logits, random_logits(3, 50, seed=8))                      # the caller's logits unchanged
+    # under sampling: a biased token's frequency follows softmax(logits + bias)
+    row, bias = random_logits(1, 12, seed=10)[0] / 3, {3: 1.5, 11: -1.0}      # flat enough to count every token
+    shifted = row.clone()
+    for t, b in bias.items():
+        shifted[t] += b
+    draws = 4000
+    tokens = draw_many(row, draws, logit_bias=bias)
+    assert chi_square(frequencies(tokens, 12), shifted.softmax(dim=-1).double(), draws) < chi_square_limit(12)
+
+
+def test_logit_bias_then_penalties_equal_the_reference_and_logprobs_stay_the_models():
+    logits = random_logits(2, 40, seed=9)
+    requests = [make_request(outputs=(3, 3, 9), temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                             logit_bias={3: 2.0, 20: 1.0}, logprobs=1),
+                make_request(outputs=(1,), temperature=0, repetition_penalty=1.3, logit_bias={1: 0.5})]
+    biased = logits.clone()
+    biased[0, 3] += 2.0
+    biased[0, 20] += 1.0
+    biased[1, 1] += 0.5
+    want = penalized_reference(biased, requests).argmax(dim=-1).tolist()
+    tokens, logprobs = sampler(logits, requests)
+    assert tokens == want
+    assert logprobs[0].logprob == pytest.approx(logits[0].log_softmax(dim=-1)[tokens[0]].item(), abs=1e-6)

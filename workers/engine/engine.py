@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from schemas.sampling import SamplingParams, check
+from schemas.sampling import SamplingParams, check, check_vocabulary
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request
@@ -118,8 +118,7 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if params.top_k > vocab:
-            raise ValueError(f"top_k {params.top_k} is more than the vocabulary ({vocab} tokens)")
+        check_vocabulary(params, vocab)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
                              "leaves no room for output")
