@@ -1,0 +1,92 @@
+"""Other projects' benchmark clients (guidellm, aiperf), unchanged, each in a virtual environment of its
+own under $TOKENBUS_HOME/peer-clients/<name>-<version>/, made on first use and reused after:
+
+    guidellm = client("guidellm")     # .../peer-clients/guidellm-0.8.1/bin/guidellm
+
+The venv reads this environment's site-packages through a .pth file, so pip installs only what is
+missing here (torch, transformers and tokenizers are found, not downloaded) and puts a client's own
+versions of shared packages in the venv, where they shadow ours; ours are never touched. A constraints
+file holds torch at the version installed here. A venv is complete when its marker, written last, names
+the same client, Python and shared packages; anything else is made again from scratch."""
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import venv
+from importlib import metadata
+from pathlib import Path
+
+from filelock import FileLock
+
+from workers.models.builder import tokenbus_home
+
+CLIENTS = {"guidellm": "0.8.1", "aiperf": "0.13.0"}   # pinned: a client's version is part of what its run says
+HELD = ("torch",)                                     # never installed into a client's venv: ours is used
+MARKER = "tokenbus-peer-client.json"
+INSTALL_TIMEOUT = 900.0
+
+
+class InstallError(RuntimeError):
+    """pip could not install a client; the message has pip's last lines."""
+
+
+def client(name: str, log=print) -> Path:
+    """The client's executable, its venv made first unless it is complete."""
+    root = venv_dir(name)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{root}.lock"):
+        if not complete(root, name):
+            install(root, name, log)
+    return root / "bin" / name
+
+
+def venv_dir(name: str) -> Path:
+    return tokenbus_home() / "peer-clients" / f"{name}-{CLIENTS[name]}"
+
+
+def shared() -> list[str]:
+    """This environment's site-packages folders, which a client's venv reads after its own."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
+def stamp(name: str) -> dict:
+    """What a made venv depends on: the client's pin, this Python, and the packages it shares with us."""
+    installed = sorted(p.name for d in shared() for p in Path(d).glob("*.dist-info"))
+    return {"client": f"{name}=={CLIENTS[name]}", "python": sys.version, "shared": shared(),
+            "packages": hashlib.sha256("\n".join(installed).encode()).hexdigest()[:16]}
+
+
+def complete(root: Path, name: str) -> bool:
+    try:
+        made = json.loads((root / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return {k: made.get(k) for k in stamp(name)} == stamp(name)
+
+
+def install(root: Path, name: str, log=print) -> None:
+    """A fresh venv at root that sees our packages, the pinned client installed into it with pip."""
+    spec = f"{name}=={CLIENTS[name]}"
+    log(f"installing {spec} into {root} (once; later runs reuse it)")
+    start = time.monotonic()
+    shutil.rmtree(root, ignore_errors=True)
+    venv.EnvBuilder(with_pip=False).create(root)     # pip runs from this environment (pip --python)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
+    (site / "_tokenbus_shared.pth").write_text("".join(f"{d}\n" for d in shared()))
+    held = root / "constraints.txt"
+    held.write_text("".join(f"{p}=={metadata.version(p)}\n" for p in HELD))
+    pip = [sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--no-input",
+           "--disable-pip-version-check", "-q", "-c", str(held), spec]
+    done = subprocess.run(pip, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise InstallError(f"pip could not install {spec} into {root} (exit {done.returncode}):\n{tail}")
+    for p in HELD:
+        assert not list(site.glob(f"{p}-*.dist-info")), f"pip installed its own {p} into {root}"
+    seconds = round(time.monotonic() - start, 1)
+    (root / MARKER).write_text(json.dumps({**stamp(name), "seconds": seconds}, indent=1))
+    log(f"installed {spec} in {seconds} s")
