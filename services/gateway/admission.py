@@ -3,9 +3,12 @@
   the request did not use when it ends; and a cap on its concurrent requests (429 + Retry-After);
 - the cluster, from the worker registry: some worker must be able to take the request soon, its
   queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
-  overloaded cluster refuses quickly instead of queueing without bound. Only a worker that decodes
-  (role both or decode) counts: a prefill worker hands every request on to one, and a decode worker
-  prefills the prompts no prefill worker has room for, so the decoding workers' room is the cluster's.
+  overloaded cluster refuses quickly instead of queueing without bound. A batch key's request needs
+  spare capacity: a worker with nothing waiting, its running requests below BATCH_WATERMARK of its
+  max_num_seqs and at least BATCH_KV_FREE of its KV pool free; interactive traffic keeps the rest.
+  Only a worker that decodes (role both or decode) counts: a prefill worker hands every request on
+  to one, and a decode worker prefills the prompts no prefill worker has room for, so the decoding
+  workers' room is the cluster's.
 
 The gateway does not tokenize: a text prompt is estimated at BYTES_PER_TOKEN and the bucket is
 settled with the worker's counts when the request ends."""
@@ -21,6 +24,9 @@ from services.gateway.keys import Key
 BYTES_PER_TOKEN = 4              # English text under a byte-level BPE; corrected when the request ends
 MESSAGE_OVERHEAD = 4             # chat-template tokens around each message
 BUSY_RETRY = 2 * HEARTBEAT_SECONDS
+BATCH_WATERMARK = 0.75           # a batch request needs a worker running fewer than this share of max_num_seqs ...
+BATCH_KV_FREE = 0.25             # ... with at least this share of its KV blocks free, and nothing waiting
+BATCH_RETRY = 5.0                # seconds: spare capacity comes back slower than a queue drains
 
 
 class TokenBucket:
@@ -92,11 +98,18 @@ class Cluster:
         self.workers.pop(worker, None)
         self.added.pop(worker, None)
 
+    def spare(self, hb: Heartbeat) -> bool:
+        """Whether a worker has room beyond what its interactive traffic needs now."""
+        running = hb.running + self.added[hb.worker]
+        return (hb.waiting == 0 and running < BATCH_WATERMARK * hb.max_num_seqs
+                and hb.kv_blocks_free >= BATCH_KV_FREE * hb.kv_blocks_total)
+
     def load(self, hb: Heartbeat) -> float:
         return (hb.running + hb.waiting + self.added[hb.worker]) / max(hb.max_num_seqs, 1)
 
-    def place(self, tokens: int, now: float) -> str:
-        """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none."""
+    def place(self, tokens: int, now: float, batch: bool = False) -> str:
+        """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none.
+        A batch request takes only a worker with spare capacity."""
         live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
@@ -110,6 +123,13 @@ class Cluster:
             raise ApiError(503, f"the request may need {math.ceil(tokens / largest.block_size)} KV blocks (prompt + "
                            f"max_tokens = {tokens} tokens); the largest worker holds {largest.kv_blocks_total}; "
                            "lower max_tokens", "unavailable", "max_tokens", BUSY_RETRY)
+        if batch:
+            fit = [hb for hb in fit if self.spare(hb)]
+            if not fit:
+                raise ApiError(503, f"no spare capacity for a batch request: every worker has requests waiting, "
+                               f"BATCH_WATERMARK={BATCH_WATERMARK} × max_num_seqs running or less than "
+                               f"BATCH_KV_FREE={BATCH_KV_FREE} of its KV free; retry later", "overloaded",
+                               retry_after=BATCH_RETRY)
         best = min(fit, key=self.load)
         if self.load(best) >= 1 + QUEUE_WATERMARK:
             raise ApiError(503, f"every worker is busy: {len(fit)} worker(s), each with more than "
@@ -141,7 +161,7 @@ class Admission:
                            f"{cap}", "concurrency_limit_exceeded", retry_after=1)
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
-        self.cluster.place(cost, time.time())
+        self.cluster.place(cost, time.time(), key.batch)
         if t.bucket is not None:
             t.bucket.take(cost, now)
         t.active += 1

@@ -32,7 +32,7 @@ IGNORED = {"store": (frames.is_bool, "true or false"), "metadata": (lambda v: is
            "service_tier": (frames.is_str, "a string"), "parallel_tool_calls": (frames.is_bool, "true or false"),
            "tool_choice": (lambda v: v == "none", '"none" (tools are not implemented)')}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
-          "frequency_penalty", "logit_bias", "user", "stream", "stream_options", *EXTENSIONS, *IGNORED}
+          "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "priority", *EXTENSIONS, *IGNORED}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}
 ROLES = ("system", "developer", "user", "assistant")
@@ -103,8 +103,9 @@ async def complete(request: HttpRequest, api: str):
         key = gw.authorize(request.headers, request.query_params)
         last = request.headers.get("last-event-id")
         if last is None:
-            call = parse(api, await body(request), gw)
-            r = await gw.start(ex, "http", call.req, gw.admit(key, call.req), api, t0, call.stream)
+            b = await body(request)
+            call = parse(api, b, gw)
+            r = await gw.start(ex, "http", call.req, gw.admit(key, call.req, priority(b)), api, t0, call.stream)
         else:
             call, r = await resume(request, api, gw, ex, key, last, t0)
         first = await watching(request, ex.frames.get())
@@ -163,6 +164,14 @@ async def resume(request: HttpRequest, api: str, gw: Gateway, ex: Exchange, key,
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, True, *opts, req.sampling.logprobs is not None, prefix + rid, int(req.created),
                 gw.model), r
+
+
+def priority(b: dict) -> int | None:
+    """The body's priority (vLLM's extension: lower runs first); None: the key's."""
+    try:
+        return frames.priority(b)
+    except FrameError as e:
+        raise bad(str(e), "priority") from None
 
 
 def too_large(n: int) -> ApiError:

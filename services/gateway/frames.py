@@ -5,7 +5,7 @@ import time
 
 import orjson
 
-from schemas.messages import GenerateRequest, WireError
+from schemas.messages import MAX_PRIORITY, MIN_PRIORITY, GenerateRequest, WireError
 from schemas.sampling import MAX_TOKEN_ID, MAX_TOKENS_BOUND, SamplingParams
 from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP, TOKEN
 
@@ -60,7 +60,7 @@ SAMPLING = {  # field -> (check, what it must be)
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
-FIELDS = {"generate": {"type", "id", "resumable", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
+FIELDS = {"generate": {"type", "id", "resumable", "priority", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
           "resume": {"type", "id", "offset"}}
 DIGITS = re.compile(r"[0-9]{1,15}")           # a sequence or an offset in a resume point
 
@@ -121,6 +121,15 @@ def resumable(frame: dict) -> bool:
     v = frame.get("resumable", False)
     if not is_bool(v):
         raise FrameError(f"resumable: expected true or false, got {kind(v)}", frame["id"])
+    return v
+
+
+def priority(frame: dict) -> int | None:
+    """The priority a generate frame (or a request body) asks for; None: the key's default."""
+    v = frame.get("priority")
+    if v is not None and not (is_int(v) and MIN_PRIORITY <= v <= MAX_PRIORITY):
+        raise FrameError(f"priority: must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower runs first), "
+                         f"got {show(v)}", frame.get("id"))
     return v
 
 

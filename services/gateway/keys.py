@@ -1,7 +1,13 @@
 """API keys: the keys file (`--api-keys FILE`) maps each key to its tenant and limits.
 
     {"sk-live-abc": {"tenant": "acme", "tokens_per_minute": 100000, "max_concurrent_requests": 8},
-     "sha256:5e88…": {"tenant": "globex"}}
+     "sk-nightly": {"tenant": "acme", "class": "batch"},
+     "sha256:5e88…": {"tenant": "globex", "priority": 5}}
+
+A key's `class` is interactive (the default) or batch: a batch request is admitted only while some
+worker has spare capacity, and runs at BATCH_PRIORITY unless it asks otherwise. A key's `priority`
+(default 0; batch: BATCH_PRIORITY) is its requests' default and the most urgent they may ask for:
+lower runs first, as vLLM's priority.
 
 A key may be written as `sha256:<hex>` of the key instead of the key itself. Keys are looked up
 by their SHA-256, and a key's id (in usage records and logs) is the first 12 hex digits of it."""
@@ -12,10 +18,13 @@ from pathlib import Path
 
 import orjson
 
+from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
 from schemas.subjects import token
 
-FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests"}
+FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority"}
 LIMITS = ("tokens_per_minute", "max_concurrent_requests")
+CLASSES = ("interactive", "batch")
+BATCH_PRIORITY = 100              # a batch key's default priority: after every interactive request of priority 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,6 +33,12 @@ class Key:
     tenant: str
     tokens_per_minute: int | None = None          # None: no limit
     max_concurrent_requests: int | None = None
+    traffic_class: str = "interactive"            # or batch: admitted only into spare capacity
+    priority: int = 0                             # its requests' default, and the most urgent they may ask
+
+    @property
+    def batch(self) -> bool:
+        return self.traffic_class == "batch"
 
 
 OPEN = Key("", "default")                         # every request when the gateway has no keys file
@@ -72,7 +87,15 @@ def key(entry, kid: str, where: str) -> Key:
         v = entry.get(name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"{where}: {name} must be a positive integer or null (got {v!r})")
-    return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"))
+    kind = entry.get("class") or "interactive"
+    if kind not in CLASSES:
+        raise ValueError(f"{where}: class must be one of {', '.join(CLASSES)} (got {kind!r})")
+    priority = entry.get("priority")
+    if priority is None:
+        priority = BATCH_PRIORITY if kind == "batch" else 0
+    if not isinstance(priority, int) or isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"{where}: priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (got {priority!r})")
+    return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"), kind, priority)
 
 
 def agree(keys, path) -> None:

@@ -1,5 +1,6 @@
 """The OpenAPI document of the HTTP API, served at /openapi.json: the bounds in it are the ones the
 gateway enforces (schemathesis generates requests from it)."""
+from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
 from schemas.sampling import (
     LOGIT_BIAS_BOUND,
     MAX_LOGIT_BIAS,
@@ -70,6 +71,8 @@ def sampling(max_tokens: int) -> dict:
                                 "propertyNames": {"pattern": "^[0-9]{1,10}$"},
                                 "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_BOUND,
                                                          "maximum": LOGIT_BIAS_BOUND}}),
+        "priority": {**integer(MIN_PRIORITY, MAX_PRIORITY), "description": "extension (vLLM's): lower runs first "
+                     "on workers with the priority policy; never more urgent than the key's priority"},
         "store": nullable({"type": "boolean", "description": "accepted and ignored"}),
         "metadata": nullable({"type": "object", "description": "accepted and ignored"}),
         "service_tier": nullable({"type": "string", "description": "accepted and ignored"}),

@@ -94,8 +94,10 @@ class Gateway:
                            else "invalid API key", "invalid_api_key")
         return key
 
-    def admit(self, key: Key, req: GenerateRequest) -> Ticket:
-        """The request's admission ticket, or ApiError naming the limit."""
+    def admit(self, key: Key, req: GenerateRequest, priority: int | None = None) -> Ticket:
+        """The request's admission ticket, or ApiError naming the limit. Its priority is the one asked, but
+        never more urgent than its key's (the key's when none was asked)."""
+        req.priority = key.priority if priority is None else max(priority, key.priority)
         n = req.sampling.max_tokens
         if n > self.max_tokens:
             raise ApiError(400, f"max_tokens: {n} is more than the gateway's cap max_tokens={self.max_tokens}",
@@ -299,7 +301,8 @@ class Connection:
         req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
         resumable = frames.resumable(frame)
         try:
-            await self.gw.start(self, cid, req, self.gw.admit(self.key, req), "ws", t0, resumable)
+            await self.gw.start(self, cid, req, self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
+                                resumable)
         except ApiError as e:                     # refused by a limit: an error frame with its code
             raise refused(e, cid) from None
 
