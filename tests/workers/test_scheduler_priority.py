@@ -63,6 +63,18 @@ def test_a_preempted_requests_tokens_of_the_step_go_back_to_the_budget():
     check_invariants(sched.kv)
 
 
+def test_a_waiting_request_short_of_budget_alone_waits_rather_than_preempt():
+    sched = make_scheduler(max_num_seqs=4, budget=6, policy="priority")
+    sched.config.enable_chunked_prefill = False
+    sched.add(make_request("a", range(2), max_tokens=20, priority=5))
+    sched.add(make_request("b", range(10, 12), max_tokens=20, priority=5))
+    step(sched)
+    sched.add(make_request("h", range(100, 105), max_tokens=3, priority=0))    # 5 tokens; 4 left after a and b
+    batch = step(sched)
+    assert scheduled(batch) == {"a": 1, "b": 1} and batch.preempted == []
+    assert ids(sched.waiting) == ["h"]
+
+
 def test_the_victim_for_a_block_is_the_lowest_priority_then_latest_arrival_not_the_last_admitted():
     def two_steps(policy):
         sched = make_scheduler(num_blocks=4, policy=policy)

@@ -180,6 +180,8 @@ class Scheduler:
         while self.waiting and budget > 0 and (most is None or len(batch.requests) < most):
             req = self.waiting[0]
             n = self.admit(req, budget) if len(self.running) < self.config.max_num_seqs else 0
+            if n is None:                          # without chunked prefill, it waits for a budget its prompt fits
+                return
             if n:
                 batch.add(req, n)
                 budget -= n
@@ -192,15 +194,15 @@ class Scheduler:
             self.preempt(victim)
             batch.preempted.append(victim)
 
-    def admit(self, req: Request, budget: int) -> int:
+    def admit(self, req: Request, budget: int) -> int | None:
         """Moves the head of the queue to running, with its prefix-cache hits and slots for its next
         min(uncached tokens, budget) tokens, and returns how many; 0 when they do not fit the free
-        blocks, or the budget without chunked prefill."""
+        blocks, None when they do not fit the budget (without chunked prefill)."""
         hits = self.kv.get_computed_blocks(req)
         num_hit = len(hits) * self.kv.block_size
         n = req.num_tokens - num_hit
         if n > budget and not self.config.enable_chunked_prefill:
-            return 0
+            return None
         n = min(n, budget)
         if not self.kv.allocate_slots(req, n, hits):
             return 0
