@@ -212,14 +212,14 @@ class StandIn:
 
     def __init__(self, step_ms: float, max_num_seqs: int, vocab: int, block_size: int = 16):
         self.step_s, self.vocab, self.rng = step_ms / 1e3, vocab, random.Random(0)
-        self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy="fcfs")
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
                                   num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None)
         self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[])
         self.requests: dict[str, Request] = {}
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None = None,
-                    output=(), isolate: bool = False, seed: int | None = None) -> Request:
+                    output=(), isolate: bool = False, seed: int | None = None, priority: int = 0) -> Request:
         req = Request(rid, [*prompt, *output], len(prompt), params, 0, self.config.block_size, salt)
         req.num_resumed_tokens = req.num_cached_tokens = 0
         self.requests[rid] = req

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from schemas.messages import SCHEDULING_POLICIES
 from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
 from services.router.policy import POLICIES, Options
 
@@ -550,6 +551,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens of one request at most (default: the model's context)")
     u.add_argument("--max-num-seqs", type=int,
                    help="requests in one worker's batch at most; more wait in its queue (default: 64)")
+    u.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                   help="every worker's order: fcfs, arrival order (default), or priority, each request's priority "
+                        "(lower first) then arrival, a waiting request preempting running ones of a lower priority")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
     u.add_argument("--chunk-rate", type=chunk_rate, metavar="N",

@@ -350,7 +350,7 @@ def worker_args(args) -> list[str]:
     """What every worker of the stack is started with, from up's options."""
     return [*(["--tp", str(args.tp)] if args.tp > 1 else []),
             *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative",
-                   "kv-load-failure-policy"),
+                   "kv-load-failure-policy", "scheduling-policy"),
             *(["--no-speculative-adaptive"] if args.no_speculative_adaptive else [])]
 
 

@@ -18,6 +18,8 @@ MAX_PROMPT_TOKENS = 1 << 20             # token ids of one prompt (the engine ho
 MAX_SALT_CHARS = 256
 MAX_ATTEMPTS = 1 << 10                  # re-routes of one request; strikes are far fewer (MAX_STRIKES)
 MAX_TEXT_CHARS = 1 << 16                # an error message or a dead letter's reason
+MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), (1 << 31) - 1   # a request's priority: an int32, lower runs first
+SCHEDULING_POLICIES = ("fcfs", "priority")   # a worker's (workers.engine.scheduler)
 
 
 class WireError(ValueError):
@@ -52,12 +54,14 @@ class GenerateRequest:
     cache_salt: str | None = None
     created: float = 0.0                          # unix time the gateway accepted it
     meter: Meter | None = None                  # who to bill, carried to the worker
+    priority: int = 0                             # lower runs first on a worker with the priority policy
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
         check_names(self.id, self.tenant, self.cache_salt, self.created)
+        in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         check_meter(self.meter)
         from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
         if self.messages is not None:
@@ -108,9 +112,11 @@ class TokenizedRequest:
     created: float = 0.0
     meter: Meter | None = None
     prefilled: Prefilled | None = None
+    priority: int = 0                             # GenerateRequest's
 
     def check(self) -> None:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
+        in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         check_meter(self.meter)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
         if self.prefilled is not None:
@@ -368,6 +374,7 @@ class Heartbeat:
     speculation: Speculation | None = None        # None: the worker does not speculate
     role: str = "both"                            # both (colocated) | prefill | decode
     kv_transfer: KvTransfer | None = None         # None: a colocated worker
+    scheduling_policy: str = "fcfs"               # fcfs | priority (the engine's, workers.engine.scheduler)
 
 
 @dataclass(slots=True)

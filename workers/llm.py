@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from schemas.detokenizer import Detokenizer
 from schemas.sampling import SamplingParams
-from workers.engine.engine import EngineConfig, LLMEngine
+from workers.engine.engine import EngineConfig, LLMEngine, check_priority
 from workers.engine.request import Request, TokenLogprobs
 from workers.models import catalogue
 
@@ -43,20 +43,29 @@ class LLM:
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, priority: list[int] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower first, with the option scheduling_policy="priority" (vLLM's)."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else priority
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} priorities for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
         for i, (ids, p) in enumerate(zip(encoded, params)):
             try:
                 self.engine.check_request(ids, p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        requests = [self.engine.add_request(f"offline-{next(self.ids)}", ids, p, cache_salt)
-                    for ids, p in zip(encoded, params)]
+        for i, rank in enumerate(priority):
+            try:
+                check_priority(rank)
+            except ValueError as e:
+                raise ValueError(f"priority[{i}]: {e}") from None
+        requests = [self.engine.add_request(f"offline-{next(self.ids)}", ids, p, cache_salt, priority=rank)
+                    for ids, p, rank in zip(encoded, params, priority)]
         return self.run(requests)
 
     def chat(self, conversations: list[list[dict]] | list[dict], params=None, cache_salt=None) -> list[RequestOutput]:

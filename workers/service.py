@@ -26,6 +26,7 @@ from schemas.detokenizer import PROMPT_CONTEXT
 from schemas.hashing import hash_blocks
 from schemas.log import configure
 from schemas.messages import (
+    SCHEDULING_POLICIES,
     Cancel,
     Completion,
     DeadLetter,
@@ -555,13 +556,14 @@ class WorkerService:
         output it continues after."""
         seed = r.prefilled.seed if r.prefilled is not None else None
         try:
-            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0, seed)
+            self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0, seed,
+                                    r.priority)
             return output
         except ValueError as e:
             if not output:
                 raise
             self.log.warning("progress not resumable; starting from the prompt", request_id=r.id, error=str(e))
-        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0, seed)
+        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0, seed, r.priority)
         return []
 
     async def progress(self, rid: str) -> list[int]:
@@ -623,7 +625,8 @@ class WorkerService:
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
             self.queued_blocks(), self.suspect, spec, self.role,
-            self.transport.snapshot() if self.role != "both" else None), time.monotonic()
+            self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy), \
+            time.monotonic()
         await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
 
     async def stand_in_beats(self) -> None:
@@ -722,6 +725,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--id", default=f"w-{os.getpid()}", help="worker id (a subject token)")
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs: requests run in arrival order (default); priority: by each request's priority, lower "
+                        "first, then arrival; a waiting request preempts running ones of a lower priority")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV pool, when --num-kv-blocks is not given "
@@ -761,7 +767,8 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        tensor_parallel_size=args.tp, speculative=speculative_config(args))
+                        tensor_parallel_size=args.tp, speculative=speculative_config(args),
+                        scheduling_policy=args.scheduling_policy)
 
 
 def speculative_config(args) -> dict | None:

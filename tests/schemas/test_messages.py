@@ -71,6 +71,9 @@ EXAMPLES = [
               kv_transfer=KvTransfer(transfers=3, pulled_blocks=40, transfer_ms_p99=12.5)),
     RouterStats("r0", 1.0, "prefix", 5, 1, 4, 400, 96, 80, 3, 2, 0, prefill={"remote:long": 2}, handoffs=2),
     TokenizedRequest("r1", "t", SamplingParams(logit_bias={5: -100, "7": 2.5}), [5, 6]),
+    GenerateRequest("r3", "t", SAMPLING, prompt="hi", priority=-2**31),
+    WorkItem(TokenizedRequest("r1", "t", SAMPLING, [5, 6], priority=2**31 - 1), "w0", 3.0),
+    Heartbeat("w4", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, scheduling_policy="priority"),
 ]
 SPECULATING = Heartbeat("w2", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, speculation=Speculation(
     "ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65, 0.5, 0.0]))

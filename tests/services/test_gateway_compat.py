@@ -282,7 +282,7 @@ def test_every_refusal_is_counted_by_its_code_in_the_metrics(nats_url, tiny_mode
                        key="sk-tight")                                                              # ok
             await post(down, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 95},
                        key="sk-tight")                                                              # 429
-            await post(down, "/v1/chat/completions", chat(max_tokens=10**6), key="sk-acme")         # 400 max_tokens_too_large
+            await post(down, "/v1/chat/completions", chat(max_tokens=10**6), key="sk-acme")         # 400 (cap)
             await down.drop("fake0")
             await until_no_worker(down)
             await post(down, "/v1/chat/completions", chat(), key="sk-acme")                         # 503

@@ -78,7 +78,7 @@ def test_a_worker_with_little_kv_free_has_no_room_for_batch_requests():
     a = admission(running=1, max_num_seqs=16, kv_blocks=100)
     hb = a.cluster.workers["w0"]
     hb.kv_blocks_free = int(BATCH_KV_FREE * 100) - 1
-    with pytest.raises(ApiError, match="BATCH_KV_FREE=0.25"):
+    with pytest.raises(ApiError, match=r"BATCH_KV_FREE=0\.25"):
         a.admit(NIGHTLY, 10, 10)
     a.admit(LIVE, 10, 10)
     hb.kv_blocks_free, hb.ts = int(BATCH_KV_FREE * 100), time.time()

@@ -13,15 +13,16 @@ BLOCK = 4
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int = 8, salt: str | None = None,
-                 block_size: int = BLOCK) -> Request:
+                 block_size: int = BLOCK, priority: int = 0) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return Request(rid, list(tokens), len(tokens), params, seed=0, block_size=block_size, cache_salt=salt)
+    return Request(rid, list(tokens), len(tokens), params, seed=0, block_size=block_size, cache_salt=salt,
+                   priority=priority)
 
 
 def make_scheduler(num_blocks: int = 16, budget: int = 64, max_num_seqs: int = 16, prefix: bool = True,
-                   max_model_len: int = 1024) -> Scheduler:
+                   max_model_len: int = 1024, policy: str = "fcfs") -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, prefix)
-    return Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len), kv)
+    return Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len, policy=policy), kv)
 
 
 def step(sched: Scheduler, token: int = 7) -> Batch:

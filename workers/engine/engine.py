@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from schemas.messages import MAX_PRIORITY, MIN_PRIORITY, SCHEDULING_POLICIES
 from schemas.sampling import SamplingParams, check, check_vocabulary
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
 from workers.engine.kv_cache import KVCacheManager
@@ -38,6 +39,7 @@ class EngineConfig:
     seed: int = 0                          # draws the seeds of requests that bring none
     tensor_parallel_size: int = 1          # ranks one replica spans (one GPU each on CUDA)
     speculative: dict | str | None = None  # SpeculativeConfig's fields, or "ngram:4" / "draft:DIR:4"; None: off
+    scheduling_policy: str = "fcfs"        # or "priority": requests' priority orders admission and preemption
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -48,6 +50,9 @@ class EngineConfig:
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
               self.gpu_memory_utilization)
         SpeculativeConfig.of(self.speculative)     # raises ValueError naming what is wrong
+        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+              f"must be one of {', '.join(SCHEDULING_POLICIES)}",
+              self.scheduling_policy)
 
 
 @dataclass(slots=True)
@@ -88,7 +93,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
-            frozenset(self.model_cfg.eos_token_ids)), self.kv)
+            frozenset(self.model_cfg.eos_token_ids), config.scheduling_policy), self.kv)
         self.requests: dict[str, Request] = {}
         self.seeds = random.Random(config.seed)
         self.num_steps = 0
@@ -144,21 +149,24 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False,
-                    seed: int | None = None) -> Request:
+                    seed: int | None = None, priority: int = 0) -> Request:
         """Queues a request. With output_token_ids (a request moved from another worker) it continues
         after them: prompt + those tokens are computed as one prefill, and positions, penalties,
         max_tokens and stop conditions go on as if it had never moved. `isolate`: its steps run
         alone until its first token (a request suspected of crashing a worker). `seed`: the seed
-        another worker drew for it (a handed-off request), when its params bring none."""
+        another worker drew for it (a handed-off request), when its params bring none. `priority`:
+        lower runs first under the priority policy; the fcfs policy ignores it."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        check_priority(priority)
         self.check_request(prompt_token_ids, params)
         if output_token_ids:
             self.check_resume(prompt_token_ids, output_token_ids, params)
         seed = as_int64(params.seed) if params.seed is not None else seed if seed is not None \
             else self.seeds.getrandbits(63)
         req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
-                      self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids))
+                      self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids),
+                      priority=priority)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -291,6 +299,12 @@ class LLMEngine:
             "steps": self.num_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+
+def check_priority(priority: int) -> None:
+    check(isinstance(priority, int) and not isinstance(priority, bool), "priority", "must be an integer", priority)
+    check(MIN_PRIORITY <= priority <= MAX_PRIORITY, "priority",
+          f"must be in [MIN_PRIORITY, MAX_PRIORITY] = [{MIN_PRIORITY}, {MAX_PRIORITY}]", priority)
 
 
 def step_shape(batch: Batch) -> tuple[int, float, int]:

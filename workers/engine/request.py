@@ -39,6 +39,8 @@ class Request:
     error: str = ""                         # what failed, for finish_reason "error"
     isolate: bool = False                   # run alone until its first token (a suspect: it has a strike)
     num_resumed_tokens: int = 0             # output tokens it came with (a migrated request)
+    priority: int = 0                       # the priority policy runs lower numbers first (vLLM's rule)
+    arrival: int = 0                        # the scheduler's count of requests added before it: breaks ties
 
     def __post_init__(self):
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt, self.block_hashes)

@@ -2,17 +2,27 @@
 
 Each scheduled request gets min(tokens it has not computed, budget left) new tokens, so a long
 prompt is chunked across steps and a decode gets its one token. When a running request cannot
-get a block, the most recently admitted running request is preempted by recompute: its blocks
-are freed (they stay in the prefix cache, so the resume is cheap) and it goes back to the head of
-the waiting queue. Waiting requests never preempt.
+get a block, the last running request is preempted by recompute: its blocks are freed (they stay
+in the prefix cache, so the resume is cheap) and it goes back to the waiting queue.
+
+Two policies order the queues (SchedulerConfig.policy):
+- fcfs (the default): waiting requests in arrival order, running ones in admission order; a
+  preempted request goes back to the head of the queue. Waiting requests never preempt.
+- priority: both queues by (priority, arrival), lower first, so the last running request is the
+  lowest-priority latest arrival and a preempted request goes back to its own place. A waiting
+  request that finds no seat (max_num_seqs) or no blocks preempts running requests of a strictly
+  lower priority (a larger number), the last first, until it fits.
 
 Speculative draft tokens are extra tokens of the same step (workers.engine.speculative): they take
 only the budget and the uncached free blocks left once running and waiting requests are scheduled,
 and the slots of those the model rejects are rolled back by num_computed_tokens.
 """
+import bisect
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from schemas.messages import SCHEDULING_POLICIES
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request, Status, TokenLogprobs
 
@@ -24,6 +34,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    policy: str = "fcfs"                      # or "priority" (the module's docstring)
 
 
 @dataclass(slots=True)
@@ -45,19 +56,71 @@ class Batch:
         self.samples.append(req.num_computed_tokens + n == req.num_tokens)
         self.drafts.append(list(drafts))
 
+    def remove(self, req: Request) -> int:
+        """Takes req's row out, if it has one (a request preempted after it was scheduled); returns
+        the tokens it had."""
+        i = next((i for i, r in enumerate(self.requests) if r is req), None)
+        if i is None:
+            return 0
+        n = self.num_new_tokens[i]
+        for rows in (self.requests, self.num_new_tokens, self.samples, self.drafts):
+            del rows[i]
+        return n
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
 
+def rank(req: Request) -> tuple[int, int]:
+    """The priority policy's order: lower priority numbers first, then earlier arrivals."""
+    return req.priority, req.arrival
+
+
+class PriorityQueue:
+    """The waiting requests of the priority policy, by rank: the deque operations the scheduler uses.
+    Every place is a request's own, so a preempted request "appended left" goes back to its place."""
+
+    def __init__(self):
+        self.heap: list[tuple[int, int, Request]] = []   # arrivals are unique: requests are never compared
+
+    def append(self, req: Request) -> None:
+        heapq.heappush(self.heap, (*rank(req), req))
+
+    appendleft = append
+
+    def popleft(self) -> Request:
+        return heapq.heappop(self.heap)[-1]
+
+    def __getitem__(self, i: int) -> Request:
+        assert i == 0, "only the head of the queue is looked at"
+        return self.heap[0][-1]
+
+    def remove(self, req: Request) -> None:
+        self.heap = [e for e in self.heap if e[-1] is not req]
+        heapq.heapify(self.heap)
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def __iter__(self):
+        """In the order they will be admitted."""
+        return (e[-1] for e in sorted(self.heap, key=lambda e: e[:2]))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        assert config.policy in SCHEDULING_POLICIES, config.policy
         self.config, self.kv = config, kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.by_priority = config.policy == "priority"
+        self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.by_priority else deque()
+        self.running: list[Request] = []  # fcfs: in admission order; priority: by rank. The last is preempted first
         self.num_preemptions = 0
+        self.num_arrivals = 0
 
     def add(self, req: Request) -> None:
+        req.arrival = self.num_arrivals
+        self.num_arrivals += 1
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -114,27 +177,54 @@ class Scheduler:
         return budget
 
     def schedule_waiting(self, batch: Batch, budget: int, most: int | None = None) -> None:
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and (most is None or len(batch.requests) < most)):
+        while self.waiting and budget > 0 and (most is None or len(batch.requests) < most):
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
-            n = req.num_tokens - num_hit
-            if n > budget and not self.config.enable_chunked_prefill:
+            n = self.admit(req, budget) if len(self.running) < self.config.max_num_seqs else 0
+            if n is None:                          # without chunked prefill, it waits for a budget its prompt fits
                 return
-            n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            if n:
+                batch.add(req, n)
+                budget -= n
+                continue
+            victim = self.victim_for(req)
+            if victim is None:
                 return
-            self.waiting.popleft()
-            self.kv.unpin(req.request_id)          # KV pulled for it (disaggregated): its own blocks hold it now
-            self.kv.record_prefix_query(req.num_tokens, num_hit)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
-            req.status = Status.RUNNING
+            self.running.pop()
+            budget += batch.remove(victim)         # scheduled already this step: its tokens go back
+            self.preempt(victim)
+            batch.preempted.append(victim)
+
+    def admit(self, req: Request, budget: int) -> int | None:
+        """Moves the head of the queue to running, with its prefix-cache hits and slots for its next
+        min(uncached tokens, budget) tokens, and returns how many; 0 when they do not fit the free
+        blocks, None when they do not fit the budget (without chunked prefill)."""
+        hits = self.kv.get_computed_blocks(req)
+        num_hit = len(hits) * self.kv.block_size
+        n = req.num_tokens - num_hit
+        if n > budget and not self.config.enable_chunked_prefill:
+            return None
+        n = min(n, budget)
+        if not self.kv.allocate_slots(req, n, hits):
+            return 0
+        self.waiting.popleft()
+        self.kv.unpin(req.request_id)              # KV pulled for it (disaggregated): its own blocks hold it now
+        self.kv.record_prefix_query(req.num_tokens, num_hit)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens = num_hit
+        req.status = Status.RUNNING
+        if self.by_priority:
+            bisect.insort(self.running, req, key=rank)
+        else:
             self.running.append(req)
-            batch.add(req, n)
-            budget -= n
+        return n
+
+    def victim_for(self, req: Request) -> Request | None:
+        """The running request a waiting one that does not fit may preempt: under the priority policy,
+        the last running request when its priority is strictly lower (a larger number); else none."""
+        if self.by_priority and self.running and self.running[-1].priority > req.priority:
+            return self.running[-1]
+        return None
 
     def add_drafts(self, batch: Batch, i: int, drafts: list[int]) -> int:
         """Schedules draft tokens after batch row i (a sampling request) with what the step has left:
