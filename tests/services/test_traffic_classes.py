@@ -89,7 +89,7 @@ def test_a_request_s_priority_is_asked_clamped_to_its_key_s_or_its_key_s_default
         nats_url, tiny_model, tok, keys_file):
     async def body():
         async with gateway(nats_url, tiny_model, tok, api_keys=keys_file) as down:
-            asked = [("sk-live", 7, 7), ("sk-live", -3, -3), ("sk-live", None, 0), ("sk-low", 2, 5),
+            asked = [("sk-live", 7, 7), ("sk-live", -3, 0), ("sk-live", None, 0), ("sk-low", 2, 5),
                      ("sk-low", 9, 9), ("sk-low", None, 5), ("sk-nightly", None, keys.BATCH_PRIORITY)]
             for key, priority, _ in asked:
                 b = chat("q") if priority is None else chat("q", priority=priority)

@@ -51,8 +51,7 @@ class EngineConfig:
               self.gpu_memory_utilization)
         SpeculativeConfig.of(self.speculative)     # raises ValueError naming what is wrong
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-              f"must be one of {', '.join(SCHEDULING_POLICIES)}",
-              self.scheduling_policy)
+              f"must be one of {', '.join(SCHEDULING_POLICIES)}", self.scheduling_policy)
 
 
 @dataclass(slots=True)
