@@ -9,8 +9,6 @@ import urllib.error
 import urllib.request
 
 import orjson
-import pytest
-from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from ops.procs import free_port, python_module
@@ -19,11 +17,6 @@ from schemas.messages import Cancel, ErrorChunk, GenerateRequest, Heartbeat, dec
 from schemas.subjects import MAX_INFLIGHT_PER_CONNECTION, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
 from services.gateway.app import Ws
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
 
 
 def run(coro) -> None:

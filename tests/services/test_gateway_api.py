@@ -2,7 +2,6 @@
 and uvicorn with the rest of the pipeline played by the scripted fake (Downstream)."""
 import asyncio
 import hashlib
-import json
 import socket
 import time
 import urllib.error
@@ -12,7 +11,6 @@ import openai
 import orjson
 import pytest
 import websockets
-from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
@@ -26,18 +24,6 @@ KEYS = {"sk-acme": {"tenant": "acme"},
         "sha256:" + hashlib.sha256(b"sk-globex").hexdigest(): {"tenant": "globex"},
         "sk-small": {"tenant": "small", "tokens_per_minute": 1000, "max_concurrent_requests": 2}}
 CACHED = 5
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-
-
-@pytest.fixture
-def keys_file(tmp_path) -> str:
-    path = tmp_path / "keys.json"
-    path.write_text(json.dumps(KEYS))
-    return str(path)
 
 
 def run(coro) -> None:

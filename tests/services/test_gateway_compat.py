@@ -4,7 +4,6 @@ continuous_usage_stats and include_obfuscation, the fields accepted and ignored,
 usage for 1- and 0-token completions on every API and streaming mode (and in the usage records and
 the rate limit's settlement), a token's own bytes in logprobs, and every refusal counted by its code."""
 import asyncio
-import json
 import re
 
 import openai
@@ -21,18 +20,6 @@ from tests.services.test_metrics import scrape
 CACHED = 3
 KEYS = {"sk-acme": {"tenant": "acme", "tokens_per_minute": 100000},
         "sk-tight": {"tenant": "tight", "tokens_per_minute": 100}}
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-
-
-@pytest.fixture
-def keys_file(tmp_path) -> str:
-    path = tmp_path / "keys.json"
-    path.write_text(json.dumps(KEYS))
-    return str(path)
 
 
 def partial_token(tok: Tokenizer) -> int:

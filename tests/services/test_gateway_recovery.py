@@ -10,7 +10,6 @@ import urllib.request
 
 import orjson
 import pytest
-from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
@@ -18,11 +17,6 @@ from schemas.messages import Outcome, Progress, Resend, TokenChunk, decode, enco
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
 
 TEXT = " Hello world and more words"
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
 
 
 @pytest.fixture

@@ -7,15 +7,12 @@ uninterrupted run: the same tokens, and text deltas that concatenate to the same
 multi-byte characters split across tokens and text held back for a stop string."""
 import asyncio
 import contextlib
-import json
 import time
 import urllib.error
 import urllib.request
 
 import openai
 import orjson
-import pytest
-from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas import subjects
@@ -29,18 +26,6 @@ TEXT = " Héllo wörld 🙂 and more words xyz end"   # é, ö and 🙂 are spli
 STOP = "a stop that never comes"                  # the gateway holds back len(STOP) - 1 characters
 PACE = 0.05                                       # seconds between the fake worker's tokens
 KEYS = {"sk-acme": {"tenant": "acme"}, "sk-globex": {"tenant": "globex"}}
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-
-
-@pytest.fixture
-def keys_file(tmp_path) -> str:
-    path = tmp_path / "keys.json"
-    path.write_text(json.dumps(KEYS))
-    return str(path)
 
 
 def run(coro, timeout: float = 30) -> None:

@@ -5,10 +5,8 @@ the Outcome or from the worker's Resend plus live chunks; the text before the cu
 after it is the uninterrupted text, token for token, with the same end."""
 import asyncio
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
 from schemas.log import configure
 from schemas.messages import FinalChunk, TokenChunk
@@ -33,11 +31,6 @@ class Quiet(Gateway):
 class Subscription:
     async def unsubscribe(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
 
 
 def stream(gw: Gateway, stop: tuple, chunks: list, replay: int = 0) -> list[dict]:

@@ -6,7 +6,6 @@ import time
 
 import orjson
 import pytest
-from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
 from schemas.messages import MAX_PRIORITY
@@ -18,18 +17,6 @@ from tests.services.test_gateway_api import chat, error_of, post, run
 
 KEYS = {"sk-live": {"tenant": "acme"}, "sk-nightly": {"tenant": "acme", "class": "batch"},
         "sk-low": {"tenant": "globex", "priority": 5}}
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model) -> Tokenizer:
-    return Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-
-
-@pytest.fixture
-def keys_file(tmp_path) -> str:
-    path = tmp_path / "keys.json"
-    path.write_text(json.dumps(KEYS))
-    return str(path)
 
 
 def test_a_key_s_class_and_priority_come_from_the_keys_file_and_bad_ones_are_named(tmp_path, keys_file):
