@@ -225,7 +225,8 @@ class Run:
             if self.stack.nats_nodes:                 # the logs are read once the cluster is whole again
                 cluster.wait_ready(self.stack.nats_nodes)
             r = self.result
-            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url, r.completed))
+            answered = r.completed + len(self.probe_done)    # each has its records on the way: wait for them all
+            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url, answered))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
