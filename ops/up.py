@@ -340,6 +340,9 @@ def check_nats(args) -> None:
                          "host (docs/cluster.md) and given to up with --nats-url")
 
 
+FALLBACK = ("fallback-url", "fallback-key-env", "fallback-model", "fallback-failures", "fallback-cooldown")
+
+
 def given(args, *options: str) -> list[str]:
     """`--option value` for each of `tokenbus up`'s options that was given: the child's own default otherwise."""
     values = ((o, getattr(args, o.replace("-", "_"))) for o in options)
@@ -408,7 +411,7 @@ def main(args) -> None:
     model = resolve(args.model)
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens", "served-model-name"), gateways=args.gateways,
+                  gateway_args=given(args, "max-tokens", "served-model-name", *FALLBACK), gateways=args.gateways,
                   nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
                   decode_workers=args.decode_workers, **security)
     if args.nats_cluster > 1:

@@ -456,6 +456,7 @@ class Usage:
     timing: dict[str, float] = field(default_factory=dict)    # the gateway's ttft_ms, e2e_ms; the worker's queue_ms
     created: float = 0.0                          # unix time the gateway accepted the request
     finished: float = 0.0
+    fallback: bool = False                        # answered by the gateway's fallback upstream (model: its name)
 
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel

@@ -151,8 +151,10 @@ class Admission:
             t = self.tenants[key.tenant] = Tenant(bucket)
         return t
 
-    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None) -> Ticket:
-        """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit."""
+    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None,
+              place: bool = True) -> Ticket:
+        """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit
+        (place=False: the tenant's limits only, for a request the fallback answers)."""
         now = time.monotonic() if now is None else now
         t, cost = self.tenant(key, now), prompt_tokens + max_tokens
         cap = key.max_concurrent_requests
@@ -161,7 +163,8 @@ class Admission:
                            f"{cap}", "concurrency_limit_exceeded", retry_after=1)
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
-        self.cluster.place(cost, time.time(), key.batch)
+        if place:
+            self.cluster.place(cost, time.time(), key.batch)
         if t.bucket is not None:
             t.bucket.take(cost, now)
         t.active += 1

@@ -52,6 +52,7 @@ from schemas.messages import (
 from services.gateway import admission, frames, keys
 from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
+from services.gateway.fallback import Forward, Upstream
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
 from services.gateway.metrics import Metrics
@@ -83,6 +84,7 @@ class Gateway:
     requests: dict[str, "Request"] = field(default_factory=dict)   # request id -> its stream, for checks
     resume_grace: float = subjects.RESUME_GRACE   # seconds a dropped client's resumable streams wait for it
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])     # this gateway, in Resumed messages
+    upstream: Upstream | None = None              # --fallback-url: where what the cluster cannot take goes
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:
@@ -94,16 +96,40 @@ class Gateway:
                            else "invalid API key", "invalid_api_key")
         return key
 
-    def admit(self, key: Key, req: GenerateRequest, priority: int | None = None) -> Ticket:
+    def admit(self, key: Key, req: GenerateRequest, priority: int | None = None, place: bool = True) -> Ticket:
         """The request's admission ticket, or ApiError naming the limit. Its priority is the one asked, but
-        never more urgent than its key's (the key's when none was asked)."""
+        never more urgent than its key's (the key's when none was asked). place=False: the tenant's limits
+        only (a fallback). A request that may fall back is refused at once while NATS is reconnecting."""
         req.priority = key.priority if priority is None else max(priority, key.priority)
         n = req.sampling.max_tokens
         if n > self.max_tokens:
             raise ApiError(400, f"max_tokens: {n} is more than the gateway's cap max_tokens={self.max_tokens}",
                            "max_tokens_too_large", "max_tokens")
+        if place and not self.nc.is_connected and self.upstream is not None and key.fallback:
+            raise ApiError(503, "NATS is not reachable: the gateway is reconnecting to the bus", "unavailable",
+                           retry_after=1)
         prompt = admission.estimate(req)
-        return self.admission.admit(key, prompt, min(n, max(self.max_model_len - prompt, 1)))
+        return self.admission.admit(key, prompt, min(n, max(self.max_model_len - prompt, 1)), place=place)
+
+    def falls_back(self, key: Key, e: ApiError) -> bool:
+        """Whether a request refused with `e` goes to the fallback: a 503 (no capacity, no bus), a key that may."""
+        return self.upstream is not None and key.fallback and e.status == 503
+
+    def fall_back(self, key: Key, req: GenerateRequest, api: str, cause: ApiError, t0: float,
+                  priority: int | None = None) -> Forward:
+        """The request, refused by the cluster with `cause`, admitted to the fallback: ApiError for the tenant's
+        limits, or the cause itself while the breaker is open."""
+        ticket = self.admit(key, req, priority, place=False)
+        via = self.upstream.breaker.allow(time.monotonic())
+        if via is None:
+            self.admission.settle(ticket, 0)
+            self.metrics.fallback(key.tenant, "open")
+            b = self.upstream.breaker
+            raise ApiError(cause.status, f"{cause.message}; the fallback upstream is not tried: its circuit breaker "
+                                         f"opened after {b.failures} failures in a row (--fallback-failures), for "
+                                         f"{b.cooldown:g} s (--fallback-cooldown)", cause.code, cause.param,
+                           cause.retry_after)
+        return Forward(self, key, ticket, req.id, api, cause, via, t0, admission.estimate(req))
 
     async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float,
                     resumable: bool = False) -> "Request":
@@ -421,6 +447,7 @@ class Request:
     resumed: bool = False                         # a stream resumed here, not started here
     parked: float = 0.0                           # perf_counter when its client's connection dropped (0: attached)
     metered: bool = True                          # whether its end writes a usage record here
+    unstored: bool = False                        # its publish failed: it never entered the pipeline
 
     @property
     def log(self) -> FilteringBoundLogger:
@@ -438,7 +465,7 @@ class Request:
                                          subjects.msg_id(req.id), self.log,
                                          min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
         except subjects.NotStored as e:
-            reason = str(e)
+            reason, self.unstored = str(e), True
             self.log.error("request publish failed", request_id=self.rid, error=reason)
             await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
             return
