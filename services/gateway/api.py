@@ -226,7 +226,8 @@ async def forward(request: HttpRequest, f: Forward, call: Call, b: dict) -> Resp
     """The request answered by the fallback upstream: its JSON, or its stream (Relay)."""
     up = f.upstream
     try:
-        resp = await watching(request, up.send(f, up.body(b, call.model, call.req.sampling.max_tokens, call.stream)))
+        resp = await watching(request, up.send(f, call.api, up.body(b, call.model, call.req.sampling.max_tokens,
+                                                                    call.stream)))
         if call.stream:
             return Relay(f, resp, call)
         try:

@@ -9,14 +9,20 @@ settled with the upstream's counts, and metered (its usage record says `fallback
 The upstream sits behind a circuit breaker: FAILURES consecutive failures (a connect error, a
 timeout, a 5xx, a stream cut short) open it; while open nothing is forwarded and the cluster's 503
 is the answer; after COOLDOWN seconds the next request goes through as the probe (the others still
-get the 503), and its success closes the breaker, its failure opens it again."""
+get the 503), and its success closes the breaker, its failure opens it again.
+
+The HTTP API relays the upstream's answer as it is (api.py); a websocket generate becomes a streamed chat
+completion (messages) or completion (prompt, prompt_token_ids) whose text comes back as delta frames
+(Spilled)."""
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import orjson
 
-from schemas.messages import Usage
+from schemas.messages import GenerateRequest, Usage
+from services.gateway import frames
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key
 
@@ -96,13 +102,14 @@ class Upstream:
         if "max_completion_tokens" not in out:
             out["max_tokens"] = max_tokens
         if stream:
+            out["stream"] = True
             out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
         return out
 
-    async def send(self, f: "Forward", body: dict) -> httpx.Response:
-        """The upstream's response, its status 2xx and its body not read yet; ApiError for a refusal or a failure,
-        each recorded in the breaker (a 4xx is an answer: the upstream is up)."""
-        request = self.client.build_request("POST", self.url + PATHS[f.api], json=body)
+    async def send(self, f: "Forward", api: str, body: dict) -> httpx.Response:
+        """The upstream's response to a chat or completions request, its status 2xx and its body not read yet;
+        ApiError for a refusal or a failure, each recorded in the breaker (a 4xx is an answer: the upstream is up)."""
+        request = self.client.build_request("POST", self.url + PATHS[api], json=body)
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as e:
@@ -245,3 +252,84 @@ class Forward:
 
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+class Spilled:
+    """A websocket generate the upstream answers: its text as delta frames (`token_ids` empty: the upstream's
+    tokens are not this model's), then a done frame with the upstream's usage and `"fallback": true`, or an
+    error frame. A cancel or the connection's end stops it (a fallback stream cannot be resumed)."""
+    resumable = False
+
+    def __init__(self, conn, cid: str, f: Forward, frame: dict, req: GenerateRequest):
+        self.conn, self.cid, self.f, self.frame, self.req = conn, cid, f, frame, req
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.conn.inflight[self.cid] = self
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        try:
+            frame = await self.relay()
+        except ApiError as e:
+            frame = e.frame(self.cid)
+            if e.status >= 500:                   # the websocket's codes have none for the upstream's failure
+                frame["code"] = e.code or "unavailable"
+        self.f.end()
+        if self.conn.inflight.get(self.cid) is self:
+            del self.conn.inflight[self.cid]
+            await self.conn.send(frame)
+
+    async def relay(self) -> dict:
+        f, up = self.f, self.f.upstream
+        api = "chat" if self.req.messages is not None else "completions"
+        b = {k: v for k, v in self.frame.items() if k in frames.SAMPLING or k in frames.PROMPTS}
+        if "prompt_token_ids" in b:
+            b["prompt"] = b.pop("prompt_token_ids")
+        resp = await up.send(f, api, up.body(b, f.gw.model, self.req.sampling.max_tokens, True))
+        done = False
+        try:
+            async with asyncio.timeout(f.gw.request_timeout - (time.perf_counter() - f.t0)):
+                async for line in resp.aiter_lines():
+                    data = line[5:].strip() if line.startswith("data:") else ""
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    obj = orjson.loads(data) if data.startswith("{") else {}
+                    if "error" in obj:
+                        raise httpx.StreamError(said(data))
+                    await self.deltas(obj)
+        except (httpx.HTTPError, TimeoutError, orjson.JSONDecodeError) as e:
+            f.failed()
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) else (
+                f"the request did not finish within --request-timeout={f.gw.request_timeout:g} s")
+            raise ApiError(502, f"the fallback upstream's stream broke: {why}", "fallback_failed") from None
+        finally:
+            await resp.aclose()
+        if not done:
+            f.failed()
+            raise ApiError(502, "the fallback upstream's stream broke: it ended before [DONE]", "fallback_failed")
+        return self.done(f.finish_reason or "stop")
+
+    async def deltas(self, obj: dict) -> None:
+        before = self.f.chunks
+        self.f.take(obj)
+        if self.f.chunks == before:
+            return
+        c = obj["choices"][0]
+        text = c.get("text") if "text" in c else c["delta"]["content"]
+        await self.conn.send({"type": "delta", "id": self.cid, "text": text, "token_ids": []})
+
+    def done(self, reason: str) -> dict:
+        prompt, _, completion = self.f.counts()
+        return {"type": "done", "id": self.cid, "finish_reason": reason,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
+                "timing": {"ttft_ms": ms(self.f.ttft), "e2e_ms": ms(time.perf_counter() - self.f.t0)},
+                "fallback": True}
+
+    async def abort(self) -> None:
+        """A cancel, or the connection's end: the upstream's stream is closed, what came is metered."""
+        self.conn.inflight.pop(self.cid, None)
+        if self.task is not None:
+            self.task.cancel()
+        self.f.end("aborted")

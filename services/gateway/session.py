@@ -52,7 +52,7 @@ from schemas.messages import (
 from services.gateway import admission, frames, keys
 from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
-from services.gateway.fallback import Forward, Upstream
+from services.gateway.fallback import Forward, Spilled, Upstream
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
 from services.gateway.metrics import Metrics
@@ -327,8 +327,14 @@ class Connection:
         req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
         resumable = frames.resumable(frame)
         try:
-            await self.gw.start(self, cid, req, self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
-                                resumable)
+            try:
+                await self.gw.start(self, cid, req, self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
+                                    resumable)
+            except ApiError as e:
+                if not self.gw.falls_back(self.key, e):
+                    raise
+                Spilled(self, cid, self.gw.fall_back(self.key, req, "ws", e, t0, frames.priority(frame)), frame,
+                        req).start()
         except ApiError as e:                     # refused by a limit: an error frame with its code
             raise refused(e, cid) from None
 

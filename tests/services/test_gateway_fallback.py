@@ -9,6 +9,7 @@ import time
 import openai
 import orjson
 import pytest
+from websockets.asyncio.client import connect
 
 from ops.procs import free_port, start_nats, stop
 from schemas import subjects
@@ -277,4 +278,47 @@ def test_a_request_whose_publish_is_not_stored_goes_to_the_fallback_and_a_cancel
                 assert down.requests == [] and len(up.requests) == 1
                 [record] = await usage_records(down.nc, 1)
                 assert record.fallback and record.id == down.cancels[0].id
+    run(body())
+
+
+# -- the websocket ---------------------------------------------------------------------------------------
+
+def test_a_websocket_generate_is_answered_by_the_fallback_as_delta_and_done_frames_and_a_cancel_stops_it(
+        nats_url, tiny_model, tok):
+    async def frames_of(ws, cid: str) -> list[dict]:
+        got = []
+        while not got or got[-1]["type"] not in ("done", "error"):
+            f = orjson.loads(await ws.recv())
+            assert f["id"] == cid, f
+            got.append(f)
+        return got
+
+    async def body():
+        with upstream() as up:
+            async with gateway(nats_url, tiny_model, tok, workers=0,
+                               upstream=Upstream(up.url, None, "up-model")) as down:
+                async with connect(down.ws) as ws:
+                    await ws.send(orjson.dumps({"type": "generate", "id": "a", "max_tokens": 12, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "hi"}]}).decode())
+                    got = await frames_of(ws, "a")
+                    assert [f["text"] for f in got[:-1]] == WORDS and all(f["token_ids"] == [] for f in got[:-1])
+                    assert got[-1]["fallback"] and got[-1]["finish_reason"] == "stop"
+                    assert got[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3}
+                    await ws.send(orjson.dumps({"type": "generate", "id": "b", "prompt_token_ids": [5, 6]}).decode())
+                    assert "".join(f.get("text", "") for f in await frames_of(ws, "b")) == TEXT
+                    asked = [(r.get("messages", r.get("prompt")), r["max_tokens"], r.get("temperature"))
+                             for r in up.requests]
+                    assert asked == [([{"role": "user", "content": "hi"}], 12, 0), ([5, 6], 16, None)]     # its default
+
+                    up.hang = True
+                    await ws.send(orjson.dumps({"type": "generate", "id": "c", "prompt": "wait"}).decode())
+                    while len(up.requests) < 3:
+                        await asyncio.sleep(0.02)
+                    await ws.send(orjson.dumps({"type": "cancel", "id": "c"}).decode())
+                    got = await frames_of(ws, "c")
+                    assert got[-1]["finish_reason"] == "abort" and got[-1]["fallback"]
+                    up.hang = False
+                records = await usage_records(down.nc, 2)          # the cancelled one got nothing: no record
+                assert {(u.api, u.fallback, u.model) for u in records} == {("ws", True, "up-model")}
+                assert down.app.state.gateway.admission.tenants["default"].active == 0
     run(body())
