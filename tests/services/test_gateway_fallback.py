@@ -11,9 +11,11 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
+from ops.cli import parser as tokenbus
 from ops.procs import free_port, start_nats, stop
+from ops.up import FALLBACK, given
 from schemas import subjects
-from services.gateway import keys
+from services.gateway import app, keys
 from services.gateway.fallback import Breaker, Upstream
 from tests.services.fake_pipeline import gateway, served
 from tests.services.fake_upstream import WORDS, upstream
@@ -73,6 +75,21 @@ def test_a_key_s_fallback_defaults_to_true_false_for_batch_keys_and_a_bad_one_is
     for url in ("host:8000/v1", "ftp://host/v1"):
         with pytest.raises(ValueError, match="--fallback-url"):
             Upstream(url, None, None)
+
+
+def test_up_passes_the_fallback_flags_to_the_gateway_which_takes_the_upstream_s_key_from_the_environment(
+        monkeypatch):
+    argv = given(tokenbus().parse_args(["up", "--fallback-url", "http://up:8000/v1", "--fallback-cooldown", "2"]),
+                    *FALLBACK)
+    assert argv == ["--fallback-url", "http://up:8000/v1", "--fallback-cooldown", "2.0"]
+    assert given(tokenbus().parse_args(["up"]), *FALLBACK) == []
+    monkeypatch.setenv("TOKENBUS_FALLBACK_KEY", "sk-secret")
+    u = app.fallback(app.parser().parse_args(["--model", "m", *argv]))
+    assert (u.url, u.key, u.model, u.breaker.failures, u.breaker.cooldown) == (
+        "http://up:8000/v1", "sk-secret", None, 5, 2.0)
+    assert app.fallback(app.parser().parse_args(["--model", "m"])) is None
+    with pytest.raises(SystemExit, match="gateway: --fallback-url 'up:8000': expected the upstream's base URL"):
+        app.main(["--model", "m", "--fallback-url", "up:8000"])
 
 
 # -- answered by the fallback ------------------------------------------------------------------------
