@@ -17,7 +17,7 @@ from ops.up import FALLBACK, given
 from schemas import subjects
 from services.gateway import app, keys
 from services.gateway.fallback import Breaker, Upstream
-from tests.services.fake_pipeline import gateway, served
+from tests.services.fake_pipeline import gateway, said, served
 from tests.services.fake_upstream import WORDS, upstream
 from tests.services.test_gateway_api import chat, error_of, post, usage_records
 
@@ -339,3 +339,30 @@ def test_a_websocket_generate_is_answered_by_the_fallback_as_delta_and_done_fram
                 assert {(u.api, u.fallback, u.model) for u in records} == {("ws", True, "up-model")}
                 assert down.app.state.gateway.admission.tenants["default"].active == 0
     run(body())
+
+
+def test_a_second_tokenbus_gateway_serves_as_the_fallback_of_one_with_no_worker(nats_url, tiny_model, tok, tmp_path):
+    """The upstream is tokenbus's own HTTP API (which refuses any parameter it does not know) before a
+    second pipeline on a nats-server of its own."""
+    async def body(other_nats):
+        async with gateway(other_nats, tiny_model, tok) as second, gateway(
+                nats_url, tiny_model, tok, workers=0, upstream=Upstream(second.http + "/v1", None, None)) as first:
+            status, h, got = await post(first, "/v1/chat/completions", chat("one", priority=2), key=None)
+            assert status == 200 and h["x-tokenbus-fallback"] == "1", got
+            assert got["choices"][0]["message"]["content"] == " echo one"
+            status, h, got = await post(first, "/v1/completions", {"model": "tiny", "prompt": "two", "stream": True},
+                                        key=None)
+            events = [orjson.loads(e.removeprefix(b"data: ")) for e in got.split(b"\n\n") if e.startswith(b"data: {")]
+            assert "".join(e["choices"][0]["text"] for e in events) == " echo two"
+            assert all("usage" not in e for e in events)
+            [u1, u2] = await usage_records(first.nc, 2)
+            n = len(tok.encode(" echo two").ids)
+            assert (u1.fallback, u2.fallback, u2.completion_tokens) == (True, True, n)
+            assert [said(r) for r in second.requests] == ["one", "two"]
+
+    port = free_port()
+    proc = start_nats(port, tmp_path / "second")
+    try:
+        run(body(f"nats://127.0.0.1:{port}"))
+    finally:
+        stop([proc])
