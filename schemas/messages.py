@@ -458,9 +458,18 @@ class Usage:
     finished: float = 0.0
 
 
+@dataclass(slots=True)
+class TenantBucket:
+    """gateway → KV bucket tb_limits (key = tenant): a tenant's token bucket shared by every gateway, `level`
+    tokens at unix time `ts` (refilled at tokens_per_minute / 60 since), changed only by compare-and-set."""
+    TYPE: typing.ClassVar[str] = "tenant_bucket"
+    level: float
+    ts: float
+
+
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
            | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
-           | DeadLetter | Resumed | KvFetch)
+           | DeadLetter | Resumed | KvFetch | TenantBucket)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 

@@ -1,6 +1,7 @@
 """Whether a request may enter, decided in the gateway's memory (no I/O, microseconds):
 - per tenant, a token bucket of tokens_per_minute charged prompt + max output tokens, refunded what
-  the request did not use when it ends; and a cap on its concurrent requests (429 + Retry-After);
+  the request did not use when it ends (a gateway's own, or its lease of the bucket the gateways share,
+  services/gateway/limits.py); and a cap on its concurrent requests in this gateway (429 + Retry-After);
 - the cluster, from the worker registry: some worker must be able to take the request soon, its
   queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
   overloaded cluster refuses quickly instead of queueing without bound. A batch key's request needs
@@ -14,6 +15,7 @@ The gateway does not tokenize: a text prompt is estimated at BYTES_PER_TOKEN and
 settled with the worker's counts when the request ends."""
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.messages import GenerateRequest, Heartbeat
@@ -64,6 +66,7 @@ class Ticket:
     key: Key
     charged: int
     settled: bool = False
+    bucket: object = None                         # what it was charged to, refunded at the end (None: its tenant's)
 
 
 def estimate(req: GenerateRequest) -> int:
@@ -139,15 +142,21 @@ class Cluster:
         return best.worker
 
 
+def own(key: Key, now: float) -> TokenBucket:
+    """A tenant's bucket in this gateway alone."""
+    return TokenBucket(key.tokens_per_minute, now)
+
+
 @dataclass(slots=True)
 class Admission:
     cluster: Cluster = field(default_factory=Cluster)
     tenants: dict[str, Tenant] = field(default_factory=dict)
+    bucket: Callable = own                        # a limited tenant's bucket: own, or Limits.lease (shared)
 
     def tenant(self, key: Key, now: float) -> Tenant:
         t = self.tenants.get(key.tenant)
         if t is None:
-            bucket = TokenBucket(key.tokens_per_minute, now) if key.tokens_per_minute else None
+            bucket = self.bucket(key, now) if key.tokens_per_minute else None
             t = self.tenants[key.tenant] = Tenant(bucket)
         return t
 
@@ -162,10 +171,11 @@ class Admission:
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
         self.cluster.place(cost, time.time(), key.batch)
-        if t.bucket is not None:
-            t.bucket.take(cost, now)
+        charged = getattr(t.bucket, "fallback", None) or t.bucket    # a shared limit cut off: its fallback
+        if charged is not None:
+            charged.take(cost, now)
         t.active += 1
-        return Ticket(key, cost)
+        return Ticket(key, cost, bucket=charged)
 
     def check_rate(self, key: Key, bucket: TokenBucket, cost: int, now: float) -> None:
         if cost > bucket.capacity:              # would never pass: no Retry-After to give
@@ -186,5 +196,6 @@ class Admission:
         now = time.monotonic() if now is None else now
         t = self.tenant(ticket.key, now)
         t.active -= 1
-        if t.bucket is not None:
-            t.bucket.take(used - ticket.charged, now)
+        bucket = ticket.bucket or t.bucket
+        if bucket is not None:
+            bucket.take(used - ticket.charged, now)

@@ -105,7 +105,7 @@ async def complete(request: HttpRequest, api: str):
         if last is None:
             b = await body(request)
             call = parse(api, b, gw)
-            r = await gw.start(ex, "http", call.req, gw.admit(key, call.req, priority(b)), api, t0, call.stream)
+            r = await gw.start(ex, "http", call.req, await gw.admit(key, call.req, priority(b)), api, t0, call.stream)
         else:
             call, r = await resume(request, api, gw, ex, key, last, t0)
         first = await watching(request, ex.frames.get())

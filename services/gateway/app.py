@@ -33,6 +33,7 @@ from schemas.messages import Heartbeat, WireError, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from services.gateway import api, keys, openapi
 from services.gateway.errors import ApiError
+from services.gateway.limits import Limits
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.session import Connection, Gateway
 
@@ -53,7 +54,7 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
         log = configure("gateway")
         tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
         nc = await subjects.connect(nats_url, "gateway", log)
-        loops = []
+        loops, gw = [], None
         try:
             js = nc.jetstream()
             await subjects.ensure_streams(js)
@@ -61,11 +62,15 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
                                              config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table,
                                              outcomes=await subjects.outcomes(js), request_timeout=request_timeout,
                                              resume_grace=resume_grace)
+            gw.limits = Limits(await subjects.limits(js), await subjects.gateways(js), gw.id, log, gw.metrics)
+            gw.admission.bucket = gw.limits.lease
+            await gw.limits.beat()                           # N counted before the first lease is drawn
             await nc.subscribe(subjects.ROUTER_STATS_ALL, cb=gw.metrics.on_router_stats)
             await nc.subscribe(subjects.PROGRESS_ALL, cb=gw.on_progress)
             await nc.subscribe(subjects.RESUMED_ALL, cb=gw.on_resumed)
             known = asyncio.Event()
-            loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep())]
+            loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep()),
+                     asyncio.create_task(gw.limits.run())]
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
                 await asyncio.wait_for(known.wait(), 5)
             app.state.started, app.state.openapi = int(time.time()), orjson.dumps(openapi.document(model, max_tokens))
@@ -77,6 +82,8 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
         finally:
             for task in loops:
                 task.cancel()
+            if gw is not None and gw.limits is not None:
+                await gw.limits.close()                     # the leases back to the shared buckets
             await subjects.close(nc)
             log.info("gateway stopped")
 

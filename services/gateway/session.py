@@ -54,6 +54,7 @@ from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
+from services.gateway.limits import Limits
 from services.gateway.metrics import Metrics
 
 SWEEP_SECONDS = 1.0                  # how often deadlines, stalls and unfilled gaps are looked at
@@ -83,6 +84,7 @@ class Gateway:
     requests: dict[str, "Request"] = field(default_factory=dict)   # request id -> its stream, for checks
     resume_grace: float = subjects.RESUME_GRACE   # seconds a dropped client's resumable streams wait for it
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])     # this gateway, in Resumed messages
+    limits: Limits | None = None                  # tenants' rate limits shared with the other gateways
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:
@@ -94,16 +96,20 @@ class Gateway:
                            else "invalid API key", "invalid_api_key")
         return key
 
-    def admit(self, key: Key, req: GenerateRequest, priority: int | None = None) -> Ticket:
+    async def admit(self, key: Key, req: GenerateRequest, priority: int | None = None) -> Ticket:
         """The request's admission ticket, or ApiError naming the limit. Its priority is the one asked, but
-        never more urgent than its key's (the key's when none was asked)."""
+        never more urgent than its key's (the key's when none was asked). A shared limit whose lease here
+        does not cover the request draws first (one round trip); then admission decides in memory."""
         req.priority = key.priority if priority is None else max(priority, key.priority)
         n = req.sampling.max_tokens
         if n > self.max_tokens:
             raise ApiError(400, f"max_tokens: {n} is more than the gateway's cap max_tokens={self.max_tokens}",
                            "max_tokens_too_large", "max_tokens")
         prompt = admission.estimate(req)
-        return self.admission.admit(key, prompt, min(n, max(self.max_model_len - prompt, 1)))
+        n = min(n, max(self.max_model_len - prompt, 1))
+        if self.limits is not None:
+            await self.limits.cover(key, prompt + n)
+        return self.admission.admit(key, prompt, n)
 
     async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float,
                     resumable: bool = False) -> "Request":
@@ -301,7 +307,7 @@ class Connection:
         req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
         resumable = frames.resumable(frame)
         try:
-            await self.gw.start(self, cid, req, self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
+            await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
                                 resumable)
         except ApiError as e:                     # refused by a limit: an error frame with its code
             raise refused(e, cid) from None
