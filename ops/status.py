@@ -37,8 +37,8 @@ def as_json(beats: list[Heartbeat]) -> dict:
 def table(beats: list[Heartbeat]) -> str:
     """One row per worker; the kv transfer column only when some worker is disaggregated."""
     disaggregated = any(b.kv_transfer is not None for b in beats)
-    head = ["worker", "role", "model", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished", "speculation",
-            *(["kv transfer"] if disaggregated else [])]
+    head = ["worker", "role", "model", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished",
+            "speculation", *(["kv transfer"] if disaggregated else [])]
     rows = [[b.worker, b.role, f"{b.model}@{b.revision}" if b.revision else b.model, str(b.running), str(b.waiting),
              f"{1 - b.kv_blocks_free / max(b.kv_blocks_total, 1):.1%}", f"{b.kv_blocks_free}/{b.kv_blocks_total} free",
              f"{b.prefix_cache_hits / b.prefix_cache_queries:.1%}" if b.prefix_cache_queries else "-",
