@@ -177,7 +177,8 @@ class Stack:
         cached beside them), files (a GGUF's tokenizer and config, as the files they read) and canary share;
         ValueError naming the rule a models file breaks."""
         if not self.served:
-            self.served = [Served(e.served_name, revision(e.model), hf_dir(e.model), e.share) for e in self.entries]
+            self.served = [Served(e.served_name, revision(e.model) if Path(e.model).exists() else "", hf_dir(e.model),
+                                  e.share) for e in self.entries]     # a missing model: its worker says so
             served.check(self.served)
         return self.served
 
