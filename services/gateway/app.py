@@ -70,7 +70,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
                 await asyncio.wait_for(known.wait(), 5)
             app.state.started = int(time.time())
-            app.state.openapi = orjson.dumps(openapi.document(models.ids(), max_tokens))
+            app.state.openapi = orjson.dumps(openapi.document(list(models.by_name), max_tokens))
             app.state.page = PAGE.read_text()
             log.info("gateway ready", nats=nats_url, model=model_dir, models=models.ids(), api_keys=api_keys)
             if key_table is None:

@@ -155,16 +155,20 @@ def operation(summary: str, body: dict, answer: dict) -> dict:
                           **errors(400, 401, 403, 404, 413, 429, 431, 503)}}
 
 
+PIN = "a served model's name, or name@revision to pin one of its revisions (GET /v1/models lists them)"
+
+
 def document(models: list[str], max_tokens: int) -> dict:
-    """The document of a gateway serving `models` (names, and name@revision pins)."""
+    """The document of a gateway serving `models` (their names; name@revision pins a revision, as the description
+    says: a pin to a revision with no live worker is a 503)."""
     common = sampling(max_tokens)
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
-    chat = obj({"model": {"type": "string", "enum": models},
+    chat = obj({"model": {"type": "string", "enum": models, "description": PIN},
                 "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message()},
                 "max_completion_tokens": integer(1, max_tokens), **common,
                 "logprobs": nullable({"type": "boolean"}), "top_logprobs": integer(0, MAX_LOGPROBS)},
                ["model", "messages"])
-    text = obj({"model": {"type": "string", "enum": models},
+    text = obj({"model": {"type": "string", "enum": models, "description": PIN},
                 "prompt": {"oneOf": [{"type": "string"}, ids, one({"type": "string"}), one(ids)]},
                 **common, "logprobs": integer(0, MAX_LOGPROBS)}, ["model", "prompt"])
     reply = {"type": "object", "required": ["role", "content"]}
