@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.messages import GenerateRequest, Heartbeat
+from schemas.served import serves
 from schemas.subjects import HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key
@@ -110,12 +111,18 @@ class Cluster:
     def load(self, hb: Heartbeat) -> float:
         return (hb.running + hb.waiting + self.added[hb.worker]) / max(hb.max_num_seqs, 1)
 
-    def place(self, tokens: int, now: float, batch: bool = False) -> str:
+    def place(self, tokens: int, now: float, batch: bool = False, model: str = "", revision: str = "") -> str:
         """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none.
-        A batch request takes only a worker with spare capacity."""
+        A batch request takes only a worker with spare capacity; a request for a model (and a revision) only
+        a worker serving it ("": any)."""
         live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
+        live = [hb for hb in live if serves(hb, model, revision)]
+        if not live:
+            asked = f"model {model!r}" + (f" revision {revision!r}" if revision else "")
+            raise ApiError(503, f"no worker serving {asked} is registered; retry shortly", "unavailable", "model",
+                           BUSY_RETRY)
         live = [hb for hb in live if hb.role != "prefill"]
         if not live:
             raise ApiError(503, "no decode worker is registered (role both or decode): prefill workers cannot finish "
@@ -160,7 +167,8 @@ class Admission:
             t = self.tenants[key.tenant] = Tenant(bucket)
         return t
 
-    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None) -> Ticket:
+    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None, model: str = "",
+              revision: str = "") -> Ticket:
         """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit."""
         now = time.monotonic() if now is None else now
         t, cost = self.tenant(key, now), prompt_tokens + max_tokens
@@ -170,7 +178,7 @@ class Admission:
                            f"{cap}", "concurrency_limit_exceeded", retry_after=1)
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
-        self.cluster.place(cost, time.time(), key.batch)
+        self.cluster.place(cost, time.time(), key.batch, model, revision)
         charged = getattr(t.bucket, "fallback", None) or t.bucket    # a shared limit cut off: its fallback
         if charged is not None:
             charged.take(cost, now)
