@@ -504,9 +504,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--nats-sync", metavar="always|DURATION",
                    help="the started nats-servers' fsync: before every acknowledgement (always: the default of a "
                         "cluster) or every DURATION (2m: NATS's default, kept by one server); see docs/cluster.md")
-    u.add_argument("--workers", type=count, help="colocated worker replicas (processes, each with its own engine, "
-                   "prefilling and decoding what it takes; ids w0, w1, ...) (default: 1; 0 with --prefill-workers or "
-                   "--decode-workers)")
+    u.add_argument("--workers", type=count, help="colocated worker replicas of each --model (processes, each with "
+                   "its own engine, prefilling and decoding what it takes; ids w0, w1, ...) (default: 1; 0 with "
+                   "--prefill-workers or --decode-workers)")
     u.add_argument("--prefill-workers", type=count, default=0, metavar="P",
                    help="disaggregated serving: P workers with --role prefill (p0, p1, ...) compute long prompts and "
                         "hand each request to a decode-capable worker, which pulls the KV (docs/operations.md)")
@@ -528,8 +528,13 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--max-prefill-queue", type=count, metavar="N",
                    help="...unless every prefill worker has more than N requests queued: then the decode worker "
                         f"prefills it (default: the router's, {ROUTER.max_prefill_queue})")
-    u.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use; the tiny model "
-                                   "when it cannot be pulled)")
+    u.add_argument("--model", action="append", help=f"{MODEL}; given again, one more model served beside the "
+                   f"others, each by its own workers (default: {DEFAULT_MODEL}, pulled on first use; the tiny model "
+                   "when it cannot be pulled)")
+    u.add_argument("--models", metavar="FILE", help="JSON: {\"models\": [{\"model\": DIR|GGUF|NAME, \"name\": ..., "
+                   "\"workers\": N, \"share\": S}, ...]}: every model, its name and workers; entries of one name are "
+                   "its revisions, one stable and canaries taking a share of its requests (docs/models.md) "
+                   "(default: the --model ones)")
     u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")
@@ -544,7 +549,8 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--tls-cert", metavar="FILE", help="the embedded nats-server serves TLS with this certificate (PEM)")
     u.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
     u.add_argument("--tls-ca", metavar="FILE", help="the CA every service verifies the nats-server's certificate with")
-    u.add_argument("--served-model-name", help="the model's name in the HTTP API (default: the --model directory's)")
+    u.add_argument("--served-model-name", help="the model's name in the HTTP API, with one --model (default: the "
+                   "--model directory's)")
     u.add_argument("--max-tokens", type=int,
                    help=f"the gateway's cap on a request's max_tokens (default: {MAX_TOKENS})")
     u.add_argument("--fallback-url", metavar="URL",

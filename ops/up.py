@@ -4,6 +4,7 @@ P prefill workers, p0.., and D decode workers, d0..) and the gateways; it waits 
 pulling and every worker is registered, prints where to connect, and on Ctrl-C or SIGTERM stops every
 child (each child also gets SIGTERM from the kernel if this process dies)."""
 import asyncio
+import json
 import os
 import re
 import signal
@@ -17,14 +18,63 @@ from pathlib import Path
 from ops import broker, bus, cluster, procs
 from ops.models import resolve
 from ops.status import heartbeats
-from schemas import subjects
+from schemas import served, subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
+from schemas.revision import revision
+from schemas.served import Served
 from services.gateway import keys
 from workers.models.builder import tokenbus_home
 from workers.models.gguf import hf_dir
 
 READY_TIMEOUT = 180.0
 TAIL_LINES = 20                                   # of a child's log, shown when it fails to start
+
+
+@dataclass(slots=True)
+class Entry:
+    """One model of the stack, as --model or an entry of a models file names it (the path resolved)."""
+    model: str                                    # an HF checkpoint directory or a GGUF file
+    name: str | None = None                       # its served name (default: the directory's or file's name)
+    workers: int | None = None                    # its colocated workers (default: the stack's `workers`)
+    share: float = 0.0                            # a canary: this share of its name's requests (0: stable)
+
+    @property
+    def served_name(self) -> str:
+        return self.name or os.path.basename(os.path.normpath(self.model))
+
+
+MODEL_KEYS = {"model", "name", "workers", "share"}
+
+
+def read_models(path: str) -> list[Entry]:
+    """The entries of a models file (`tokenbus up --models FILE`), their models resolved; ValueError naming
+    the file, the entry and the key:
+    {"models": [{"model": DIR|GGUF|NAME, "name": "chat", "workers": 1, "share": 0.05}, ...]}."""
+    try:
+        entries = json.loads(Path(path).read_text())["models"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--models {path}: not a models file, {{\"models\": [...]}} ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--models {path}: \"models\" must be a non-empty list of entries")
+    out = []
+    for i, m in enumerate(entries):
+        where = f"--models {path}: models[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("model"), str):
+            raise ValueError(f"{where}.model: required, a directory, GGUF file or model name")
+        if extra := sorted(m.keys() - MODEL_KEYS):
+            raise ValueError(f"{where}.{extra[0]}: unknown key (known: {', '.join(sorted(MODEL_KEYS))})")
+        if not isinstance(m.get("name", ""), str):
+            raise ValueError(f"{where}.name: expected a string")
+        workers = m.get("workers", 1)
+        if type(workers) is not int or workers < 0:
+            raise ValueError(f"{where}.workers: expected a whole number from 0, got {workers!r}")
+        share = m.get("share", 0.0)
+        if "share" in m and (type(share) not in (int, float) or not 0 < share < 1):
+            raise ValueError(f"{where}.share: {share!r} must be a number in (0, 1): the canary's share of its "
+                             "name's requests")
+        out.append(Entry(resolve(m["model"]), m.get("name"), workers, float(share)))
+    return out
 
 
 class ChildFailed(RuntimeError):
@@ -68,6 +118,8 @@ class Stack:
     log_starts: dict[str, int] = field(default_factory=dict)  # each child's log size when it started
     prefill_workers: int = 0                      # workers with --role prefill, after the `workers` colocated ones
     decode_workers: int = 0                       # and with --role decode
+    models: list[Entry] = field(default_factory=list)   # the models served; none: `model` alone
+    served: list[Served] = field(default_factory=list)  # what the tokenizer and gateways are told (plan())
 
     @property
     def address(self) -> str:
@@ -103,15 +155,38 @@ class Stack:
         return [f"http://{self.address}:{self.port + i}" for i in range(self.gateways)]
 
     @property
+    def entries(self) -> list[Entry]:
+        return self.models or [Entry(self.model)]
+
+    @property
+    def worker_plan(self) -> dict[str, tuple[str, Entry]]:
+        """Every worker's id, role and model: w0.. colocated (both), each model's in turn, then p0.. prefill and
+        d0.. decode (of the first model: disaggregated serving serves one)."""
+        colocated = [e for e in self.entries for _ in range(self.workers if e.workers is None else e.workers)]
+        first = self.entries[0]
+        return {**{f"w{i}": ("both", e) for i, e in enumerate(colocated)},
+                **{f"p{i}": ("prefill", first) for i in range(self.prefill_workers)},
+                **{f"d{i}": ("decode", first) for i in range(self.decode_workers)}}
+
+    @property
     def worker_roles(self) -> dict[str, str]:
-        """Every worker's id and role: w0.. colocated (both), p0.. prefill, d0.. decode."""
-        return {**{f"w{i}": "both" for i in range(self.workers)},
-                **{f"p{i}": "prefill" for i in range(self.prefill_workers)},
-                **{f"d{i}": "decode" for i in range(self.decode_workers)}}
+        return {name: role for name, (role, _) in self.worker_plan.items()}
+
+    def plan(self) -> list[Served]:
+        """What the tokenizer and the gateways serve: each model's name, revision (a hash of its weights,
+        cached beside them), files (a GGUF's tokenizer and config, as the files they read) and canary share;
+        ValueError naming the rule a models file breaks."""
+        if not self.served:
+            self.served = [Served(e.served_name, revision(e.model) if Path(e.model).exists() else "", hf_dir(e.model),
+                                  e.share) for e in self.entries]     # a missing model: its worker says so
+            served.check(self.served)
+        return self.served
 
     def start(self) -> None:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        models_file = self.data_dir / "served-models.json"
+        served.dump(self.plan(), models_file)
         if self.nats_nodes:
             self.start_cluster()
         elif self.nats_url is None:
@@ -119,16 +194,15 @@ class Stack:
             self.nats_url = f"nats://{procs.reachable(self.nats_host)}:{self.nats_port}"
         asyncio.run(prepare(self.nats_url, self.credentials))
         common = ["--nats-url", self.nats_url]
-        files = hf_dir(self.model)  # a GGUF's tokenizer and config, as the files the tokenizer and gateway read
-        self.spawn("tokenizer", "services.tokenizer", *common, "--model", files, *self.tokenizer_args)
+        self.spawn("tokenizer", "services.tokenizer", *common, "--models", str(models_file), *self.tokenizer_args)
         self.spawn("router", "services.router", *common, *self.router_args)
-        for name, role in self.worker_roles.items():
-            self.spawn(name, "workers.service", *common, "--model", self.model, "--id", name,
-                       *([] if role == "both" else ["--role", role]), *self.worker_args, env=self.worker_env,
-                       role="worker")
+        for name, (role, entry) in self.worker_plan.items():
+            self.spawn(name, "workers.service", *common, "--model", entry.model, "--served-model-name",
+                       entry.served_name, "--id", name, *([] if role == "both" else ["--role", role]),
+                       *self.worker_args, env=self.worker_env, role="worker")
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
         for i, name in enumerate(self.gateway_names):
-            self.spawn(name, "services.gateway", *common, "--model", files, "--host", self.host,
+            self.spawn(name, "services.gateway", *common, "--models", str(models_file), "--host", self.host,
                        "--port", str(self.port + i), *keys_arg, *self.gateway_args, role="gateway")
 
     @property
@@ -387,6 +461,31 @@ def workers_line(stack: Stack) -> str:
     return f"{' and '.join(parts) or '0'} worker(s)"
 
 
+def model_entries(args) -> list[Entry]:
+    """The models up serves: a models file's, or each --model (the default model without one) with --workers
+    workers each; ValueError naming the flags that do not go together."""
+    if args.models and (args.model or args.served_model_name):
+        raise ValueError("--models FILE names every model (and its name): give it without --model and "
+                         "--served-model-name")
+    if args.models:
+        entries = read_models(args.models)
+    else:
+        if args.served_model_name and len(args.model or ()) > 1:
+            raise ValueError(f"--served-model-name names one model; with {len(args.model)} --model give each its "
+                             "name in a models file (--models FILE)")
+        entries = [Entry(resolve(m), args.served_model_name) for m in args.model or [None]]
+    if len(entries) > 1 and (args.prefill_workers or args.decode_workers):
+        raise ValueError("--prefill-workers and --decode-workers serve one model: give one --model")
+    return entries
+
+
+def models_line(stack: Stack) -> str:
+    """The models up starts on: a path, or each name@revision with its share."""
+    if len(stack.served) == 1:
+        return stack.model
+    return ", ".join(f"{m.name}@{m.revision}" + (f" ({m.share:.1%})" if m.share else "") for m in stack.served)
+
+
 def check_speculative(args) -> None:
     """ValueError (the CLI prints it) for --no-speculative-adaptive alone."""
     if args.no_speculative_adaptive and args.speculative is None:
@@ -408,12 +507,14 @@ def main(args) -> None:
     check_roles(args)
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
-    model = resolve(args.model)
+    entries = model_entries(args)
+    model = entries[0].model
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens", "served-model-name", *FALLBACK), gateways=args.gateways,
+                  gateway_args=given(args, "max-tokens", *FALLBACK), gateways=args.gateways,
                   nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
-                  decode_workers=args.decode_workers, **security)
+                  decode_workers=args.decode_workers, models=entries, **security)
+    stack.plan()                                  # a models file's mistakes before anything starts
     if args.nats_cluster > 1:
         stack.nats_nodes = cluster.local_nodes(args.nats_cluster, data_dir, args.nats_port)
     signal.signal(signal.SIGTERM, interrupt)
@@ -421,8 +522,8 @@ def main(args) -> None:
     status = 0
     try:
         stack.start()
-        print(f"tokenbus: starting {workers_line(stack)} of tensor-parallel size {args.tp} on {model} "
-              f"(logs in {data_dir / 'logs'}) ...", flush=True)
+        print(f"tokenbus: starting {workers_line(stack)} of tensor-parallel size {args.tp} on "
+              f"{models_line(stack)} (logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
         more = "".join(f"\n  gateway {i}  {u}" for i, u in enumerate(stack.urls[1:], 1))
         urls = " ".join(f"--url {u}" for u in stack.urls)

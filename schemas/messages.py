@@ -55,12 +55,15 @@ class GenerateRequest:
     created: float = 0.0                          # unix time the gateway accepted it
     meter: Meter | None = None                  # who to bill, carried to the worker
     priority: int = 0                             # lower runs first on a worker with the priority policy
+    model: str = ""                               # the served model's name ("": the tokenizer's first model)
+    revision: str = ""                            # the revision that must serve it ("": any of the model's)
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
         check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_model(self.model, self.revision)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         check_meter(self.meter)
         from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
@@ -113,9 +116,12 @@ class TokenizedRequest:
     meter: Meter | None = None
     prefilled: Prefilled | None = None
     priority: int = 0                             # GenerateRequest's
+    model: str = ""                               # GenerateRequest's: the router picks a worker serving it
+    revision: str = ""
 
     def check(self) -> None:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_model(self.model, self.revision)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         check_meter(self.meter)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
@@ -375,6 +381,7 @@ class Heartbeat:
     role: str = "both"                            # both (colocated) | prefill | decode
     kv_transfer: KvTransfer | None = None         # None: a colocated worker
     scheduling_policy: str = "fcfs"               # fcfs | priority (the engine's, workers.engine.scheduler)
+    revision: str = ""                            # of the model it serves (schemas/revision.py)
 
 
 @dataclass(slots=True)
@@ -456,12 +463,22 @@ class Usage:
     timing: dict[str, float] = field(default_factory=dict)    # the gateway's ttft_ms, e2e_ms; the worker's queue_ms
     created: float = 0.0                          # unix time the gateway accepted the request
     finished: float = 0.0
+    revision: str = ""                            # the model's revision that served it
     fallback: bool = False                        # answered by the gateway's fallback upstream (model: its name)
+
+
+@dataclass(slots=True)
+class TenantBucket:
+    """gateway → KV bucket tb_limits (key = tenant): a tenant's token bucket shared by every gateway, `level`
+    tokens at unix time `ts` (refilled at tokens_per_minute / 60 since), changed only by compare-and-set."""
+    TYPE: typing.ClassVar[str] = "tenant_bucket"
+    level: float
+    ts: float
 
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
            | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
-           | DeadLetter | Resumed | KvFetch)
+           | DeadLetter | Resumed | KvFetch | TenantBucket)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 
@@ -472,6 +489,11 @@ def check_names(rid: str, tenant: str, salt: str | None, created: float) -> None
         limit(len(salt), MAX_SALT_CHARS, "cache_salt", "MAX_SALT_CHARS", "characters")
     if not math.isfinite(created):
         raise WireError(f"created: must be a finite number (got {created!r})")
+
+
+def check_model(model: str, revision: str) -> None:
+    limit(len(model), MAX_SALT_CHARS, "model", "MAX_SALT_CHARS", "characters")
+    limit(len(revision), MAX_SALT_CHARS, "revision", "MAX_SALT_CHARS", "characters")
 
 
 def check_name(kind: str, value: str) -> None:

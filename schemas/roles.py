@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from schemas import subjects as s
 
 API = "$JS.API"
-KV_STREAMS = [f"KV_{s.WORKERS_BUCKET}", f"KV_{s.OUTCOMES_BUCKET}"]
+KV_STREAMS = [f"KV_{s.WORKERS_BUCKET}", f"KV_{s.OUTCOMES_BUCKET}", f"KV_{s.LIMITS_BUCKET}", f"KV_{s.GATEWAYS_BUCKET}"]
 ALL_STREAMS = [c.name for c in s.STREAMS] + KV_STREAMS
 MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
@@ -61,13 +61,15 @@ def kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.*"]
 
 
-REGISTRY, OUTCOMES = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET
+REGISTRY, OUTCOMES, LIMITS, GATEWAYS = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET
 
 ROLES: dict[str, Permissions] = {
-    # accepts requests, streams their tokens, meters them; resumes a stream from the request log's copy
+    # accepts requests, streams their tokens, meters them; resumes a stream from the request log's copy;
+    # shares tenants' rate limits with the other gateways (tb_limits) and says it is alive (tb_gateways)
     "gateway": Permissions(
         publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, s.RESUMED_ALL, each(s.usage),
-                 *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES),
+                 *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES), *kv_get(LIMITS),
+                 *kv_write(LIMITS), *kv_write(GATEWAYS),
                  f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
         subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL], replies=1),
     # the request log → tokenized requests

@@ -32,6 +32,8 @@ DEAD_STREAM, DEAD_SUBJECTS = "TB_DEAD", "tb.dead.>"                # dead-letter
 WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
 REGISTRY_STREAM = f"KV_{WORKERS_BUCKET}"                           # the stream under it
 OUTCOMES_BUCKET = "tb_outcomes"                                    # how each request ended, key = request id
+LIMITS_BUCKET = "tb_limits"                                        # tenants' shared token buckets, key = tenant
+GATEWAYS_BUCKET = "tb_gateways"                                    # live gateways, key = gateway id
 CANCEL_ALL = "tb.cancel.*"
 RESEND_ALL = "tb.resend.*"
 PROGRESS_ALL = "tb.progress.*"
@@ -170,6 +172,8 @@ ACK_WAIT = 10.0                          # after this an unacked message is rede
 WORK_ACK_WAIT = 4 * IN_PROGRESS_SECONDS
 MAX_DELIVER = 5
 MAX_STRIKES = 2                          # failures or crashes of workers before a request is dead-lettered
+LIMITS_TTL = 120.0                       # a tenant's shared bucket untouched this long is full (60 s refill it)
+GATEWAY_TTL = 3.0                        # a gateway that has not said it is alive for this long has left
 OUTCOME_TTL = 2 * QUEUE_MAX_AGE          # outlives every work item that could still be redelivered
 REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)
 STALL_SECONDS = 5.0                      # a stream silent this long is checked (outcome, resend)
@@ -332,6 +336,8 @@ async def ensure_streams(js) -> None:
             await js.update_stream(dataclasses.replace(config, num_replicas=kept))
     await registry(js)
     await outcomes(js)
+    await limits(js)
+    await gateways(js)
 
 
 async def replicated(create, config, field: str):
@@ -364,6 +370,26 @@ async def outcomes(js):
         return await replicated(js.create_key_value, api.KeyValueConfig(
             bucket=OUTCOMES_BUCKET, ttl=OUTCOME_TTL, history=1, storage=api.StorageType.FILE,
             max_value_size=MAX_MSG_SIZE), "replicas")
+
+
+async def limits(js):
+    """The KV bucket of tenants' token buckets shared by the gateways (key = tenant, a TenantBucket), on
+    disk, changed by compare-and-set. An entry untouched for LIMITS_TTL is gone: its bucket has refilled."""
+    try:
+        return await js.key_value(LIMITS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=LIMITS_BUCKET, ttl=LIMITS_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+
+
+async def gateways(js):
+    """The KV bucket of live gateways (key = gateway id): each puts its key every GATEWAY_TTL / 3; its
+    count of entries is the number of gateways sharing the tenants' limits."""
+    try:
+        return await js.key_value(GATEWAYS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=GATEWAYS_BUCKET, ttl=GATEWAY_TTL, history=1, storage=api.StorageType.FILE), "replicas")
 
 
 async def live_workers(kv) -> list[Heartbeat]:

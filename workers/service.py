@@ -51,6 +51,7 @@ from schemas.messages import (
     ending,
     received,
 )
+from schemas.revision import revision as revision_of
 from schemas.sampling import SamplingParams
 from workers.distributed import WorkerFailure
 from workers.engine import speculative
@@ -98,7 +99,7 @@ class Running:
 class WorkerService:
     def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
                  chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
-                 kv_load_failure_policy: str = "recompute", nats_url: str | None = None):
+                 kv_load_failure_policy: str = "recompute", nats_url: str | None = None, revision: str = ""):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
         self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
@@ -122,6 +123,7 @@ class WorkerService:
         self.nats_url = nats_url                     # for the side thread's connection (default: nc's servers)
         self.side: Sideline | None = None
         self.beat: Heartbeat | None = None           # the last heartbeat the step loop built, and when
+        self.revision = revision                     # of the model it serves (schemas/revision.py)
         self.beat_at = 0.0
         if self.drops:
             log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
@@ -140,7 +142,8 @@ class WorkerService:
         await self.transport.start(self.side)
         await self.heartbeat()
         self.side.spawn(self.stand_in_beats())
-        self.log.info("worker ready", model=self.model_name, kv_blocks=self.engine.kv.num_blocks, role=self.role)
+        self.log.info("worker ready", model=self.model_name, revision=self.revision,
+                      kv_blocks=self.engine.kv.num_blocks, role=self.role)
         loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
                                                      self.progress_loop)]
         await self.stop.wait()
@@ -625,7 +628,8 @@ class WorkerService:
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
             self.queued_blocks(), self.suspect, spec, self.role,
-            self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy), \
+            self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy,
+            self.revision), \
             time.monotonic()
         await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
 
@@ -703,7 +707,7 @@ def metered(r: TokenizedRequest, done: Completion, now: float) -> Usage | None:
         return None
     timing = {"queue_ms": done.timing["queue_ms"]} if "queue_ms" in done.timing else {}
     return Usage(r.id, r.tenant, m.key_id, m.model, m.api, done.finish_reason, u.get("prompt_tokens", 0),
-                 u.get("cached_tokens", 0), u.get("completion_tokens", 0), timing, r.created, now)
+                 u.get("cached_tokens", 0), u.get("completion_tokens", 0), timing, r.created, now, r.revision)
 
 
 def logprobs(req: Request, start: int) -> Logprobs | None:
@@ -723,6 +727,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="an HF checkpoint directory, a GGUF file or a model name "
                    "(smollm2-135m-instruct, pulled on first use; tiny or small, built)")
     p.add_argument("--id", default=f"w-{os.getpid()}", help="worker id (a subject token)")
+    p.add_argument("--served-model-name", help="the name of the model it serves, which requests name (default: the "
+                   "--model directory's or file's name)")
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
@@ -793,8 +799,9 @@ async def serve(args) -> None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
-        service = WorkerService(nc, engine, args.id, os.path.basename(os.path.normpath(model)), log, args.chunk_rate,
-                                args.role, args.kv_load_failure_policy, args.nats_url)
+        name = args.served_model_name or os.path.basename(os.path.normpath(model))
+        service = WorkerService(nc, engine, args.id, name, log, args.chunk_rate, args.role,
+                                args.kv_load_failure_policy, args.nats_url, revision_of(model))
         service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

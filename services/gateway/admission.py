@@ -1,6 +1,7 @@
 """Whether a request may enter, decided in the gateway's memory (no I/O, microseconds):
 - per tenant, a token bucket of tokens_per_minute charged prompt + max output tokens, refunded what
-  the request did not use when it ends; and a cap on its concurrent requests (429 + Retry-After);
+  the request did not use when it ends (a gateway's own, or its lease of the bucket the gateways share,
+  services/gateway/limits.py); and a cap on its concurrent requests in this gateway (429 + Retry-After);
 - the cluster, from the worker registry: some worker must be able to take the request soon, its
   queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
   overloaded cluster refuses quickly instead of queueing without bound. A batch key's request needs
@@ -14,9 +15,11 @@ The gateway does not tokenize: a text prompt is estimated at BYTES_PER_TOKEN and
 settled with the worker's counts when the request ends."""
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.messages import GenerateRequest, Heartbeat
+from schemas.served import serves
 from schemas.subjects import HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key
@@ -64,6 +67,7 @@ class Ticket:
     key: Key
     charged: int
     settled: bool = False
+    bucket: object = None                         # what it was charged to, refunded at the end (None: its tenant's)
 
 
 def estimate(req: GenerateRequest) -> int:
@@ -107,12 +111,18 @@ class Cluster:
     def load(self, hb: Heartbeat) -> float:
         return (hb.running + hb.waiting + self.added[hb.worker]) / max(hb.max_num_seqs, 1)
 
-    def place(self, tokens: int, now: float, batch: bool = False) -> str:
+    def place(self, tokens: int, now: float, batch: bool = False, model: str = "", revision: str = "") -> str:
         """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none.
-        A batch request takes only a worker with spare capacity."""
+        A batch request takes only a worker with spare capacity; a request for a model (and a revision) only
+        a worker serving it ("": any)."""
         live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
+        live = [hb for hb in live if serves(hb, model, revision)]
+        if not live:
+            asked = f"model {model!r}" + (f" revision {revision!r}" if revision else "")
+            raise ApiError(503, f"no worker serving {asked} is registered; retry shortly", "unavailable", "model",
+                           BUSY_RETRY)
         live = [hb for hb in live if hb.role != "prefill"]
         if not live:
             raise ApiError(503, "no decode worker is registered (role both or decode): prefill workers cannot finish "
@@ -139,20 +149,26 @@ class Cluster:
         return best.worker
 
 
+def own(key: Key, now: float) -> TokenBucket:
+    """A tenant's bucket in this gateway alone."""
+    return TokenBucket(key.tokens_per_minute, now)
+
+
 @dataclass(slots=True)
 class Admission:
     cluster: Cluster = field(default_factory=Cluster)
     tenants: dict[str, Tenant] = field(default_factory=dict)
+    bucket: Callable = own                        # a limited tenant's bucket: own, or Limits.lease (shared)
 
     def tenant(self, key: Key, now: float) -> Tenant:
         t = self.tenants.get(key.tenant)
         if t is None:
-            bucket = TokenBucket(key.tokens_per_minute, now) if key.tokens_per_minute else None
+            bucket = self.bucket(key, now) if key.tokens_per_minute else None
             t = self.tenants[key.tenant] = Tenant(bucket)
         return t
 
-    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None,
-              place: bool = True) -> Ticket:
+    def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None, model: str = "",
+              revision: str = "", place: bool = True) -> Ticket:
         """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit
         (place=False: the tenant's limits only, for a request the fallback answers)."""
         now = time.monotonic() if now is None else now
@@ -164,11 +180,12 @@ class Admission:
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
         if place:
-            self.cluster.place(cost, time.time(), key.batch)
-        if t.bucket is not None:
-            t.bucket.take(cost, now)
+            self.cluster.place(cost, time.time(), key.batch, model, revision)
+        charged = getattr(t.bucket, "fallback", None) or t.bucket    # a shared limit cut off: its fallback
+        if charged is not None:
+            charged.take(cost, now)
         t.active += 1
-        return Ticket(key, cost)
+        return Ticket(key, cost, bucket=charged)
 
     def check_rate(self, key: Key, bucket: TokenBucket, cost: int, now: float) -> None:
         if cost > bucket.capacity:              # would never pass: no Retry-After to give
@@ -189,5 +206,6 @@ class Admission:
         now = time.monotonic() if now is None else now
         t = self.tenant(ticket.key, now)
         t.active -= 1
-        if t.bucket is not None:
-            t.bucket.take(used - ticket.charged, now)
+        bucket = ticket.bucket or t.bucket
+        if bucket is not None:
+            bucket.take(used - ticket.charged, now)

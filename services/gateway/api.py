@@ -20,14 +20,17 @@ import httpx
 import orjson
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
+from tokenizers import Tokenizer
 
 from schemas.detokenizer import token_bytes
 from schemas.messages import GenerateRequest
+from schemas.served import SEPARATOR
 from schemas.subjects import MAX_BODY_BYTES
 from services.gateway import errors, frames
 from services.gateway.errors import ApiError
 from services.gateway.fallback import Forward
 from services.gateway.frames import FrameError
+from services.gateway.models import Model, Revision
 from services.gateway.session import Exchange, Gateway, Request, leave
 
 EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative"}
@@ -60,6 +63,7 @@ class Call:
     id: str                                       # chatcmpl-… or cmpl-…
     created: int
     model: str
+    fingerprint: str | None = None                # the served revision (OpenAI's system_fingerprint)
 
 
 class Disconnected(Exception):
@@ -81,17 +85,24 @@ async def models(request: HttpRequest) -> Response:
     key, name = None, request.path_params.get("model")
     try:
         key = gw.authorize(request.headers, request.query_params)
-        if name is not None and name != gw.model:
-            raise unknown_model(name, gw)
+        if name is not None:
+            model, rev = gw.models.find(name)
     except ApiError as e:
         return refused(gw, key, e)
-    card = {"id": gw.model, "object": "model", "created": request.app.state.started, "owned_by": "tokenbus"}
-    return json(card if name is not None else {"object": "list", "data": [card]})
+    created = request.app.state.started
+    if name is not None:
+        return json(card(model, created, rev if SEPARATOR in name else None))
+    return json({"object": "list", "data": [card(m, created) for m in gw.models.by_name.values()]})
 
 
-def unknown_model(name, gw: Gateway) -> ApiError:
-    return ApiError(404, f"model {frames.show(name)} does not exist; this server serves {gw.model!r}",
-                    "model_not_found", "model")
+def card(model: Model, created: int, pinned: Revision | None = None) -> dict:
+    """A model's entry: OpenAI's fields, its revision (the stable one's, or the one pinned) and every revision
+    with the share of the name's requests it answers."""
+    canaries = sum(r.share for r in model.revisions[1:])
+    shares = [{"revision": r.revision, "share": round(r.share or 1 - canaries, 6)} for r in model.revisions]
+    rev = pinned or model.revisions[0]
+    return {"id": model.name if pinned is None else f"{model.name}{SEPARATOR}{rev.revision}", "object": "model",
+            "created": created, "owned_by": "tokenbus", "revision": rev.revision, "revisions": shares}
 
 
 def refused(gw: Gateway, key, e: ApiError) -> Response:
@@ -111,18 +122,19 @@ async def complete(request: HttpRequest, api: str):
             b = await body(request)
             call = parse(api, b, gw)
             try:
-                r = await gw.start(ex, "http", call.req, gw.admit(key, call.req, priority(b)), api, t0, call.stream)
+                r = await gw.start(ex, "http", call.req, await gw.admit(key, call.req, priority(b)), api, t0,
+                                   call.stream)
             except ApiError as e:
                 if not gw.falls_back(key, e):
                     raise
-                return await forward(request, gw.fall_back(key, call.req, api, e, t0, priority(b)), call, b)
+                return await forward(request, await gw.fall_back(key, call.req, api, e, t0, priority(b)), call, b)
         else:
             call, r = await resume(request, api, gw, ex, key, last, t0)
         first = await watching(request, ex.frames.get())
         if first["type"] == "error" and r.unstored and gw.falls_back(key, e := errors.from_pipeline(
                 first["code"], first["message"])):           # never stored: it may still go elsewhere
             gw.spawn(gw.publish_cancel(r.rid, "abort"))       # in case its acknowledgement was what got lost
-            return await forward(request, gw.fall_back(key, call.req, api, e, t0, priority(b)), call, b)
+            return await forward(request, await gw.fall_back(key, call.req, api, e, t0, priority(b)), call, b)
     except ApiError as e:
         return refused(gw, key, e)
     except Disconnected:
@@ -177,7 +189,7 @@ async def resume(request: HttpRequest, api: str, gw: Gateway, ex: Exchange, key,
     r = await gw.resume(ex, "http", key, req, seq, offset, t0)
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, True, *opts, req.sampling.logprobs is not None, prefix + rid, int(req.created),
-                gw.model), r
+                r.model, r.revision or None), r
 
 
 def priority(b: dict) -> int | None:
@@ -226,7 +238,7 @@ async def forward(request: HttpRequest, f: Forward, call: Call, b: dict) -> Resp
     """The request answered by the fallback upstream: its JSON, or its stream (Relay)."""
     up = f.upstream
     try:
-        resp = await watching(request, up.send(f, call.api, up.body(b, call.model, call.req.sampling.max_tokens,
+        resp = await watching(request, up.send(f, call.api, up.body(b, f.model, call.req.sampling.max_tokens,
                                                                     call.stream)))
         if call.stream:
             return Relay(f, resp, call)
@@ -332,8 +344,7 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     model = b.get("model")
     if not isinstance(model, str):
         raise bad("model: required, a string", "model")
-    if model != gw.model:
-        raise unknown_model(model, gw)
+    gw.models.find(model)                                     # 404 for a model or revision not served, first
     for name, (ok, want) in IGNORED.items():
         if name in b and not ok(b[name]):
             raise bad(f"{name}: expected {want}, got {frames.show(b[name])}", name)
@@ -348,8 +359,10 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     except FrameError as e:
         raise bad(str(e), param_of(str(e))) from None
     req.sampling.logprobs = top
+    gw.choose(req, model)
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
-    return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model)
+    return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model,
+                gw.served(req)[1].revision or None)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -483,19 +496,20 @@ def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
     text = "".join(f["text"] for f in got if f["type"] == "delta")
     choice = {"index": 0, "finish_reason": got[-1]["finish_reason"], "logprobs": None}
     if call.logprobs:
-        choice["logprobs"] = logprobs(call, [f for f in got if f["type"] == "delta"], gw)
+        choice["logprobs"] = logprobs(call, [f for f in got if f["type"] == "delta"], r.tokenizer)
     if call.api == "chat":
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {"id": call.id, "object": "chat.completion" if call.api == "chat" else "text_completion",
-            "created": call.created, "model": call.model, "choices": [choice], "usage": usage(r)}
+            "created": call.created, "model": call.model, "system_fingerprint": call.fingerprint, "choices": [choice],
+            "usage": usage(r)}
 
 
 def chunk(call: Call, choices: list, usage_: dict | None = None) -> bytes:
     """The JSON of one streamed chunk (usage_: the final usage, or the usage so far when continuous)."""
     c = {"id": call.id, "object": "chat.completion.chunk" if call.api == "chat" else "text_completion",
-         "created": call.created, "model": call.model, "choices": choices}
+         "created": call.created, "model": call.model, "system_fingerprint": call.fingerprint, "choices": choices}
     if call.include_usage:
         c["usage"] = usage_
     if not (call.obfuscation and choices):
@@ -535,7 +549,7 @@ def sse(call: Call, r: Request, f: dict, gw: Gateway, offset: int) -> list[bytes
     """The data of the events of one frame, which brings the output to `offset` tokens."""
     so_far = usage_so_far(r, offset) if call.continuous_usage else None
     if f["type"] == "delta":
-        lp = logprobs(call, [f], gw) if call.logprobs else None
+        lp = logprobs(call, [f], r.tokenizer) if call.logprobs else None
         return [chunk(call, [delta_choice(call, f["text"], lp)], so_far)]
     if f["type"] == "error":
         return [orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body())]
@@ -597,18 +611,18 @@ class EventStream:
 
 # -- logprobs -------------------------------------------------------------------------------------
 
-def logprobs(call: Call, deltas: list[dict], gw: Gateway) -> dict:
-    """OpenAI's logprobs object for the tokens of these delta frames."""
+def logprobs(call: Call, deltas: list[dict], tokenizer: Tokenizer) -> dict:
+    """OpenAI's logprobs object for the tokens of these delta frames, in the request's model's tokenizer."""
     entries = []
     for f in deltas:
         if "logprobs" in f:
             lp, skip = f["logprobs"]
             entries += zip(f["token_ids"], lp.logprob[skip:], lp.top_ids[skip:], lp.top_logprobs[skip:])
     def piece(t: int) -> str:
-        return gw.tokenizer.decode([t], skip_special_tokens=False)
+        return tokenizer.decode([t], skip_special_tokens=False)
 
     def entry(t: int, v: float) -> dict:
-        return {"token": piece(t), "logprob": v, "bytes": list(token_bytes(gw.tokenizer, t))}
+        return {"token": piece(t), "logprob": v, "bytes": list(token_bytes(tokenizer, t))}
 
     if call.api == "chat":
         return {"content": [{**entry(t, v), "top_logprobs": [entry(i, w) for i, w in zip(ids, vals)]}

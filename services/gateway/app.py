@@ -21,47 +21,53 @@ from starlette.middleware import Middleware
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
-from tokenizers import Tokenizer
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 
-from schemas import subjects
+from schemas import served, subjects
 from schemas.log import configure
 from schemas.messages import Heartbeat, WireError, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from services.gateway import api, keys, openapi
 from services.gateway.errors import ApiError
 from services.gateway.fallback import COOLDOWN, FAILURES, KEY_ENV, Upstream
+from services.gateway.limits import Limits
 from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.models import Models
 from services.gateway.session import Connection, Gateway
 
 PAGE = Path(__file__).with_name("chat.html")
 SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish when the gateway stops
 
 
-def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_tokens: int = subjects.MAX_TOKENS,
-               model_name: str | None = None, request_timeout: float = subjects.REQUEST_DEADLINE,
-               resume_grace: float = subjects.RESUME_GRACE, upstream: Upstream | None = None) -> Starlette:
-    """The app; ValueError (naming the file and the key) for a bad keys file. upstream: the fallback, if any."""
+def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None,
+               max_tokens: int = subjects.MAX_TOKENS, model_name: str | None = None,
+               request_timeout: float = subjects.REQUEST_DEADLINE, resume_grace: float = subjects.RESUME_GRACE,
+               models_file: str | None = None, upstream: Upstream | None = None) -> Starlette:
+    """The app of one model (model_dir, served as model_name) or of every model of a served models file;
+    ValueError (naming the file and the key) for a bad keys or models file. upstream: the fallback, if any."""
     key_table = keys.load(api_keys) if api_keys else None
-    model = model_name or os.path.basename(os.path.normpath(model_dir))
-    config = orjson.loads(Path(model_dir, "config.json").read_bytes())
+    models = Models(served.load(models_file)) if models_file else Models.one(model_dir, model_name)
+    model = models.default
+    default = models.by_name[model].revisions[0]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         log = configure("gateway")
-        tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
         nc = await subjects.connect(nats_url, "gateway", log)
-        loops = []
+        loops, gw = [], None
         try:
             js = nc.jetstream()
             await subjects.ensure_streams(js)
-            gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), tokenizer, log, model,
-                                             config.get("max_position_embeddings") or 1 << 30, max_tokens, key_table,
+            gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), default.tokenizer, log, model,
+                                             default.max_model_len, max_tokens, key_table,
                                              outcomes=await subjects.outcomes(js), request_timeout=request_timeout,
-                                             resume_grace=resume_grace, upstream=upstream)
+                                             resume_grace=resume_grace, models=models, upstream=upstream)
+            gw.limits = Limits(await subjects.limits(js), await subjects.gateways(js), gw.id, log, gw.metrics)
+            gw.admission.bucket = gw.limits.lease
+            await gw.limits.beat()                           # N counted before the first lease is drawn
             if upstream is not None:
                 upstream.open(request_timeout)
                 gw.metrics.watch(upstream.breaker)
@@ -69,12 +75,14 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
             await nc.subscribe(subjects.PROGRESS_ALL, cb=gw.on_progress)
             await nc.subscribe(subjects.RESUMED_ALL, cb=gw.on_resumed)
             known = asyncio.Event()
-            loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep())]
+            loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep()),
+                     asyncio.create_task(gw.limits.run())]
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
                 await asyncio.wait_for(known.wait(), 5)
-            app.state.started, app.state.openapi = int(time.time()), orjson.dumps(openapi.document(model, max_tokens))
+            app.state.started = int(time.time())
+            app.state.openapi = orjson.dumps(openapi.document(list(models.by_name), max_tokens))
             app.state.page = PAGE.read_text()
-            log.info("gateway ready", nats=nats_url, model=model_dir, api_keys=api_keys,
+            log.info("gateway ready", nats=nats_url, model=model_dir, models=models.ids(), api_keys=api_keys,
                      fallback=upstream.url if upstream else None)
             if key_table is None:
                 log.warning("no API keys: one tenant, no authentication, loopback only")
@@ -84,6 +92,8 @@ def create_app(nats_url: str, model_dir: str, api_keys: str | None = None, max_t
                 task.cancel()
             if upstream is not None:
                 await upstream.close()
+            if gw is not None and gw.limits is not None:
+                await gw.limits.close()                     # the leases back to the shared buckets
             await subjects.close(nc)
             log.info("gateway stopped")
 
@@ -265,7 +275,10 @@ def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description="The tokenbus gateway.")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--model", required=True, help="HF checkpoint directory, for its tokenizer.json")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="HF checkpoint directory, for its tokenizer.json")
+    which.add_argument("--models", metavar="FILE", help="a served models file (schemas/served.py, written by tokenbus "
+                       "up): every model and revision, with its tokenizer and canary share")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", help="JSON file: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
@@ -277,7 +290,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-grace", type=float, default=subjects.RESUME_GRACE,
                    help=f"seconds a resumable stream whose client's connection dropped keeps generating for a resume "
                         f"before it is cancelled; 0 cancels at once (default {subjects.RESUME_GRACE:g})")
-    p.add_argument("--served-model-name", help="the model's name in the HTTP API (default: the checkpoint directory's)")
+    p.add_argument("--served-model-name", help="with --model: the model's name in the HTTP API (default: the "
+                   "checkpoint directory's)")
     p.add_argument("--fallback-url", metavar="URL",
                    help="an OpenAI-compatible upstream's base URL (e.g. http://host:8000/v1) that answers requests "
                         "the cluster cannot take: no worker, every worker busy, the bus unreachable (default: none)")
@@ -285,7 +299,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the environment variable holding the upstream's API key, sent as a bearer token; unset: "
                         f"no key (default: {KEY_ENV})")
     p.add_argument("--fallback-model", metavar="NAME",
-                   help="the model's name at the upstream (default: the name requests give, --served-model-name's)")
+                   help="the model's name at the upstream (default: the name requests give, the served model's)")
     p.add_argument("--fallback-failures", type=int, default=FAILURES, metavar="K",
                    help=f"consecutive upstream failures (connect errors, timeouts, 5xx) that open the fallback's "
                         f"circuit breaker (default: {FAILURES})")
@@ -308,7 +322,8 @@ def main(argv=None) -> None:
     try:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
-                         args.request_timeout, args.resume_grace, fallback(args))
+                         args.request_timeout, args.resume_grace, args.models,
+                         fallback(args))
     except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json, a bad --fallback-*
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))

@@ -95,10 +95,10 @@ class Upstream:
             await self.client.aclose()
 
     def body(self, b: dict, model: str, max_tokens: int, stream: bool) -> dict:
-        """The request as the upstream gets it: its model, max_tokens explicit (what admission charged), the usage
-        asked for on a stream (to meter it), this cluster's scheduling fields left out."""
+        """The request as the upstream gets it: the model's name there, max_tokens explicit (what admission
+        charged), the usage asked for on a stream (to meter it), this cluster's scheduling fields left out."""
         out = {k: v for k, v in b.items() if v is not None and k not in LOCAL}
-        out["model"] = self.model or model
+        out["model"] = model
         if "max_completion_tokens" not in out:
             out["max_tokens"] = max_tokens
         if stream:
@@ -174,6 +174,7 @@ class Forward:
     via: str                                      # how the breaker let it through
     t0: float                                     # perf_counter when it arrived
     estimate: int                                 # prompt tokens admission estimated
+    model: str                                    # its name at the upstream
     created: float = field(default_factory=time.time)
     usage: dict | None = None                     # the upstream's usage object
     chunks: int = 0                               # chunks with text: the completion tokens when no usage comes
@@ -238,7 +239,7 @@ class Forward:
         gw.metrics.fallback(self.key.tenant, self.outcome)
         reason = "abort" if self.outcome == "aborted" else reason or self.finish_reason or "stop"
         timing = {"ttft_ms": ms(self.ttft), "e2e_ms": ms(now - self.t0)}
-        model = self.upstream.model or gw.model
+        model = self.model
         gw.log.info("request served by fallback" if metered else "fallback failed", request_id=self.rid,
                     tenant=self.key.tenant, key_id=self.key.id, upstream=self.upstream.url, model=model,
                     upstream_id=self.upstream_id, cause=self.cause.code, outcome=self.outcome,
@@ -286,7 +287,7 @@ class Spilled:
         b = {k: v for k, v in self.frame.items() if k in frames.SAMPLING or k in frames.PROMPTS}
         if "prompt_token_ids" in b:
             b["prompt"] = b.pop("prompt_token_ids")
-        resp = await up.send(f, api, up.body(b, f.gw.model, self.req.sampling.max_tokens, True))
+        resp = await up.send(f, api, up.body(b, f.model, self.req.sampling.max_tokens, True))
         done = False
         try:
             async with asyncio.timeout(f.gw.request_timeout - (time.perf_counter() - f.t0)):

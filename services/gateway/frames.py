@@ -60,7 +60,7 @@ SAMPLING = {  # field -> (check, what it must be)
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
-FIELDS = {"generate": {"type", "id", "resumable", "priority", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
+FIELDS = {"generate": {"type", "id", "resumable", "priority", "model", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
           "resume": {"type", "id", "offset"}}
 DIGITS = re.compile(r"[0-9]{1,15}")           # a sequence or an offset in a resume point
 
@@ -121,6 +121,14 @@ def resumable(frame: dict) -> bool:
     v = frame.get("resumable", False)
     if not is_bool(v):
         raise FrameError(f"resumable: expected true or false, got {kind(v)}", frame["id"])
+    return v
+
+
+def model(frame: dict) -> str | None:
+    """The model a generate frame asks for (a name, or name@revision); None: the gateway's default."""
+    v = frame.get("model")
+    if v is not None and not is_str(v):
+        raise FrameError(f"model: expected a string, got {kind(v)}", frame.get("id"))
     return v
 
 

@@ -19,7 +19,7 @@ import contextlib
 import time
 
 import nats.errors
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from schemas.messages import Heartbeat, RouterStats, WireError, decode
@@ -241,6 +241,15 @@ class Metrics:
                                  "fallback upstream, by outcome (ok; failed: a connect error, timeout, 5xx or cut "
                                  "stream; refused: the upstream's 4xx; aborted: the client left; open: not "
                                  "forwarded, the breaker is open).", ["tenant", "outcome"], registry=r)
+        self.lease_round_trips = Counter("tokenbus_rate_limit_lease_round_trips", "Compare-and-set round trips to "
+                                         "tenants' shared token buckets (tb_limits), by what they did: draw (a "
+                                         "request the lease did not cover) or give_back.", ["op"], registry=r)
+        self.lease_conflicts = Counter("tokenbus_rate_limit_lease_conflicts", "Compare-and-sets on tb_limits that "
+                                       "another gateway's came before, read again and retried.", registry=r)
+        self.limits_fallback = Gauge("tokenbus_rate_limit_fallback", "1 while tb_limits is unreachable and this "
+                                     "gateway admits from 1/N of each tenant's limit, else 0.", registry=r)
+        self.limits_gateways = Gauge("tokenbus_rate_limit_gateways", "Live gateways sharing the tenants' limits "
+                                     "(N), as this gateway last counted them.", registry=r)
         self.workers = Workers()
         r.register(self.workers)
         self.routers = Routers()

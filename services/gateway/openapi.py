@@ -115,7 +115,9 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 def completion(kind: str, choice: dict) -> dict:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string", "enum": [kind]}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": USAGE}}
+        "model": {"type": "string"}, "system_fingerprint": {"type": "string", "nullable": True,
+                                                             "description": "the revision of the model that answered"},
+        "choices": {"type": "array", "items": choice}, "usage": USAGE}}
 
 
 def choice(extra: dict) -> dict:
@@ -153,15 +155,20 @@ def operation(summary: str, body: dict, answer: dict) -> dict:
                           **errors(400, 401, 403, 404, 413, 429, 431, 503)}}
 
 
-def document(model: str, max_tokens: int) -> dict:
+PIN = "a served model's name, or name@revision to pin one of its revisions (GET /v1/models lists them)"
+
+
+def document(models: list[str], max_tokens: int) -> dict:
+    """The document of a gateway serving `models` (their names; name@revision pins a revision, as the description
+    says: a pin to a revision with no live worker is a 503)."""
     common = sampling(max_tokens)
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
-    chat = obj({"model": {"type": "string", "enum": [model]},
+    chat = obj({"model": {"type": "string", "enum": models, "description": PIN},
                 "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message()},
                 "max_completion_tokens": integer(1, max_tokens), **common,
                 "logprobs": nullable({"type": "boolean"}), "top_logprobs": integer(0, MAX_LOGPROBS)},
                ["model", "messages"])
-    text = obj({"model": {"type": "string", "enum": [model]},
+    text = obj({"model": {"type": "string", "enum": models, "description": PIN},
                 "prompt": {"oneOf": [{"type": "string"}, ids, one({"type": "string"}), one(ids)]},
                 **common, "logprobs": integer(0, MAX_LOGPROBS)}, ["model", "prompt"])
     reply = {"type": "object", "required": ["role", "content"]}
@@ -171,7 +178,9 @@ def document(model: str, max_tokens: int) -> dict:
         "object": {"type": "string"}, "data": {"type": "array", "items": {
             "type": "object", "required": ["id", "object", "created", "owned_by"],
             "properties": {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
-                           "owned_by": {"type": "string"}}}}}}
+                           "owned_by": {"type": "string"}, "revision": {"type": "string"},
+                           "revisions": {"type": "array", "items": {"type": "object", "properties": {
+                               "revision": {"type": "string"}, "share": {"type": "number"}}}}}}}}}
     health = {"type": "object", "required": ["status", "workers"],
               "properties": {"status": {"type": "string"}, "workers": {"type": "integer"}}}
     return {
@@ -183,7 +192,7 @@ def document(model: str, max_tokens: int) -> dict:
         "paths": {
             "/v1/chat/completions": {"post": operation("a chat completion", chat, chat_answer)},
             "/v1/completions": {"post": operation("a text completion", text, text_answer)},
-            "/v1/models": {"get": {"summary": "the served model", "responses": {
+            "/v1/models": {"get": {"summary": "the served models, each with its revisions", "responses": {
                 "200": {"description": "the models", "content": {"application/json": {"schema": models}}},
                 **errors(401, 431)}}},
             "/v1/models/{model}": {"get": {

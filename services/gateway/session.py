@@ -49,13 +49,16 @@ from schemas.messages import (
     encode,
     ending,
 )
+from schemas.served import SEPARATOR
 from services.gateway import admission, frames, keys
 from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
 from services.gateway.fallback import Forward, Spilled, Upstream
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
+from services.gateway.limits import Limits
 from services.gateway.metrics import Metrics
+from services.gateway.models import Models, Revision
 
 SWEEP_SECONDS = 1.0                  # how often deadlines, stalls and unfilled gaps are looked at
 STALL_FACTOR = 2.5                   # a sweep this many periods late: this process was stopped or starved
@@ -85,6 +88,8 @@ class Gateway:
     resume_grace: float = subjects.RESUME_GRACE   # seconds a dropped client's resumable streams wait for it
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])     # this gateway, in Resumed messages
     upstream: Upstream | None = None              # --fallback-url: where what the cluster cannot take goes
+    limits: Limits | None = None                  # tenants' rate limits shared with the other gateways
+    models: Models | None = None                  # every served model; None: `model`, with `tokenizer`
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:
@@ -96,10 +101,29 @@ class Gateway:
                            else "invalid API key", "invalid_api_key")
         return key
 
-    def admit(self, key: Key, req: GenerateRequest, priority: int | None = None, place: bool = True) -> Ticket:
+    def choose(self, req: GenerateRequest, asked: str | None) -> None:
+        """Names the model (`asked`: a name or name@revision; None: the default) and the revision that answer
+        the request, the canary split decided by its id; ApiError 404 naming what is served. A name with one
+        revision is not pinned: any worker serving the name serves it."""
+        if self.models is None:
+            return
+        model, rev = self.models.find(self.models.default if asked is None else asked, req.id)
+        req.model = model.name
+        req.revision = rev.revision if len(model.revisions) > 1 or SEPARATOR in (asked or "") else ""
+
+    def served(self, req: GenerateRequest) -> tuple[str, Revision | None]:
+        """The name and revision (None: the gateway's one model) that answer a chosen or logged request."""
+        if self.models is None:
+            return self.model, None
+        model = self.models.by_name.get(req.model) or self.models.by_name[self.models.default]
+        return model.name, model.pinned(req.revision) if req.revision else model.revisions[0]
+
+    async def admit(self, key: Key, req: GenerateRequest, priority: int | None = None, place: bool = True) -> Ticket:
         """The request's admission ticket, or ApiError naming the limit. Its priority is the one asked, but
-        never more urgent than its key's (the key's when none was asked). place=False: the tenant's limits
-        only (a fallback). A request that may fall back is refused at once while NATS is reconnecting."""
+        never more urgent than its key's (the key's when none was asked). A shared limit whose lease here
+        does not cover the request draws first (one round trip); then admission decides in memory.
+        place=False: the tenant's limits only (a fallback). A request that may fall back is refused at once
+        while NATS is reconnecting."""
         req.priority = key.priority if priority is None else max(priority, key.priority)
         n = req.sampling.max_tokens
         if n > self.max_tokens:
@@ -109,17 +133,22 @@ class Gateway:
             raise ApiError(503, "NATS is not reachable: the gateway is reconnecting to the bus", "unavailable",
                            retry_after=1)
         prompt = admission.estimate(req)
-        return self.admission.admit(key, prompt, min(n, max(self.max_model_len - prompt, 1)), place=place)
+        rev = self.served(req)[1]
+        context = rev.max_model_len if rev is not None else self.max_model_len
+        n = min(n, max(context - prompt, 1))
+        if self.limits is not None:
+            await self.limits.cover(key, prompt + n)
+        return self.admission.admit(key, prompt, n, model=req.model, revision=req.revision, place=place)
 
     def falls_back(self, key: Key, e: ApiError) -> bool:
         """Whether a request refused with `e` goes to the fallback: a 503 (no capacity, no bus), a key that may."""
         return self.upstream is not None and key.fallback and e.status == 503
 
-    def fall_back(self, key: Key, req: GenerateRequest, api: str, cause: ApiError, t0: float,
-                  priority: int | None = None) -> Forward:
+    async def fall_back(self, key: Key, req: GenerateRequest, api: str, cause: ApiError, t0: float,
+                        priority: int | None = None) -> Forward:
         """The request, refused by the cluster with `cause`, admitted to the fallback: ApiError for the tenant's
         limits, or the cause itself while the breaker is open."""
-        ticket = self.admit(key, req, priority, place=False)
+        ticket = await self.admit(key, req, priority, place=False)
         via = self.upstream.breaker.allow(time.monotonic())
         if via is None:
             self.admission.settle(ticket, 0)
@@ -129,14 +158,17 @@ class Gateway:
                                          f"opened after {b.failures} failures in a row (--fallback-failures), for "
                                          f"{b.cooldown:g} s (--fallback-cooldown)", cause.code, cause.param,
                            cause.retry_after)
-        return Forward(self, key, ticket, req.id, api, cause, via, t0, admission.estimate(req))
+        model = self.upstream.model or req.model or self.model       # the name at the upstream
+        return Forward(self, key, ticket, req.id, api, cause, via, t0, admission.estimate(req), model)
 
     async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float,
                     resumable: bool = False) -> "Request":
         """Subscribes to the request's tokens, then publishes it (in a task); the tenant's salt goes in."""
         req.tenant = req.cache_salt = ticket.key.tenant          # the salt is the gateway's, never the client's
-        req.meter = Meter(ticket.key.id, api, self.model)
-        r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created, resumable=resumable)
+        model, rev = self.served(req)
+        req.meter = Meter(ticket.key.id, api, model)
+        r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created, resumable=resumable,
+                    model=model, served=rev)
         try:
             await self.follow(r)
         except ApiError:
@@ -193,8 +225,9 @@ class Gateway:
         chunks; those before offset go through the detokenizer unsent. A stream of it held here or on another
         gateway lets it go (Resumed). No admission charge: it was charged where it started."""
         api = req.meter.api if req.meter and req.meter.api else "ws"
+        model, rev = self.served(req)
         r = Request(owner, cid, req.id, req.sampling.stop, t0, Ticket(key, 0, settled=True), api, req.created,
-                    resumable=True, seq=seq, replay=offset, resumed=True)
+                    resumable=True, seq=seq, replay=offset, resumed=True, model=model, served=rev)
         if (old := self.requests.get(req.id)) is not None:
             await old.let_go()
         await self.follow(r)
@@ -219,7 +252,7 @@ class Gateway:
         """A request ended (reason None: with an error): settle its ticket, meter what it used."""
         self.admission.settle(r.ticket, r.prompt_tokens + r.received)
         if reason is not None and r.metered:
-            self.spawn(self.meter(r.usage(reason, self.model)))
+            self.spawn(self.meter(r.usage(reason, r.model or self.model)))
 
     async def meter(self, u: Usage) -> None:
         try:
@@ -327,14 +360,15 @@ class Connection:
         req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
         resumable = frames.resumable(frame)
         try:
+            self.gw.choose(req, frames.model(frame))
             try:
-                await self.gw.start(self, cid, req, self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
-                                    resumable)
+                await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws",
+                                    t0, resumable)
             except ApiError as e:
                 if not self.gw.falls_back(self.key, e):
                     raise
-                Spilled(self, cid, self.gw.fall_back(self.key, req, "ws", e, t0, frames.priority(frame)), frame,
-                        req).start()
+                f = await self.gw.fall_back(self.key, req, "ws", e, t0, frames.priority(frame))
+                Spilled(self, cid, f, frame, req).start()
         except ApiError as e:                     # refused by a limit: an error frame with its code
             raise refused(e, cid) from None
 
@@ -454,10 +488,20 @@ class Request:
     parked: float = 0.0                           # perf_counter when its client's connection dropped (0: attached)
     metered: bool = True                          # whether its end writes a usage record here
     unstored: bool = False                        # its publish failed: it never entered the pipeline
+    model: str = ""                               # the served model's name
+    served: Revision | None = None                # and its revision that answers (None: the gateway's one model)
 
     @property
     def log(self) -> FilteringBoundLogger:
         return self.conn.log
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.served.tokenizer if self.served is not None else self.conn.gw.tokenizer
+
+    @property
+    def revision(self) -> str:
+        return self.served.revision if self.served is not None else ""
 
     @property
     def received(self) -> int:
@@ -598,7 +642,7 @@ class Request:
         """The chunk's tokens not received before, and how many of its tokens came before; the first
         chunk starts the detokenizer."""
         if self.detok is None:
-            self.detok = Detokenizer(self.conn.gw.tokenizer, chunk.prompt_tail, self.stop)
+            self.detok = Detokenizer(self.tokenizer, chunk.prompt_tail, self.stop)
             counts = chunk.usage if isinstance(chunk, FinalChunk) else {"prompt_tokens": chunk.prompt_tokens,
                                                                          "cached_tokens": chunk.cached_tokens}
             self.prompt_tokens, self.cached_tokens = counts.get("prompt_tokens", 0), counts.get("cached_tokens", 0)
@@ -616,14 +660,15 @@ class Request:
         return {"type": "done", "id": self.cid, "finish_reason": reason,
                 "usage": {"prompt_tokens": usage.get("prompt_tokens", self.prompt_tokens),
                           "completion_tokens": self.received},        # what its client got, never more
-                "timing": {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0)}}
+                "timing": {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0)},
+                "model": self.model, "revision": self.revision}
 
     def usage(self, reason: str, model: str) -> Usage:
         timing = {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0),
                   "queue_ms": self.worker_timing.get("queue_ms")}
         return Usage(self.rid, self.ticket.key.tenant, self.ticket.key.id, model, self.api, reason, self.prompt_tokens,
                      self.cached_tokens, self.received, {k: v for k, v in timing.items() if v is not None},
-                     self.created, time.time())
+                     self.created, time.time(), self.revision)
 
     async def end(self, frame: dict) -> None:
         """Sends the request's last frame and drops its subscription. In the callback this is the last

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat
+from schemas.served import serves
 from schemas.subjects import WORKER_TTL
 from services.router.index import KvIndex
 
@@ -109,11 +110,12 @@ class Registry:
         return sorted((w for w in self.workers.values() if now - w.hb.ts < WORKER_TTL), key=lambda w: w.hb.worker)
 
     def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False,
-             hashes: dict[int, list[int]] | None = None) -> Choice | None:
+             hashes: dict[int, list[int]] | None = None, model: str = "", revision: str = "") -> Choice | None:
         """A worker for a request (a handoff: a decode-capable one), or None when none can take it.
-        `hashes` may bring the prompt's block hashes per block size, already known (the simulator's)."""
+        `hashes` may bring the prompt's block hashes per block size, already known (the simulator's).
+        Only workers serving `model` (and `revision`) are candidates; "" means any."""
         self.known = hashes or {}
-        live = self.live(now)
+        live = [w for w in self.live(now) if serves(w.hb, model, revision)]
         decode = [w for w in live if w.hb.role != "prefill"]
         prefill = [w for w in live if w.hb.role == "prefill"]
         if handoff:

@@ -366,7 +366,8 @@ class RouterService:
             if subjects.past_deadline(req.created, now):
                 return None
             self.drop_lapsed(now)
-            choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt, req.prefilled is not None)
+            choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt, req.prefilled is not None,
+                                        model=req.model, revision=req.revision)
             if choice is not None:
                 self.decided(req, choice)
                 return choice
@@ -411,6 +412,7 @@ class RouterService:
             if choice.why:
                 s.prefill[choice.why] = s.prefill.get(choice.why, 0) + 1
         self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=choice.worker, prompt_tokens=n,
+                      model=req.model or None, revision=req.revision or None,
                       predicted_hit_tokens=choice.hit_tokens, best_hit_tokens=choice.best_hit_tokens,
                       cost=round(choice.cost, 2), guarded=choice.guarded, prefill=choice.why or None,
                       costs={w: round(c, 2) for w, c in choice.costs.items()})

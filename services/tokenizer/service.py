@@ -8,10 +8,11 @@ from pathlib import Path
 
 import msgpack
 
-from schemas import subjects
+from schemas import served, subjects
 from schemas.log import configure
 from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, WireError, decode, encode
 from schemas.sampling import check_vocabulary
+from schemas.served import SEPARATOR, Served
 
 LOG = configure("tokenizer")
 
@@ -58,14 +59,52 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template refused them: {e}") from None
 
 
+class Tokenizers:
+    """A Tokenizer per served model and revision (one per directory of files); the first is the default,
+    for a request that names no model. Made with one() it has one tokenizer, for whatever model is asked."""
+
+    def __init__(self, models: list[Served], max_model_len: int | None = None):
+        by_dir: dict[str, Tokenizer] = {}
+        for m in models:
+            if m.files not in by_dir:
+                by_dir[m.files] = Tokenizer(m.files, max_model_len)
+        self.of = {(m.name, m.revision): by_dir[m.files] for m in models}
+        self.default, self.any = next(iter(self.of), ("", "")), False
+
+    @classmethod
+    def one(cls, tok: Tokenizer) -> "Tokenizers":
+        toks = cls([])
+        toks.of, toks.default, toks.any = {("", ""): tok}, ("", ""), True
+        return toks
+
+    def pick(self, req: GenerateRequest) -> Tokenizer:
+        """The request's model's tokenizer; ValueError naming the model when it is not served here."""
+        if not req.model or self.any:
+            return self.of[self.default]
+        tok = self.of.get((req.model, req.revision))
+        if tok is None and not req.revision:
+            tok = next((t for (name, _), t in self.of.items() if name == req.model), None)
+        if tok is None:
+            served = ", ".join(f"{n}{SEPARATOR}{r}" for n, r in self.of)
+            raise ValueError(f"model {req.model}{SEPARATOR * bool(req.revision)}{req.revision} is not served by this "
+                             f"tokenizer (it serves {served})")
+        return tok
+
+
 class TokenizerService:
-    def __init__(self, nc, tokenizer: Tokenizer):
-        self.nc, self.js, self.tok = nc, nc.jetstream(), tokenizer
+    def __init__(self, nc, tokenizer: Tokenizer | Tokenizers):
+        self.nc, self.js = nc, nc.jetstream()
+        self.toks = tokenizer if isinstance(tokenizer, Tokenizers) else Tokenizers.one(tokenizer)
         self.log = LOG
+
+    @property
+    def tok(self) -> Tokenizer:
+        return self.toks.of[self.toks.default]
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
-        self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len)
+        self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len,
+                      models=[f"{n}{SEPARATOR}{r}" for n, r in self.toks.of])
         await subjects.consume(self.nc, subjects.REQUESTS_STREAM, subjects.TOKENIZER, self.handle, self.log)
 
     async def handle(self, msg) -> None:
@@ -75,14 +114,19 @@ class TokenizerService:
             await self.refuse(msg, request_id(msg.data), "invalid_request", str(e))
             return
         try:
-            ids = self.tok.encode(req)
+            tok = self.toks.pick(req)
+        except ValueError as e:
+            await self.refuse(msg, req.id, "model_not_found", str(e))
+            return
+        try:
+            ids = tok.encode(req)
         except ValueError as e:
             await self.refuse(msg, req.id, "invalid_request", str(e))
             return
         if req.sampling.seed is None:            # every request gets a seed here: a re-routed or replayed
             req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
         out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created, req.meter,
-                               priority=req.priority)
+                               priority=req.priority, model=req.model, revision=req.revision)
         try:
             await subjects.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
         except subjects.NotStored as e:          # not acked: JetStream redelivers it
@@ -110,14 +154,22 @@ def request_id(data: bytes) -> str | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer", description="A tokenbus tokenizer replica.")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--model", required=True, help="HF checkpoint directory (its tokenizer and config.json)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="HF checkpoint directory (its tokenizer and config.json)")
+    which.add_argument("--models", metavar="FILE", help="a served models file (schemas/served.py, written by "
+                       "tokenbus up): a tokenizer for each model and revision")
     p.add_argument("--max-model-len", type=int)
     return p
 
 
+def tokenizers(args) -> Tokenizers:
+    if args.models:
+        return Tokenizers(served.load(args.models), args.max_model_len)
+    return Tokenizers.one(Tokenizer(args.model, args.max_model_len))
+
+
 async def serve(args) -> None:
-    service = TokenizerService(await subjects.connect(args.nats_url, "tokenizer", LOG),
-                               Tokenizer(args.model, args.max_model_len))
+    service = TokenizerService(await subjects.connect(args.nats_url, "tokenizer", LOG), tokenizers(args))
     await subjects.run_until_signal(service.run, service.nc)
 
 

@@ -487,7 +487,7 @@ def test_the_openapi_document_lists_the_operations(nats_url, tiny_model, tok):
 
 
 def test_the_openapi_document_has_every_body_field_the_gateway_takes_and_no_other():
-    doc = document("tiny", 4096)["paths"]
+    doc = document(["tiny"], 4096)["paths"]
     for api, path in (("chat", "/v1/chat/completions"), ("completions", "/v1/completions")):
         body = doc[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert set(body["properties"]) == FIELDS[api], path
