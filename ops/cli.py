@@ -553,6 +553,18 @@ def parser() -> argparse.ArgumentParser:
                    "--model directory's)")
     u.add_argument("--max-tokens", type=int,
                    help=f"the gateway's cap on a request's max_tokens (default: {MAX_TOKENS})")
+    u.add_argument("--fallback-url", metavar="URL",
+                   help="every gateway's fallback: an OpenAI-compatible upstream's base URL (e.g. http://host:8000/v1) "
+                        "that answers what the cluster cannot take, behind a circuit breaker; docs/api.md "
+                        "(default: none)")
+    u.add_argument("--fallback-key-env", metavar="NAME",
+                   help="the environment variable holding the upstream's key (default: TOKENBUS_FALLBACK_KEY)")
+    u.add_argument("--fallback-model", metavar="NAME",
+                   help="the model's name at the upstream (default: the served model's name)")
+    u.add_argument("--fallback-failures", type=int, metavar="K",
+                   help="consecutive upstream failures that open the breaker (default: the gateway's, 5)")
+    u.add_argument("--fallback-cooldown", type=float, metavar="SECONDS",
+                   help="seconds an open breaker forwards nothing before a probe (default: the gateway's, 30)")
     u.add_argument("--max-model-len", type=int,
                    help="prompt + output tokens of one request at most (default: the model's context)")
     u.add_argument("--max-num-seqs", type=int,

@@ -414,6 +414,9 @@ def check_nats(args) -> None:
                          "host (docs/cluster.md) and given to up with --nats-url")
 
 
+FALLBACK = ("fallback-url", "fallback-key-env", "fallback-model", "fallback-failures", "fallback-cooldown")
+
+
 def given(args, *options: str) -> list[str]:
     """`--option value` for each of `tokenbus up`'s options that was given: the child's own default otherwise."""
     values = ((o, getattr(args, o.replace("-", "_"))) for o in options)
@@ -508,7 +511,7 @@ def main(args) -> None:
     model = entries[0].model
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens"), gateways=args.gateways,
+                  gateway_args=given(args, "max-tokens", *FALLBACK), gateways=args.gateways,
                   nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
                   decode_workers=args.decode_workers, models=entries, **security)
     stack.plan()                                  # a models file's mistakes before anything starts

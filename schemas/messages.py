@@ -464,6 +464,7 @@ class Usage:
     created: float = 0.0                          # unix time the gateway accepted the request
     finished: float = 0.0
     revision: str = ""                            # the model's revision that served it
+    fallback: bool = False                        # answered by the gateway's fallback upstream (model: its name)
 
 
 @dataclass(slots=True)

@@ -168,8 +168,9 @@ class Admission:
         return t
 
     def admit(self, key: Key, prompt_tokens: int, max_tokens: int, now: float | None = None, model: str = "",
-              revision: str = "") -> Ticket:
-        """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit."""
+              revision: str = "", place: bool = True) -> Ticket:
+        """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit
+        (place=False: the tenant's limits only, for a request the fallback answers)."""
         now = time.monotonic() if now is None else now
         t, cost = self.tenant(key, now), prompt_tokens + max_tokens
         cap = key.max_concurrent_requests
@@ -178,7 +179,8 @@ class Admission:
                            f"{cap}", "concurrency_limit_exceeded", retry_after=1)
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
-        self.cluster.place(cost, time.time(), key.batch, model, revision)
+        if place:
+            self.cluster.place(cost, time.time(), key.batch, model, revision)
         charged = getattr(t.bucket, "fallback", None) or t.bucket    # a shared limit cut off: its fallback
         if charged is not None:
             charged.take(cost, now)

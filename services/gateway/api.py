@@ -5,7 +5,9 @@ response starts only when the pipeline's first chunk or error arrives, so an err
 or worker (a prompt over the context) still gets its own status. Streams are server-sent events,
 one `data:` line per chunk, every chunk already queued written in one go; each event's `id:` is its
 resume point (request id, request-log sequence, output tokens so far), and a POST with that id in
-Last-Event-ID resumes the stream from there, on any gateway (the body is not needed)."""
+Last-Event-ID resumes the stream from there, on any gateway (the body is not needed). A request the
+cluster cannot take may be answered by the fallback upstream instead (fallback.py): its response, in
+the same format, is marked `x-tokenbus-fallback: 1`."""
 import asyncio
 import base64
 import os
@@ -14,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import httpx
 import orjson
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
@@ -25,6 +28,7 @@ from schemas.served import SEPARATOR
 from schemas.subjects import MAX_BODY_BYTES
 from services.gateway import errors, frames
 from services.gateway.errors import ApiError
+from services.gateway.fallback import Forward
 from services.gateway.frames import FrameError
 from services.gateway.models import Model, Revision
 from services.gateway.session import Exchange, Gateway, Request, leave
@@ -43,6 +47,7 @@ MAX_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
+FALLBACK_HEADER = ("x-tokenbus-fallback", "1")       # on every response the fallback upstream answered
 
 
 @dataclass(slots=True)
@@ -116,10 +121,20 @@ async def complete(request: HttpRequest, api: str):
         if last is None:
             b = await body(request)
             call = parse(api, b, gw)
-            r = await gw.start(ex, "http", call.req, await gw.admit(key, call.req, priority(b)), api, t0, call.stream)
+            try:
+                r = await gw.start(ex, "http", call.req, await gw.admit(key, call.req, priority(b)), api, t0,
+                                   call.stream)
+            except ApiError as e:
+                if not gw.falls_back(key, e):
+                    raise
+                return await forward(request, await gw.fall_back(key, call.req, api, e, t0, priority(b)), call, b)
         else:
             call, r = await resume(request, api, gw, ex, key, last, t0)
         first = await watching(request, ex.frames.get())
+        if first["type"] == "error" and r.unstored and gw.falls_back(key, e := errors.from_pipeline(
+                first["code"], first["message"])):           # never stored: it may still go elsewhere
+            gw.spawn(gw.publish_cancel(r.rid, "abort"))       # in case its acknowledgement was what got lost
+            return await forward(request, await gw.fall_back(key, call.req, api, e, t0, priority(b)), call, b)
     except ApiError as e:
         return refused(gw, key, e)
     except Disconnected:
@@ -215,6 +230,108 @@ async def rest(ex: Exchange) -> list[dict]:
 async def abort(ex: Exchange) -> None:
     for r in list(ex.inflight.values()):
         await r.abort()
+
+
+# -- the fallback ---------------------------------------------------------------------------------
+
+async def forward(request: HttpRequest, f: Forward, call: Call, b: dict) -> Response:
+    """The request answered by the fallback upstream: its JSON, or its stream (Relay)."""
+    up = f.upstream
+    try:
+        resp = await watching(request, up.send(f, call.api, up.body(b, f.model, call.req.sampling.max_tokens,
+                                                                    call.stream)))
+        if call.stream:
+            return Relay(f, resp, call)
+        try:
+            data = await watching(request, resp.aread())
+            obj = orjson.loads(data)
+        except (httpx.HTTPError, orjson.JSONDecodeError) as e:
+            f.failed()
+            raise f.unavailable(f"its answer was cut or not JSON: {type(e).__name__}: {e}") from None
+        finally:
+            await resp.aclose()
+    except Disconnected:
+        f.end("aborted")
+        raise
+    except ApiError:
+        f.end()
+        raise
+    f.take(obj)
+    f.end()
+    return Response(data, 200, dict([FALLBACK_HEADER]), media_type="application/json")
+
+
+class Relay:
+    """The upstream's event stream as the client's, event by event: its usage chunk (asked for, to meter it)
+    only if the client asked too; an error event if the stream breaks or outlasts the request timeout. The
+    client leaving closes the upstream's stream."""
+
+    def __init__(self, f: Forward, resp: httpx.Response, call: Call):
+        self.f, self.resp, self.call, self.done = f, resp, call, False
+
+    async def __call__(self, scope, receive, send) -> None:
+        marked = tuple(map(str.encode, FALLBACK_HEADER))
+        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, marked]})
+        pump, gone = asyncio.ensure_future(self.pump(send)), asyncio.ensure_future(disconnected(receive))
+        try:
+            await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                self.f.gw.log.error("fallback stream failed", request_id=self.f.rid, error=repr(pump.exception()))
+        finally:
+            pump.cancel()
+            gone.cancel()
+            await self.resp.aclose()
+            self.f.end("aborted" if gone.done() and not pump.done() else None)
+
+    async def pump(self, send) -> None:
+        f = self.f
+        left = f.gw.request_timeout - (time.perf_counter() - f.t0)
+        try:
+            async with asyncio.timeout(left):
+                async for line in self.resp.aiter_lines():
+                    data = self.event(line)
+                    if data:
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+            why = None if self.done else "the stream ended before [DONE]"
+        except (httpx.HTTPError, TimeoutError) as e:
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) else (
+                f"the request did not finish within --request-timeout={f.gw.request_timeout:g} s")
+        if why is not None:
+            f.failed()
+            err = ApiError(502, f"the fallback upstream's stream broke: {why}", "fallback_failed")
+            await send({"type": "http.response.body", "body": event(orjson.dumps(err.body()), b""), "more_body": True})
+        f.end()                                   # settled and metered before the client sees the end
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def event(self, line: str) -> bytes | None:
+        """What the client gets of one line of the upstream's stream (None: nothing)."""
+        if not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return event(b"[DONE]", b"")
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if "error" in obj:
+            self.f.failed()
+            return event(data.encode(), b"")
+        self.f.take(obj)
+        if self.call.include_usage:
+            return event(data.encode(), b"")
+        if not obj.get("choices") and obj.get("usage") is not None:
+            return None                           # the usage chunk the gateway asked for, not the client
+        obj.pop("usage", None)
+        return event(orjson.dumps(obj), b"")
+
+
+async def disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 # -- parsing --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ vLLM's name) and /metrics (Prometheus text)."""
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ from schemas.messages import Heartbeat, WireError, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from services.gateway import api, keys, openapi
 from services.gateway.errors import ApiError
+from services.gateway.fallback import COOLDOWN, FAILURES, KEY_ENV, Upstream
 from services.gateway.limits import Limits
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.models import Models
@@ -43,9 +45,9 @@ SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish wh
 def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None,
                max_tokens: int = subjects.MAX_TOKENS, model_name: str | None = None,
                request_timeout: float = subjects.REQUEST_DEADLINE, resume_grace: float = subjects.RESUME_GRACE,
-               models_file: str | None = None) -> Starlette:
+               models_file: str | None = None, upstream: Upstream | None = None) -> Starlette:
     """The app of one model (model_dir, served as model_name) or of every model of a served models file;
-    ValueError (naming the file and the key) for a bad keys or models file."""
+    ValueError (naming the file and the key) for a bad keys or models file. upstream: the fallback, if any."""
     key_table = keys.load(api_keys) if api_keys else None
     models = Models(served.load(models_file)) if models_file else Models.one(model_dir, model_name)
     model = models.default
@@ -62,10 +64,13 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), default.tokenizer, log, model,
                                              default.max_model_len, max_tokens, key_table,
                                              outcomes=await subjects.outcomes(js), request_timeout=request_timeout,
-                                             resume_grace=resume_grace, models=models)
+                                             resume_grace=resume_grace, models=models, upstream=upstream)
             gw.limits = Limits(await subjects.limits(js), await subjects.gateways(js), gw.id, log, gw.metrics)
             gw.admission.bucket = gw.limits.lease
             await gw.limits.beat()                           # N counted before the first lease is drawn
+            if upstream is not None:
+                upstream.open(request_timeout)
+                gw.metrics.watch(upstream.breaker)
             await nc.subscribe(subjects.ROUTER_STATS_ALL, cb=gw.metrics.on_router_stats)
             await nc.subscribe(subjects.PROGRESS_ALL, cb=gw.on_progress)
             await nc.subscribe(subjects.RESUMED_ALL, cb=gw.on_resumed)
@@ -77,13 +82,16 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             app.state.started = int(time.time())
             app.state.openapi = orjson.dumps(openapi.document(list(models.by_name), max_tokens))
             app.state.page = PAGE.read_text()
-            log.info("gateway ready", nats=nats_url, model=model_dir, models=models.ids(), api_keys=api_keys)
+            log.info("gateway ready", nats=nats_url, model=model_dir, models=models.ids(), api_keys=api_keys,
+                     fallback=upstream.url if upstream else None)
             if key_table is None:
                 log.warning("no API keys: one tenant, no authentication, loopback only")
             yield
         finally:
             for task in loops:
                 task.cancel()
+            if upstream is not None:
+                await upstream.close()
             if gw is not None and gw.limits is not None:
                 await gw.limits.close()                     # the leases back to the shared buckets
             await subjects.close(nc)
@@ -284,7 +292,29 @@ def parser() -> argparse.ArgumentParser:
                         f"before it is cancelled; 0 cancels at once (default {subjects.RESUME_GRACE:g})")
     p.add_argument("--served-model-name", help="with --model: the model's name in the HTTP API (default: the "
                    "checkpoint directory's)")
+    p.add_argument("--fallback-url", metavar="URL",
+                   help="an OpenAI-compatible upstream's base URL (e.g. http://host:8000/v1) that answers requests "
+                        "the cluster cannot take: no worker, every worker busy, the bus unreachable (default: none)")
+    p.add_argument("--fallback-key-env", metavar="NAME", default=KEY_ENV,
+                   help=f"the environment variable holding the upstream's API key, sent as a bearer token; unset: "
+                        f"no key (default: {KEY_ENV})")
+    p.add_argument("--fallback-model", metavar="NAME",
+                   help="the model's name at the upstream (default: the name requests give, the served model's)")
+    p.add_argument("--fallback-failures", type=int, default=FAILURES, metavar="K",
+                   help=f"consecutive upstream failures (connect errors, timeouts, 5xx) that open the fallback's "
+                        f"circuit breaker (default: {FAILURES})")
+    p.add_argument("--fallback-cooldown", type=float, default=COOLDOWN, metavar="SECONDS",
+                   help=f"seconds an open breaker forwards nothing before one request probes the upstream "
+                        f"(default: {COOLDOWN:g})")
     return p
+
+
+def fallback(args) -> Upstream | None:
+    """The upstream of --fallback-url, its key from the environment (never on the command line)."""
+    if args.fallback_url is None:
+        return None
+    return Upstream(args.fallback_url, os.environ.get(args.fallback_key_env) or None, args.fallback_model,
+                    args.fallback_failures, args.fallback_cooldown)
 
 
 def main(argv=None) -> None:
@@ -292,8 +322,9 @@ def main(argv=None) -> None:
     try:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
-                         args.request_timeout, args.resume_grace, args.models)
-    except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json
+                         args.request_timeout, args.resume_grace, args.models,
+                         fallback(args))
+    except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json, a bad --fallback-*
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))
     for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead

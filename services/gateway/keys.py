@@ -7,7 +7,9 @@
 A key's `class` is interactive (the default) or batch: a batch request is admitted only while some
 worker has spare capacity, and runs at BATCH_PRIORITY unless it asks otherwise. A key's `priority`
 (default 0; batch: BATCH_PRIORITY) is its requests' default and the most urgent they may ask for:
-lower runs first, as vLLM's priority.
+lower runs first, as vLLM's priority. A key's `fallback` (true or false; default: true, a batch key's
+false) says whether its requests may go to the gateway's fallback upstream (`--fallback-url`) when the
+cluster cannot take them.
 
 A key may be written as `sha256:<hex>` of the key instead of the key itself. Keys are looked up
 by their SHA-256, and a key's id (in usage records and logs) is the first 12 hex digits of it."""
@@ -21,7 +23,7 @@ import orjson
 from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
 from schemas.subjects import token
 
-FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority"}
+FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority", "fallback"}
 LIMITS = ("tokens_per_minute", "max_concurrent_requests")
 CLASSES = ("interactive", "batch")
 BATCH_PRIORITY = 100              # a batch key's default priority: after every interactive request of priority 0
@@ -35,6 +37,7 @@ class Key:
     max_concurrent_requests: int | None = None
     traffic_class: str = "interactive"            # or batch: admitted only into spare capacity
     priority: int = 0                             # its requests' default, and the most urgent they may ask
+    fallback: bool = True                         # its requests may go to the fallback upstream (--fallback-url)
 
     @property
     def batch(self) -> bool:
@@ -95,7 +98,11 @@ def key(entry, kid: str, where: str) -> Key:
         priority = BATCH_PRIORITY if kind == "batch" else 0
     if not isinstance(priority, int) or isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"{where}: priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (got {priority!r})")
-    return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"), kind, priority)
+    fallback = entry.get("fallback", kind != "batch")   # batch traffic waits for spare capacity unless it says
+    if not isinstance(fallback, bool):
+        raise ValueError(f"{where}: fallback must be true or false (got {fallback!r})")
+    return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"), kind, priority,
+               fallback)
 
 
 def agree(keys, path) -> None:

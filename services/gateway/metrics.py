@@ -197,6 +197,22 @@ def value(hb: Heartbeat, field: str) -> float:
     return hb.kv_blocks_total - hb.kv_blocks_free if field == "kv_blocks_used" else getattr(hb, field)
 
 
+class BreakerState:
+    """A collector of the fallback's circuit breaker state (closed, open, half_open: its cooldown is over)."""
+
+    def __init__(self, breaker):
+        self.breaker = breaker
+
+    def collect(self):
+        state = self.breaker.shown(time.monotonic())
+        family = GaugeMetricFamily("tokenbus_fallback_breaker_state", "The fallback upstream's circuit breaker: 1 "
+                                   "for its state (closed: forwarding; open: not, for the cooldown; half_open: the "
+                                   "next request probes).", labels=["state"])
+        for s in ("closed", "open", "half_open"):
+            family.add_metric([s], float(s == state))
+        return [family]
+
+
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -221,6 +237,10 @@ class Metrics:
                                   "answered (outcome, resend: the worker, none).", ["cause", "source"], registry=r)
         self.deadlines = Counter("tokenbus_request_timeouts", "Requests ended with a timeout error at the gateway's "
                                  "--request-timeout.", ["tenant"], registry=r)
+        self.fallbacks = Counter("tokenbus_fallback_requests", "Requests the cluster could not take that went to the "
+                                 "fallback upstream, by outcome (ok; failed: a connect error, timeout, 5xx or cut "
+                                 "stream; refused: the upstream's 4xx; aborted: the client left; open: not "
+                                 "forwarded, the breaker is open).", ["tenant", "outcome"], registry=r)
         self.lease_round_trips = Counter("tokenbus_rate_limit_lease_round_trips", "Compare-and-set round trips to "
                                          "tenants' shared token buckets (tb_limits), by what they did: draw (a "
                                          "request the lease did not cover) or give_back.", ["op"], registry=r)
@@ -259,6 +279,13 @@ class Metrics:
 
     def error(self, tenant: str, code: str) -> None:
         self.errors.labels(tenant, code).inc()
+
+    def fallback(self, tenant: str, outcome: str) -> None:
+        self.fallbacks.labels(tenant, outcome).inc()
+
+    def watch(self, breaker) -> None:
+        """tokenbus_fallback_breaker_state{state}: 1 for the fallback breaker's state, 0 for the others."""
+        self.registry.register(BreakerState(breaker))
 
     def recovered(self, cause: str, source: str) -> None:
         self.recoveries.labels(cause, source).inc()

@@ -53,6 +53,7 @@ from schemas.served import SEPARATOR
 from services.gateway import admission, frames, keys
 from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
+from services.gateway.fallback import Forward, Spilled, Upstream
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
 from services.gateway.limits import Limits
@@ -86,6 +87,7 @@ class Gateway:
     requests: dict[str, "Request"] = field(default_factory=dict)   # request id -> its stream, for checks
     resume_grace: float = subjects.RESUME_GRACE   # seconds a dropped client's resumable streams wait for it
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])     # this gateway, in Resumed messages
+    upstream: Upstream | None = None              # --fallback-url: where what the cluster cannot take goes
     limits: Limits | None = None                  # tenants' rate limits shared with the other gateways
     models: Models | None = None                  # every served model; None: `model`, with `tokenizer`
 
@@ -116,22 +118,48 @@ class Gateway:
         model = self.models.by_name.get(req.model) or self.models.by_name[self.models.default]
         return model.name, model.pinned(req.revision) if req.revision else model.revisions[0]
 
-    async def admit(self, key: Key, req: GenerateRequest, priority: int | None = None) -> Ticket:
+    async def admit(self, key: Key, req: GenerateRequest, priority: int | None = None, place: bool = True) -> Ticket:
         """The request's admission ticket, or ApiError naming the limit. Its priority is the one asked, but
         never more urgent than its key's (the key's when none was asked). A shared limit whose lease here
-        does not cover the request draws first (one round trip); then admission decides in memory."""
+        does not cover the request draws first (one round trip); then admission decides in memory.
+        place=False: the tenant's limits only (a fallback). A request that may fall back is refused at once
+        while NATS is reconnecting."""
         req.priority = key.priority if priority is None else max(priority, key.priority)
         n = req.sampling.max_tokens
         if n > self.max_tokens:
             raise ApiError(400, f"max_tokens: {n} is more than the gateway's cap max_tokens={self.max_tokens}",
                            "max_tokens_too_large", "max_tokens")
+        if place and not self.nc.is_connected and self.upstream is not None and key.fallback:
+            raise ApiError(503, "NATS is not reachable: the gateway is reconnecting to the bus", "unavailable",
+                           retry_after=1)
         prompt = admission.estimate(req)
         rev = self.served(req)[1]
         context = rev.max_model_len if rev is not None else self.max_model_len
         n = min(n, max(context - prompt, 1))
         if self.limits is not None:
             await self.limits.cover(key, prompt + n)
-        return self.admission.admit(key, prompt, n, model=req.model, revision=req.revision)
+        return self.admission.admit(key, prompt, n, model=req.model, revision=req.revision, place=place)
+
+    def falls_back(self, key: Key, e: ApiError) -> bool:
+        """Whether a request refused with `e` goes to the fallback: a 503 (no capacity, no bus), a key that may."""
+        return self.upstream is not None and key.fallback and e.status == 503
+
+    async def fall_back(self, key: Key, req: GenerateRequest, api: str, cause: ApiError, t0: float,
+                        priority: int | None = None) -> Forward:
+        """The request, refused by the cluster with `cause`, admitted to the fallback: ApiError for the tenant's
+        limits, or the cause itself while the breaker is open."""
+        ticket = await self.admit(key, req, priority, place=False)
+        via = self.upstream.breaker.allow(time.monotonic())
+        if via is None:
+            self.admission.settle(ticket, 0)
+            self.metrics.fallback(key.tenant, "open")
+            b = self.upstream.breaker
+            raise ApiError(cause.status, f"{cause.message}; the fallback upstream is not tried: its circuit breaker "
+                                         f"opened after {b.failures} failures in a row (--fallback-failures), for "
+                                         f"{b.cooldown:g} s (--fallback-cooldown)", cause.code, cause.param,
+                           cause.retry_after)
+        model = self.upstream.model or req.model or self.model       # the name at the upstream
+        return Forward(self, key, ticket, req.id, api, cause, via, t0, admission.estimate(req), model)
 
     async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float,
                     resumable: bool = False) -> "Request":
@@ -333,8 +361,14 @@ class Connection:
         resumable = frames.resumable(frame)
         try:
             self.gw.choose(req, frames.model(frame))
-            await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws", t0,
-                                resumable)
+            try:
+                await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws",
+                                    t0, resumable)
+            except ApiError as e:
+                if not self.gw.falls_back(self.key, e):
+                    raise
+                f = await self.gw.fall_back(self.key, req, "ws", e, t0, frames.priority(frame))
+                Spilled(self, cid, f, frame, req).start()
         except ApiError as e:                     # refused by a limit: an error frame with its code
             raise refused(e, cid) from None
 
@@ -453,6 +487,7 @@ class Request:
     resumed: bool = False                         # a stream resumed here, not started here
     parked: float = 0.0                           # perf_counter when its client's connection dropped (0: attached)
     metered: bool = True                          # whether its end writes a usage record here
+    unstored: bool = False                        # its publish failed: it never entered the pipeline
     model: str = ""                               # the served model's name
     served: Revision | None = None                # and its revision that answers (None: the gateway's one model)
 
@@ -480,7 +515,7 @@ class Request:
                                          subjects.msg_id(req.id), self.log,
                                          min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
         except subjects.NotStored as e:
-            reason = str(e)
+            reason, self.unstored = str(e), True
             self.log.error("request publish failed", request_id=self.rid, error=reason)
             await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
             return
