@@ -259,7 +259,7 @@ async def serve_stand_in(args) -> None:
     log = configure("worker").bind(worker="w0")
     nc = await subjects.connect(args.nats_url, "worker-w0", log, role="worker")
     engine = StandIn(args.step_ms, args.max_num_seqs, args.vocab)
-    await WorkerService(nc, engine, "w0", "stand-in", log, args.chunk_rate).run()
+    await WorkerService(nc, engine, "w0", args.served_model_name, log, args.chunk_rate).run()
 
 
 STAND_IN_ARGS = ("--max-num-seqs=", "--chunk-rate=")     # the worker's options a stand-in takes too
@@ -270,6 +270,7 @@ def stand_in_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", required=True)
     p.add_argument("--step-ms", type=float, required=True, help="milliseconds one step sleeps")
     p.add_argument("--vocab", type=int, required=True, help="token ids are drawn below this")
+    p.add_argument("--served-model-name", required=True, help="the model the gateway routes to (required)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--chunk-rate", type=subjects.chunk_rate, default=subjects.CHUNK_RATE)
     return p
@@ -294,7 +295,9 @@ def main(args) -> dict:
             stack.start()
             if llm is None:
                 stack.spawn("w0", "ops.bench_pipeline", "--nats-url", stack.nats_url, f"--step-ms={args.stand_in}",
-                            f"--vocab={vocab}", *(a for a in worker_args if a.startswith(STAND_IN_ARGS)), role="worker")
+                            f"--vocab={vocab}",
+                            f"--served-model-name={os.path.basename(os.path.normpath(model))}",
+                            *(a for a in worker_args if a.startswith(STAND_IN_ARGS)), role="worker")
                 stack.workers = 1
             stack.wait_ready()
             pids = {"worker" if name == "w0" else name: p.pid for name, p in stack.children.items()}
