@@ -19,7 +19,8 @@ MAX_SALT_CHARS = 256
 MAX_ATTEMPTS = 1 << 10                  # re-routes of one request; strikes are far fewer (MAX_STRIKES)
 MAX_TEXT_CHARS = 1 << 16                # an error message or a dead letter's reason
 MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), (1 << 31) - 1   # a request's priority: an int32, lower runs first
-SCHEDULING_POLICIES = ("fcfs", "priority")   # a worker's (workers.engine.scheduler)
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3    # a tenant's weight: its share of a worker under the fair policy
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")   # a worker's (workers.engine.scheduler)
 
 
 class WireError(ValueError):
@@ -55,6 +56,7 @@ class GenerateRequest:
     created: float = 0.0                          # unix time the gateway accepted it
     meter: Meter | None = None                  # who to bill, carried to the worker
     priority: int = 0                             # lower runs first on a worker with the priority policy
+    weight: float = 1.0                           # the tenant's (its key's): its share under the fair policy
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
@@ -62,6 +64,7 @@ class GenerateRequest:
             raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
         check_names(self.id, self.tenant, self.cache_salt, self.created)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
+        in_range("weight", self.weight, MIN_WEIGHT, MAX_WEIGHT)
         check_meter(self.meter)
         from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
         if self.messages is not None:
@@ -113,10 +116,12 @@ class TokenizedRequest:
     meter: Meter | None = None
     prefilled: Prefilled | None = None
     priority: int = 0                             # GenerateRequest's
+    weight: float = 1.0                           # GenerateRequest's
 
     def check(self) -> None:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
+        in_range("weight", self.weight, MIN_WEIGHT, MAX_WEIGHT)
         check_meter(self.meter)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
         if self.prefilled is not None:
@@ -374,7 +379,7 @@ class Heartbeat:
     speculation: Speculation | None = None        # None: the worker does not speculate
     role: str = "both"                            # both (colocated) | prefill | decode
     kv_transfer: KvTransfer | None = None         # None: a colocated worker
-    scheduling_policy: str = "fcfs"               # fcfs | priority (the engine's, workers.engine.scheduler)
+    scheduling_policy: str = "fcfs"               # fcfs | priority | fair (the engine's, workers.engine.scheduler)
 
 
 @dataclass(slots=True)
