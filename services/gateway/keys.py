@@ -2,12 +2,13 @@
 
     {"sk-live-abc": {"tenant": "acme", "tokens_per_minute": 100000, "max_concurrent_requests": 8},
      "sk-nightly": {"tenant": "acme", "class": "batch"},
-     "sha256:5e88…": {"tenant": "globex", "priority": 5}}
+     "sha256:5e88…": {"tenant": "globex", "priority": 5, "weight": 2}}
 
 A key's `class` is interactive (the default) or batch: a batch request is admitted only while some
 worker has spare capacity, and runs at BATCH_PRIORITY unless it asks otherwise. A key's `priority`
 (default 0; batch: BATCH_PRIORITY) is its requests' default and the most urgent they may ask for:
-lower runs first, as vLLM's priority.
+lower runs first, as vLLM's priority. A tenant's `weight` (default 1) is its share of a busy worker
+under the fair scheduling policy, against the other tenants'.
 
 A key may be written as `sha256:<hex>` of the key instead of the key itself. Keys are looked up
 by their SHA-256, and a key's id (in usage records and logs) is the first 12 hex digits of it."""
@@ -18,11 +19,12 @@ from pathlib import Path
 
 import orjson
 
-from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
+from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT
 from schemas.subjects import token
 
-FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority"}
+FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority", "weight"}
 LIMITS = ("tokens_per_minute", "max_concurrent_requests")
+PER_TENANT = (*LIMITS, "weight")  # every key of a tenant gives the same
 CLASSES = ("interactive", "batch")
 BATCH_PRIORITY = 100              # a batch key's default priority: after every interactive request of priority 0
 
@@ -35,6 +37,7 @@ class Key:
     max_concurrent_requests: int | None = None
     traffic_class: str = "interactive"            # or batch: admitted only into spare capacity
     priority: int = 0                             # its requests' default, and the most urgent they may ask
+    weight: float = 1.0                           # its tenant's share under the fair scheduling policy
 
     @property
     def batch(self) -> bool:
@@ -95,18 +98,23 @@ def key(entry, kid: str, where: str) -> Key:
         priority = BATCH_PRIORITY if kind == "batch" else 0
     if not isinstance(priority, int) or isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"{where}: priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (got {priority!r})")
-    return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"), kind, priority)
+    weight = 1 if entry.get("weight") is None else entry["weight"]
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ValueError(f"{where}: weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (got {weight!r})")
+    return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"), kind, priority,
+               float(weight))
 
 
 def agree(keys, path) -> None:
-    """Limits are per tenant: every key of a tenant must give the same ones."""
+    """Limits and weights are per tenant: every key of a tenant must give the same ones."""
     seen: dict[str, Key] = {}
     for k in keys:
         first = seen.setdefault(k.tenant, k)
-        for name in LIMITS:
+        for name in PER_TENANT:
             if getattr(k, name) != getattr(first, name):
                 raise ValueError(f"api keys {path}: tenant {k.tenant!r}: keys {first.id} and {k.id} give different "
-                                 f"{name} ({getattr(first, name)} and {getattr(k, name)}); limits are per tenant")
+                                 f"{name} ({getattr(first, name)} and {getattr(k, name)}); "
+                                 f"{'limits' if name in LIMITS else 'weights'} are per tenant")
 
 
 def presented(headers, query) -> str | None:
