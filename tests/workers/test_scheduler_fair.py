@@ -1,9 +1,9 @@
 """The fair scheduling policy (a virtual token counter per tenant, workers/engine/fair.py): a steady
 tenant's first tokens stay prompt under another tenant's flood, backlogged tenants' shares of
-generated tokens follow their weights, the least deserving request is preempted, a starved tenant takes
-a seat from a tenant running several, idle time banks no credit, and idle tenants are forgotten. The
-engine, the offline API, the worker and the wire carry tenants and weights."""
-import asyncio
+generated tokens follow their weights, the least deserving request is preempted, a tenant arriving idle
+takes a seat from a tenant running several, idle time banks no credit, and idle tenants are forgotten.
+The engine, the offline API, the worker and the wire carry tenants and weights (the tokenizer:
+test_scheduler_priority.py)."""
 import random
 from types import SimpleNamespace
 
@@ -420,22 +420,6 @@ def test_weight_round_trips_and_out_of_range_is_refused_naming_the_field_and_bou
                 decode(encode(msg))
     with pytest.raises(WireError, match="weight"):
         decode(encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", weight="heavy")))
-
-
-def test_the_tokenizer_carries_the_weight_into_the_tokenized_request(tiny_model, monkeypatch):
-    from services.tokenizer import service as tokenizer
-
-    published = []
-
-    async def publish(js, subject, data, msg_id, log):
-        published.append(decode(data, TokenizedRequest))
-
-    monkeypatch.setattr(tokenizer.subjects, "publish", publish)
-    msg = SimpleNamespace(data=encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", weight=3)),
-                          subject="tb.requests.t", ack=lambda: asyncio.sleep(0))
-    svc = tokenizer.TokenizerService(SimpleNamespace(jetstream=lambda: None), tokenizer.Tokenizer(tiny_model))
-    asyncio.run(svc.handle(msg))
-    assert [(p.tenant, p.weight) for p in published] == [("t", 3.0)]
 
 
 def test_the_worker_passes_tenant_and_weight_to_the_engine_and_takes_the_fair_policy(model_dir):
