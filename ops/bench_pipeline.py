@@ -219,7 +219,8 @@ class StandIn:
         self.requests: dict[str, Request] = {}
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None = None,
-                    output=(), isolate: bool = False, seed: int | None = None, priority: int = 0) -> Request:
+                    output=(), isolate: bool = False, seed: int | None = None, priority: int = 0, tenant: str = "",
+                    weight: float = 1.0) -> Request:
         req = Request(rid, [*prompt, *output], len(prompt), params, 0, self.config.block_size, salt)
         req.num_resumed_tokens = req.num_cached_tokens = 0
         self.requests[rid] = req

@@ -570,8 +570,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--max-num-seqs", type=int,
                    help="requests in one worker's batch at most; more wait in its queue (default: 64)")
     u.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
-                   help="every worker's order: fcfs, arrival order (default), or priority, each request's priority "
-                        "(lower first) then arrival, a waiting request preempting running ones of a lower priority")
+                   help="every worker's order: fcfs, arrival order (the default); priority, each request's priority "
+                        "(lower first) then arrival, a waiting request preempting running ones of a lower priority; or "
+                        "fair, priority then each tenant's share of generated tokens by its key's weight")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
     u.add_argument("--chunk-rate", type=chunk_rate, metavar="N",

@@ -28,6 +28,7 @@ async def heartbeats(js) -> list[Heartbeat]:
 
 def as_json(beats: list[Heartbeat]) -> dict:
     return {"workers": [{"id": b.worker, "role": b.role, "model": b.model, "revision": b.revision,
+                         "scheduling_policy": b.scheduling_policy,
                          **{f: getattr(b, f) for f in FIELDS[1:]},
                          "speculation": dataclasses.asdict(b.speculation) if b.speculation else None,
                          "kv_transfer": dataclasses.asdict(b.kv_transfer) if b.kv_transfer else None}
@@ -37,9 +38,10 @@ def as_json(beats: list[Heartbeat]) -> dict:
 def table(beats: list[Heartbeat]) -> str:
     """One row per worker; the kv transfer column only when some worker is disaggregated."""
     disaggregated = any(b.kv_transfer is not None for b in beats)
-    head = ["worker", "role", "model", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished",
+    head = ["worker", "role", "model", "policy", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished",
             "speculation", *(["kv transfer"] if disaggregated else [])]
-    rows = [[b.worker, b.role, f"{b.model}@{b.revision}" if b.revision else b.model, str(b.running), str(b.waiting),
+    rows = [[b.worker, b.role, f"{b.model}@{b.revision}" if b.revision else b.model, b.scheduling_policy,
+             str(b.running), str(b.waiting),
              f"{1 - b.kv_blocks_free / max(b.kv_blocks_total, 1):.1%}", f"{b.kv_blocks_free}/{b.kv_blocks_total} free",
              f"{b.prefix_cache_hits / b.prefix_cache_queries:.1%}" if b.prefix_cache_queries else "-",
              str(b.requests_finished), speculation(b.speculation),

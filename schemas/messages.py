@@ -19,7 +19,8 @@ MAX_SALT_CHARS = 256
 MAX_ATTEMPTS = 1 << 10                  # re-routes of one request; strikes are far fewer (MAX_STRIKES)
 MAX_TEXT_CHARS = 1 << 16                # an error message or a dead letter's reason
 MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), (1 << 31) - 1   # a request's priority: an int32, lower runs first
-SCHEDULING_POLICIES = ("fcfs", "priority")   # a worker's (workers.engine.scheduler)
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3    # a tenant's weight: its share of a worker under the fair policy
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")   # a worker's (workers.engine.scheduler)
 
 
 class WireError(ValueError):
@@ -57,6 +58,7 @@ class GenerateRequest:
     priority: int = 0                             # lower runs first on a worker with the priority policy
     model: str = ""                               # the served model's name ("": the tokenizer's first model)
     revision: str = ""                            # the revision that must serve it ("": any of the model's)
+    weight: float = 1.0                           # the tenant's (its key's): its share under the fair policy
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
@@ -65,6 +67,7 @@ class GenerateRequest:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
         check_model(self.model, self.revision)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
+        in_range("weight", self.weight, MIN_WEIGHT, MAX_WEIGHT)
         check_meter(self.meter)
         from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
         if self.messages is not None:
@@ -118,11 +121,13 @@ class TokenizedRequest:
     priority: int = 0                             # GenerateRequest's
     model: str = ""                               # GenerateRequest's: the router picks a worker serving it
     revision: str = ""
+    weight: float = 1.0                           # GenerateRequest's
 
     def check(self) -> None:
         check_names(self.id, self.tenant, self.cache_salt, self.created)
         check_model(self.model, self.revision)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
+        in_range("weight", self.weight, MIN_WEIGHT, MAX_WEIGHT)
         check_meter(self.meter)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
         if self.prefilled is not None:
@@ -380,7 +385,7 @@ class Heartbeat:
     speculation: Speculation | None = None        # None: the worker does not speculate
     role: str = "both"                            # both (colocated) | prefill | decode
     kv_transfer: KvTransfer | None = None         # None: a colocated worker
-    scheduling_policy: str = "fcfs"               # fcfs | priority (the engine's, workers.engine.scheduler)
+    scheduling_policy: str = "fcfs"               # fcfs | priority | fair (the engine's, workers.engine.scheduler)
     revision: str = ""                            # of the model it serves (schemas/revision.py)
 
 

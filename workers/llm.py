@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from schemas.detokenizer import Detokenizer
 from schemas.sampling import SamplingParams
-from workers.engine.engine import EngineConfig, LLMEngine, check_priority
+from workers.engine.engine import EngineConfig, LLMEngine, check_priority, check_weight
 from workers.engine.request import Request, TokenLogprobs
 from workers.models import catalogue
 
@@ -43,8 +43,11 @@ class LLM:
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 cache_salt: str | None = None, priority: list[int] | None = None) -> list[RequestOutput]:
-        """`priority`: one per prompt, lower first, with the option scheduling_policy="priority" (vLLM's)."""
+                 cache_salt: str | None = None, priority: list[int] | None = None, tenant: list[str] | None = None,
+                 weights: dict[str, float] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower first, with the option scheduling_policy="priority" (vLLM's) or
+        "fair". `tenant`: one per prompt, and `weights` by tenant (1 when left out): with the option
+        scheduling_policy="fair" each tenant's share of the engine follows its weight."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -53,6 +56,10 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else priority
         if len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} priorities for {len(prompts)} prompts")
+        tenant = [""] * len(prompts) if tenant is None else tenant
+        if len(tenant) != len(prompts):
+            raise ValueError(f"tenant: {len(tenant)} tenants for {len(prompts)} prompts")
+        weights = weights or {}
         encoded = [self.encode(p) for p in prompts]
         for i, (ids, p) in enumerate(zip(encoded, params)):
             try:
@@ -64,8 +71,14 @@ class LLM:
                 check_priority(rank)
             except ValueError as e:
                 raise ValueError(f"priority[{i}]: {e}") from None
-        requests = [self.engine.add_request(f"offline-{next(self.ids)}", ids, p, cache_salt, priority=rank)
-                    for ids, p, rank in zip(encoded, params, priority)]
+        for name, weight in weights.items():
+            try:
+                check_weight(weight)
+            except ValueError as e:
+                raise ValueError(f"weights[{name!r}]: {e}") from None
+        requests = [self.engine.add_request(f"offline-{next(self.ids)}", ids, p, cache_salt, priority=rank, tenant=t,
+                                            weight=weights.get(t, 1.0))
+                    for ids, p, rank, t in zip(encoded, params, priority, tenant)]
         return self.run(requests)
 
     def chat(self, conversations: list[list[dict]] | list[dict], params=None, cache_salt=None) -> list[RequestOutput]:

@@ -531,8 +531,8 @@ class WorkerService:
                 p.cached_tokens
         self.running[r.id] = run
         self.prompt_tokens += len(r.prompt_token_ids)
-        self.log.info("request started", request_id=r.id, tenant=r.tenant, attempt=item.attempt, strikes=strikes,
-                      prompt_tokens=len(r.prompt_token_ids), resumed=len(output))
+        self.log.info("request started", request_id=r.id, tenant=r.tenant, weight=r.weight, priority=r.priority,
+                      attempt=item.attempt, strikes=strikes, prompt_tokens=len(r.prompt_token_ids), resumed=len(output))
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
@@ -558,15 +558,16 @@ class WorkerService:
         request starts over from its prompt, and the gateway drops what its client has. Returns the
         output it continues after."""
         seed = r.prefilled.seed if r.prefilled is not None else None
+        share = {"priority": r.priority, "tenant": r.tenant, "weight": r.weight}
         try:
             self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0, seed,
-                                    r.priority)
+                                    **share)
             return output
         except ValueError as e:
             if not output:
                 raise
             self.log.warning("progress not resumable; starting from the prompt", request_id=r.id, error=str(e))
-        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0, seed, r.priority)
+        self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, (), strikes > 0, seed, **share)
         return []
 
     async def progress(self, rid: str) -> list[int]:
@@ -732,8 +733,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                   help="fcfs: requests run in arrival order (default); priority: by each request's priority, lower "
-                        "first, then arrival; a waiting request preempts running ones of a lower priority")
+                   help="fcfs: requests run in arrival order (the default); priority: by each request's priority, "
+                        "lower first, then arrival, a waiting request preempting running ones of a lower priority; "
+                        "fair: by priority, then each tenant's share of generated tokens by its key's weight "
+                        "(a virtual token counter per tenant)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV pool, when --num-kv-blocks is not given "

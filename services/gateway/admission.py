@@ -4,7 +4,10 @@
   services/gateway/limits.py); and a cap on its concurrent requests in this gateway (429 + Retry-After);
 - the cluster, from the worker registry: some worker must be able to take the request soon, its
   queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
-  overloaded cluster refuses quickly instead of queueing without bound. A batch key's request needs
+  overloaded cluster refuses quickly instead of queueing without bound. On a worker with the fair
+  scheduling policy a tenant with nothing in flight here is not held to the watermark: one request
+  per tenant keeps the queue bounded, another tenant's burst cannot keep it out, and the worker serves
+  it first. A batch key's request needs
   spare capacity: a worker with nothing waiting, its running requests below BATCH_WATERMARK of its
   max_num_seqs and at least BATCH_KV_FREE of its KV pool free; interactive traffic keeps the rest.
   Only a worker that decodes (role both or decode) counts: a prefill worker hands every request on
@@ -111,10 +114,12 @@ class Cluster:
     def load(self, hb: Heartbeat) -> float:
         return (hb.running + hb.waiting + self.added[hb.worker]) / max(hb.max_num_seqs, 1)
 
-    def place(self, tokens: int, now: float, batch: bool = False, model: str = "", revision: str = "") -> str:
+    def place(self, tokens: int, now: float, batch: bool = False, model: str = "", revision: str = "",
+              idle: bool = False) -> str:
         """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none.
         A batch request takes only a worker with spare capacity; a request for a model (and a revision) only
-        a worker serving it ("": any)."""
+        a worker serving it ("": any). `idle`: the tenant has nothing in flight, so a worker with the fair
+        policy takes it past the queue watermark."""
         live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
@@ -141,7 +146,7 @@ class Cluster:
                                f"BATCH_KV_FREE={BATCH_KV_FREE} of its KV free; retry later", "overloaded",
                                retry_after=BATCH_RETRY)
         best = min(fit, key=self.load)
-        if self.load(best) >= 1 + QUEUE_WATERMARK:
+        if self.load(best) >= 1 + QUEUE_WATERMARK and not (idle and best.scheduling_policy == "fair"):
             raise ApiError(503, f"every worker is busy: {len(fit)} worker(s), each with more than "
                            f"QUEUE_WATERMARK={QUEUE_WATERMARK} × max_num_seqs requests queued; retry shortly",
                            "overloaded", retry_after=BUSY_RETRY)
@@ -180,7 +185,7 @@ class Admission:
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
         if place:
-            self.cluster.place(cost, time.time(), key.batch, model, revision)
+            self.cluster.place(cost, time.time(), key.batch, model, revision, idle=not t.active)
         charged = getattr(t.bucket, "fallback", None) or t.bucket    # a shared limit cut off: its fallback
         if charged is not None:
             charged.take(cost, now)

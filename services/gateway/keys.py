@@ -2,14 +2,15 @@
 
     {"sk-live-abc": {"tenant": "acme", "tokens_per_minute": 100000, "max_concurrent_requests": 8},
      "sk-nightly": {"tenant": "acme", "class": "batch"},
-     "sha256:5e88…": {"tenant": "globex", "priority": 5}}
+     "sha256:5e88…": {"tenant": "globex", "priority": 5, "weight": 2}}
 
 A key's `class` is interactive (the default) or batch: a batch request is admitted only while some
 worker has spare capacity, and runs at BATCH_PRIORITY unless it asks otherwise. A key's `priority`
 (default 0; batch: BATCH_PRIORITY) is its requests' default and the most urgent they may ask for:
 lower runs first, as vLLM's priority. A key's `fallback` (true or false; default: true, a batch key's
 false) says whether its requests may go to the gateway's fallback upstream (`--fallback-url`) when the
-cluster cannot take them.
+cluster cannot take them. A tenant's `weight` (default 1) is its share of a busy worker under the fair
+scheduling policy, against the other tenants'.
 
 A key may be written as `sha256:<hex>` of the key instead of the key itself. Keys are looked up
 by their SHA-256, and a key's id (in usage records and logs) is the first 12 hex digits of it."""
@@ -20,11 +21,12 @@ from pathlib import Path
 
 import orjson
 
-from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
+from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT
 from schemas.subjects import token
 
-FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority", "fallback"}
+FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority", "fallback", "weight"}
 LIMITS = ("tokens_per_minute", "max_concurrent_requests")
+PER_TENANT = (*LIMITS, "weight")  # every key of a tenant gives the same
 CLASSES = ("interactive", "batch")
 BATCH_PRIORITY = 100              # a batch key's default priority: after every interactive request of priority 0
 
@@ -38,6 +40,7 @@ class Key:
     traffic_class: str = "interactive"            # or batch: admitted only into spare capacity
     priority: int = 0                             # its requests' default, and the most urgent they may ask
     fallback: bool = True                         # its requests may go to the fallback upstream (--fallback-url)
+    weight: float = 1.0                           # its tenant's share under the fair scheduling policy
 
     @property
     def batch(self) -> bool:
@@ -101,19 +104,23 @@ def key(entry, kid: str, where: str) -> Key:
     fallback = entry.get("fallback", kind != "batch")   # batch traffic waits for spare capacity unless it says
     if not isinstance(fallback, bool):
         raise ValueError(f"{where}: fallback must be true or false (got {fallback!r})")
+    weight = 1 if entry.get("weight") is None else entry["weight"]
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ValueError(f"{where}: weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (got {weight!r})")
     return Key(kid, tenant, entry.get("tokens_per_minute"), entry.get("max_concurrent_requests"), kind, priority,
-               fallback)
+               fallback, float(weight))
 
 
 def agree(keys, path) -> None:
-    """Limits are per tenant: every key of a tenant must give the same ones."""
+    """Limits and weights are per tenant: every key of a tenant must give the same ones."""
     seen: dict[str, Key] = {}
     for k in keys:
         first = seen.setdefault(k.tenant, k)
-        for name in LIMITS:
+        for name in PER_TENANT:
             if getattr(k, name) != getattr(first, name):
                 raise ValueError(f"api keys {path}: tenant {k.tenant!r}: keys {first.id} and {k.id} give different "
-                                 f"{name} ({getattr(first, name)} and {getattr(k, name)}); limits are per tenant")
+                                 f"{name} ({getattr(first, name)} and {getattr(k, name)}); "
+                                 f"{'limits' if name in LIMITS else 'weights'} are per tenant")
 
 
 def presented(headers, query) -> str | None:

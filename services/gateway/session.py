@@ -163,8 +163,9 @@ class Gateway:
 
     async def start(self, owner, cid: str, req: GenerateRequest, ticket: Ticket, api: str, t0: float,
                     resumable: bool = False) -> "Request":
-        """Subscribes to the request's tokens, then publishes it (in a task); the tenant's salt goes in."""
+        """Subscribes to the request's tokens, then publishes it (in a task); the tenant's salt and weight go in."""
         req.tenant = req.cache_salt = ticket.key.tenant          # the salt is the gateway's, never the client's
+        req.weight = ticket.key.weight                           # as is the weight
         model, rev = self.served(req)
         req.meter = Meter(ticket.key.id, api, model)
         r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created, resumable=resumable,

@@ -126,7 +126,8 @@ class TokenizerService:
         if req.sampling.seed is None:            # every request gets a seed here: a re-routed or replayed
             req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
         out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created, req.meter,
-                               priority=req.priority, model=req.model, revision=req.revision)
+                               priority=req.priority, model=req.model, revision=req.revision,
+                               weight=req.weight)
         try:
             await subjects.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
         except subjects.NotStored as e:          # not acked: JetStream redelivers it

@@ -203,12 +203,14 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
     assert [w["id"] for w in workers] == ["w0", "w1"]
     assert set(workers[0]) == {"id", "running", "waiting", "kv_blocks_total", "kv_blocks_free",
                                "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "speculation",
-                               "role", "kv_transfer"}
+                               "role", "kv_transfer", "scheduling_policy"}
     assert all(w["kv_blocks_total"] == 512 and w["requests_finished"] > 0 and w["speculation"] is None
-               and w["role"] == "both" and w["kv_transfer"] is None for w in workers)
+               and w["role"] == "both" and w["kv_transfer"] is None and w["scheduling_policy"] == "fcfs"
+               for w in workers)
     main(["status", "--nats-url", stack.nats_url])
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:4] == ["worker", "role", "running", "waiting"] and len(table) == 3
+    assert table[0].split()[:5] == ["worker", "role", "policy", "running", "waiting"] and len(table) == 3
+    assert table[1].split()[:3] == ["w0", "both", "fcfs"]
 
 
 @pytest.mark.parametrize("service", ["tokenizer", "gateway"])

@@ -76,6 +76,9 @@ EXAMPLES = [
     GenerateRequest("r3", "t", SAMPLING, prompt="hi", priority=-2**31),
     WorkItem(TokenizedRequest("r1", "t", SAMPLING, [5, 6], priority=2**31 - 1), "w0", 3.0),
     Heartbeat("w4", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, scheduling_policy="priority"),
+    GenerateRequest("r4", "t", SAMPLING, prompt="hi", weight=0.001),
+    WorkItem(TokenizedRequest("r1", "t", SAMPLING, [5, 6], weight=1000.0), "w0", 3.0),
+    Heartbeat("w5", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, scheduling_policy="fair"),
 ]
 SPECULATING = Heartbeat("w2", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, speculation=Speculation(
     "ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65, 0.5, 0.0]))

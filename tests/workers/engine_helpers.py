@@ -13,10 +13,10 @@ BLOCK = 4
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int = 8, salt: str | None = None,
-                 block_size: int = BLOCK, priority: int = 0) -> Request:
+                 block_size: int = BLOCK, priority: int = 0, tenant: str = "", weight: float = 1.0) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return Request(rid, list(tokens), len(tokens), params, seed=0, block_size=block_size, cache_salt=salt,
-                   priority=priority)
+                   priority=priority, tenant=tenant, weight=weight)
 
 
 def make_scheduler(num_blocks: int = 16, budget: int = 64, max_num_seqs: int = 16, prefix: bool = True,

@@ -317,7 +317,7 @@ def test_priority_round_trips_and_out_of_range_is_refused_naming_the_field_and_b
         decode(encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority="high")))
 
 
-def test_the_tokenizer_carries_priority_into_the_tokenized_request(tiny_model, monkeypatch):
+def test_the_tokenizer_carries_priority_and_weight_into_the_tokenized_request(tiny_model, monkeypatch):
     from services.tokenizer import service as tokenizer
 
     published = []
@@ -327,11 +327,11 @@ def test_the_tokenizer_carries_priority_into_the_tokenized_request(tiny_model, m
 
     monkeypatch.setattr(tokenizer.subjects, "publish", publish)
     acked = []
-    msg = SimpleNamespace(data=encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority=-3)),
+    msg = SimpleNamespace(data=encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority=-3, weight=3)),
                           subject="tb.requests.t", ack=lambda: asyncio.sleep(0, acked.append(True)))
     svc = tokenizer.TokenizerService(SimpleNamespace(jetstream=lambda: None), tokenizer.Tokenizer(tiny_model))
     asyncio.run(svc.handle(msg))
-    assert [p.priority for p in published] == [-3] and acked == [True]
+    assert [(p.priority, p.weight) for p in published] == [(-3, 3.0)] and acked == [True]
 
 
 def test_the_worker_passes_priority_to_the_engine(model_dir):

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from schemas.messages import MAX_PRIORITY, MIN_PRIORITY, SCHEDULING_POLICIES
+from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT, SCHEDULING_POLICIES
 from schemas.sampling import SamplingParams, check, check_vocabulary
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
 from workers.engine.kv_cache import KVCacheManager
@@ -39,7 +39,8 @@ class EngineConfig:
     seed: int = 0                          # draws the seeds of requests that bring none
     tensor_parallel_size: int = 1          # ranks one replica spans (one GPU each on CUDA)
     speculative: dict | str | None = None  # SpeculativeConfig's fields, or "ngram:4" / "draft:DIR:4"; None: off
-    scheduling_policy: str = "fcfs"        # or "priority": requests' priority orders admission and preemption
+    scheduling_policy: str = "fcfs"        # or "priority": requests' priority orders admission and preemption;
+    #                                        "fair": priority, then each tenant's share by weight
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -148,16 +149,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False,
-                    seed: int | None = None, priority: int = 0) -> Request:
+                    seed: int | None = None, priority: int = 0, tenant: str = "", weight: float = 1.0) -> Request:
         """Queues a request. With output_token_ids (a request moved from another worker) it continues
         after them: prompt + those tokens are computed as one prefill, and positions, penalties,
         max_tokens and stop conditions go on as if it had never moved. `isolate`: its steps run
         alone until its first token (a request suspected of crashing a worker). `seed`: the seed
         another worker drew for it (a handed-off request), when its params bring none. `priority`:
-        lower runs first under the priority policy; the fcfs policy ignores it."""
+        lower runs first under the priority and fair policies; the fcfs policy ignores it. `tenant` and
+        `weight`: the fair policy shares the engine between tenants in proportion to their weights."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         check_priority(priority)
+        check_weight(weight)
         self.check_request(prompt_token_ids, params)
         if output_token_ids:
             self.check_resume(prompt_token_ids, output_token_ids, params)
@@ -165,7 +168,7 @@ class LLMEngine:
             else self.seeds.getrandbits(63)
         req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
                       self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids),
-                      priority=priority)
+                      priority=priority, tenant=tenant, weight=weight)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -304,6 +307,11 @@ def check_priority(priority: int) -> None:
     check(isinstance(priority, int) and not isinstance(priority, bool), "priority", "must be an integer", priority)
     check(MIN_PRIORITY <= priority <= MAX_PRIORITY, "priority",
           f"must be in [MIN_PRIORITY, MAX_PRIORITY] = [{MIN_PRIORITY}, {MAX_PRIORITY}]", priority)
+
+
+def check_weight(weight: float) -> None:
+    check(isinstance(weight, int | float) and not isinstance(weight, bool) and MIN_WEIGHT <= weight <= MAX_WEIGHT,
+          "weight", f"must be a number in [MIN_WEIGHT, MAX_WEIGHT] = [{MIN_WEIGHT}, {MAX_WEIGHT}]", weight)
 
 
 def step_shape(batch: Batch) -> tuple[int, float, int]:

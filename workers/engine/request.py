@@ -41,6 +41,10 @@ class Request:
     num_resumed_tokens: int = 0             # output tokens it came with (a migrated request)
     priority: int = 0                       # the priority policy runs lower numbers first (vLLM's rule)
     arrival: int = 0                        # the scheduler's count of requests added before it: breaks ties
+    tenant: str = ""                        # the fair policy shares the engine between tenants by weight
+    weight: float = 1.0
+    billed_input: int = 0                   # fair: of its input tokens, how many were charged to its tenant
+    billed_output: int = 0                  # fair: of the tokens it generated, how many were charged
 
     def __post_init__(self):
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt, self.block_hashes)
@@ -52,6 +56,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Tokens it came with: its prompt, and the output of a request resumed here."""
+        return self.num_prompt_tokens + self.num_resumed_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:

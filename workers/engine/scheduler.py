@@ -5,13 +5,16 @@ prompt is chunked across steps and a decode gets its one token. When a running r
 get a block, the last running request is preempted by recompute: its blocks are freed (they stay
 in the prefix cache, so the resume is cheap) and it goes back to the waiting queue.
 
-Two policies order the queues (SchedulerConfig.policy):
+Three policies order the queues (SchedulerConfig.policy):
 - fcfs (the default): waiting requests in arrival order, running ones in admission order; a
   preempted request goes back to the head of the queue. Waiting requests never preempt.
 - priority: both queues by (priority, arrival), lower first, so the last running request is the
   lowest-priority latest arrival and a preempted request goes back to its own place. A waiting
   request that finds no seat (max_num_seqs) or no blocks preempts running requests of a strictly
   lower priority (a larger number), the last first, until it fits.
+- fair: priority first, then each tenant's share of the engine by weight (workers.engine.fair: a
+  virtual token counter per tenant). Running requests are sorted, most deserving first, at the start
+  of each step, so the last is the one preempted for a block.
 
 Speculative draft tokens are extra tokens of the same step (workers.engine.speculative): they take
 only the budget and the uncached free blocks left once running and waiting requests are scheduled,
@@ -23,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from schemas.messages import SCHEDULING_POLICIES
+from workers.engine.fair import FairQueue
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request, Status, TokenLogprobs
 
@@ -34,7 +38,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
-    policy: str = "fcfs"                      # or "priority" (the module's docstring)
+    policy: str = "fcfs"                      # or "priority", "fair" (the module's docstring)
 
 
 @dataclass(slots=True)
@@ -112,9 +116,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         assert config.policy in SCHEDULING_POLICIES, config.policy
         self.config, self.kv = config, kv
-        self.by_priority = config.policy == "priority"
-        self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.by_priority else deque()
-        self.running: list[Request] = []  # fcfs: in admission order; priority: by rank. The last is preempted first
+        self.by_priority, self.fair = config.policy == "priority", config.policy == "fair"
+        self.waiting: deque[Request] | PriorityQueue | FairQueue = \
+            PriorityQueue() if self.by_priority else FairQueue() if self.fair else deque()
+        self.running: list[Request] = []  # fcfs: in admission order; priority: by rank; fair: by FairQueue.rank
+        #                                   at the start of a step. The last is preempted first
         self.num_preemptions = 0
         self.num_arrivals = 0
 
@@ -127,6 +133,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        if self.fair:
+            self.running.sort(key=self.waiting.rank)
         alone = self.schedule_alone()
         if alone is not None:
             return alone
@@ -134,6 +142,8 @@ class Scheduler:
         budget = self.schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
             self.schedule_waiting(batch, budget)
+        elif self.fair and self.waiting.returned():      # another tenant's shortage does not keep it out
+            self.schedule_waiting(batch, budget, most=len(batch.requests) + 1)
         return batch
 
     def suspect(self) -> Request | None:
@@ -189,7 +199,7 @@ class Scheduler:
             victim = self.victim_for(req)
             if victim is None:
                 return
-            self.running.pop()
+            self.running.remove(victim)
             budget += batch.remove(victim)         # scheduled already this step: its tokens go back
             self.preempt(victim)
             batch.preempted.append(victim)
@@ -217,11 +227,16 @@ class Scheduler:
             bisect.insort(self.running, req, key=rank)
         else:
             self.running.append(req)
+        if self.fair:
+            self.waiting.admitted(req, n)
         return n
 
     def victim_for(self, req: Request) -> Request | None:
         """The running request a waiting one that does not fit may preempt: under the priority policy,
-        the last running request when its priority is strictly lower (a larger number); else none."""
+        the last running request when its priority is strictly lower (a larger number); under the fair
+        policy, FairQueue.victim's; else none."""
+        if self.fair:
+            return self.waiting.victim(req, self.running)
         if self.by_priority and self.running and self.running[-1].priority > req.priority:
             return self.running[-1]
         return None
@@ -240,6 +255,8 @@ class Scheduler:
         return room
 
     def preempt(self, req: Request) -> None:
+        if self.fair:
+            self.waiting.stopped(req)
         self.kv.free_request(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -284,6 +301,8 @@ class Scheduler:
             updated.append(req)
         if any(r.finished for r in updated):
             self.running = [r for r in self.running if not r.finished]
+        if self.fair:
+            self.waiting.served(batch.requests)
         return updated
 
     def stop_reason(self, req: Request, token: int) -> str | None:
@@ -296,6 +315,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """Ends req and frees its blocks (the caller drops it from `running`)."""
+        if self.fair and req.status == Status.RUNNING:
+            self.waiting.stopped(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.kv.free_request(req)
 
