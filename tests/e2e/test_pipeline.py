@@ -1,5 +1,6 @@
 """The whole pipeline as processes over a real nats-server, driven by a plain websockets client."""
 import asyncio
+import os
 import time
 
 import msgpack
@@ -203,14 +204,16 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
     assert [w["id"] for w in workers] == ["w0", "w1"]
     assert set(workers[0]) == {"id", "running", "waiting", "kv_blocks_total", "kv_blocks_free",
                                "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "speculation",
-                               "role", "kv_transfer", "scheduling_policy"}
+                               "role", "kv_transfer", "scheduling_policy", "model", "revision"}
+    model = os.path.basename(os.path.normpath(stack.model))
+    assert all(w["model"] == model and len(w["revision"]) == 12 for w in workers)
     assert all(w["kv_blocks_total"] == 512 and w["requests_finished"] > 0 and w["speculation"] is None
                and w["role"] == "both" and w["kv_transfer"] is None and w["scheduling_policy"] == "fcfs"
                for w in workers)
     main(["status", "--nats-url", stack.nats_url])
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:5] == ["worker", "role", "policy", "running", "waiting"] and len(table) == 3
-    assert table[1].split()[:3] == ["w0", "both", "fcfs"]
+    assert table[0].split()[:6] == ["worker", "role", "model", "policy", "running", "waiting"] and len(table) == 3
+    assert table[1].split()[:4] == ["w0", "both", f"{model}@{workers[0]['revision']}", "fcfs"]
 
 
 @pytest.mark.parametrize("service", ["tokenizer", "gateway"])
