@@ -206,7 +206,7 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
                                "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "speculation",
                                "role", "kv_transfer", "scheduling_policy", "model", "revision"}
     model = os.path.basename(os.path.normpath(stack.model))
-    assert all(w["model"] == model and len(w["revision"]) == 12 for w in workers)
+    assert all(w["model"] == model and len(w["revision"]) == 12 for w in workers), (model, workers)
     assert all(w["kv_blocks_total"] == 512 and w["requests_finished"] > 0 and w["speculation"] is None
                and w["role"] == "both" and w["kv_transfer"] is None and w["scheduling_policy"] == "fcfs"
                for w in workers)
