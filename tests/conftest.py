@@ -1,4 +1,5 @@
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU, in the interpreter
+# A suite started as a background job (`make test &`) inherits SIGINT ignored, and so would every command
+# the tests start and then stop with Ctrl-C; the commands get Python's own handler back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
