@@ -26,6 +26,7 @@ MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 256                # strings of one choice constraint
 MAX_CHOICE_CHARS = 1024          # characters of one choice
 MAX_COMPILE_SECONDS = 10.0       # a worker fails a request whose grammar takes longer to compile
+JSON_OBJECT = '{"type":"object"}'  # json_object: any object (xgrammar's builtin JSON grammar allows arrays too)
 CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -88,8 +89,8 @@ class SamplingParams:
             return "json_object", ""
         if self.choice is not None:
             return "choice", json.dumps(self.choice, ensure_ascii=False)
-        return next(((k, getattr(self, k)) for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None),
-                    None)
+        kind = next((k for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None), None)
+        return None if kind is None else (kind, getattr(self, kind))
 
     @property
     def greedy(self) -> bool:
@@ -180,7 +181,7 @@ def to_grammar(p: SamplingParams):
         if kind == "json_schema":
             return xgr.Grammar.from_json_schema(text, any_whitespace=False)
         if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            return xgr.Grammar.from_json_schema(JSON_OBJECT, any_whitespace=False, strict_mode=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT, SCHEDULING_POLICIES
-from schemas.sampling import SamplingParams, check, check_vocabulary
+from schemas.sampling import SamplingParams, check, check_vocabulary, to_grammar
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
 from workers.engine.grammar import Grammars, Pending
 from workers.engine.kv_cache import KVCacheManager
@@ -127,6 +127,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
         check_vocabulary(params, vocab)
+        to_grammar(params)                       # a constraint xgrammar cannot convert (no compile here)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
                              "leaves no room for output")

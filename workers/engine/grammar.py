@@ -6,7 +6,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from schemas.sampling import MAX_COMPILE_SECONDS, SamplingParams, choice_ebnf, xgrammar_message
+from schemas.sampling import JSON_OBJECT, MAX_COMPILE_SECONDS, SamplingParams, choice_ebnf, xgrammar_message
 
 MAX_ROLLBACK = 64   # tokens a matcher can take back: a verify step's drafts
 
@@ -36,7 +36,7 @@ class Grammars:
             if kind == "json_schema":
                 return self.compiler.compile_json_schema(text, any_whitespace=False)
             if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                return self.compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False, strict_mode=False)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             return self.compiler.compile_grammar(choice_ebnf(params.choice) if kind == "choice" else text)

@@ -1,5 +1,5 @@
-"""Picks each row's next token from its logits: logit bias, penalties and grammar masks, then greedy or temperature + min_p +
-top_k/top_p sampling, plus the raw logprobs a request asked for.
+"""Picks each row's next token from its logits: logit bias, penalties and grammar masks, then greedy or
+temperature + min_p + top_k/top_p sampling, plus the raw logprobs a request asked for.
 
 Randomness is a counter-based hash of (request seed, output position, vocab index), so a request
 draws the same token alone or in any batch, in any row, on any device, with no generator state.
