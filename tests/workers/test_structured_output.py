@@ -122,13 +122,13 @@ def test_bad_constraints_name_their_problem_before_running():
         SamplingParams(json_schema="{'type': 'object'}")
     with pytest.raises(ValueError, match=f"MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}"):
         SamplingParams(json_schema="{" + '"a":{' * 40 + "}" * 41)
-    with pytest.raises(ValueError, match="MAX_SCHEMA_CHARS|1 to 65536"):
+    with pytest.raises(ValueError, match="1 to 65536 characters"):
         SamplingParams(json_schema=json.dumps({"enum": ["x" * 70000]}))
     with pytest.raises(ValueError, match="at most one of"):
         SamplingParams(regex="a", choice=["a"])
-    with pytest.raises(ValueError, match='json_schema is not one the engine can follow: Unsupported type "objectx"'):
+    with pytest.raises(ValueError, match=r'json_schema is not one the engine can follow: Unsupported type "objectx"'):
         to_grammar(SamplingParams(json_schema={"type": "objectx"}))
-    with pytest.raises(ValueError, match="regex is not one the engine can follow: .*parenthesis"):
+    with pytest.raises(ValueError, match=r"regex is not one the engine can follow: .*parenthesis"):
         to_grammar(SamplingParams(regex="(("))
 
 
@@ -141,5 +141,5 @@ def test_a_grammar_past_its_compile_time_fails_only_its_request(monkeypatch):
     monkeypatch.setattr(grammar, "MAX_COMPILE_SECONDS", 0.01)
     pending = grammar.Pending(None, Future())
     time.sleep(0.02)
-    with pytest.raises(ValueError, match="MAX_COMPILE_SECONDS=0.01"):
+    with pytest.raises(ValueError, match=r"MAX_COMPILE_SECONDS=0\.01"):
         pending.matcher()
