@@ -1,7 +1,9 @@
 """How to sample each output token and when to stop: validated where a request enters (the gateway)
 and again where it runs (the engine), so it is part of the wire format. Every field is bounded here:
 no value that passes reaches the engine as something it cannot take (an integer past int64, a NaN)."""
+import json
 import math
+import re
 from dataclasses import dataclass
 
 MAX_TOKENS_BOUND = 1 << 20       # max_tokens of any request (the gateway's own cap is lower)
@@ -18,6 +20,14 @@ MIN_REPETITION_PENALTY = 0.01    # it divides positive logits: below this they o
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 300             # token ids in one logit_bias map
 LOGIT_BIAS_BOUND = 100.0         # each bias is in [-100, 100], as OpenAI's
+MAX_SCHEMA_CHARS = 1 << 16       # characters of a json_schema or an EBNF grammar
+MAX_SCHEMA_DEPTH = 32            # nesting of objects and arrays in a json_schema
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256                # strings of one choice constraint
+MAX_CHOICE_CHARS = 1024          # characters of one choice
+MAX_COMPILE_SECONDS = 10.0       # a worker fails a request whose grammar takes longer to compile
+JSON_OBJECT = '{"type":"object"}'  # json_object: any object (xgrammar's builtin JSON grammar allows arrays too)
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True)
@@ -41,6 +51,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     speculative: bool = True     # false: this request never verifies draft tokens (its output is the same either way)
     logit_bias: dict[str, float] | None = None   # token id (decimal, as OpenAI's JSON keys) -> added to its logit
+    # structured output, at most one: the output is text the constraint accepts (xgrammar, in the engine)
+    json_schema: str | None = None   # a JSON schema (a dict is taken too: kept as its JSON text)
+    json_object: bool = False        # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None   # exactly one of these strings
+    grammar: str | None = None       # an EBNF grammar (xgrammar's GBNF dialect, rule `root`)
 
     def __post_init__(self):
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -64,6 +80,17 @@ class SamplingParams:
         check(self.seed is None or 0 <= self.seed < SEED_BOUND, "seed", "must be in [0, 2**64)", self.seed)
         check_stops(self)
         self.logit_bias = checked_bias(self.logit_bias)
+        check_constraint(self)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text): the request's structured-output constraint, its grammar cache key; None without one."""
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice, ensure_ascii=False)
+        kind = next((k for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None), None)
+        return None if kind is None else (kind, getattr(self, kind))
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +131,75 @@ def check_stops(p: SamplingParams) -> None:
     bad = next((t for t in p.stop_token_ids if not (isinstance(t, int) and not isinstance(t, bool)
                                                      and 0 <= t <= MAX_TOKEN_ID)), None)
     check(bad is None, "stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}]", bad)
+
+
+def check_constraint(p: SamplingParams) -> None:
+    """At most one constraint, each within its limits; a json_schema is a JSON object, kept as compact text."""
+    if isinstance(p.json_schema, dict):
+        p.json_schema = json.dumps(p.json_schema, ensure_ascii=False, separators=(",", ":"))
+    check(isinstance(p.json_object, bool), "json_object", "must be true or false", p.json_object)
+    given = [k for k in CONSTRAINTS if getattr(p, k) not in (None, False)]
+    check(len(given) <= 1, "structured output", "takes at most one of " + ", ".join(CONSTRAINTS), given)
+    for name, limit in (("json_schema", MAX_SCHEMA_CHARS), ("grammar", MAX_SCHEMA_CHARS), ("regex", MAX_REGEX_CHARS)):
+        v = getattr(p, name)
+        check(v is None or isinstance(v, str), name, "must be a string", v)
+        check(v is None or 0 < len(v) <= limit, name, f"must have 1 to {limit} characters",
+              f"{len(v or '')} characters")
+    if p.json_schema is not None:
+        p.json_schema = checked_schema(p.json_schema)
+    if p.choice is not None:
+        check(isinstance(p.choice, list | tuple) and 1 <= len(p.choice) <= MAX_CHOICES, "choice",
+              f"must be a list of 1 to MAX_CHOICES={MAX_CHOICES} strings", p.choice)
+        check(all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in p.choice), "choice",
+              f"strings must have 1 to MAX_CHOICE_CHARS={MAX_CHOICE_CHARS} characters", p.choice)
+        p.choice = tuple(p.choice)
+
+
+def checked_schema(text: str) -> str:
+    """A JSON schema's text, checked to be a JSON object nested at most MAX_SCHEMA_DEPTH deep."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"json_schema is not valid JSON: {str(e)[:200]}") from None
+    check(isinstance(schema, dict), "json_schema", "must be a JSON object", schema)
+    depth, level = 0, [schema]
+    while level:
+        depth += 1
+        check(depth <= MAX_SCHEMA_DEPTH, "json_schema", f"nests deeper than MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}",
+              f"more than {MAX_SCHEMA_DEPTH} levels")
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, dict | list)]
+    return text
+
+
+def to_grammar(p: SamplingParams):
+    """The xgrammar Grammar of p's constraint (None without one); ValueError naming the field and xgrammar's
+    complaint for one it cannot convert. Needs no tokenizer: the tokenizer stage checks with it."""
+    import xgrammar as xgr
+
+    kind, text = p.constraint or (None, None)
+    try:
+        if kind == "json_schema":
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(JSON_OBJECT, any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(p.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{kind} is not one the engine can follow: {xgrammar_message(e)}") from None
+    return None
+
+
+def choice_ebnf(choices) -> str:
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def xgrammar_message(e: Exception) -> str:
+    """xgrammar's error without its timestamp and C++ source location."""
+    return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(e)).strip()[:300]
 
 
 def check_vocabulary(p: SamplingParams, vocab_size: int) -> None:

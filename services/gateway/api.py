@@ -34,12 +34,16 @@ from services.gateway.models import Model, Revision
 from services.gateway.session import Exchange, Gateway, Request, leave
 
 EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}     # vLLM's structured-output extensions -> SamplingParams' fields
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # OpenAI's fields that change nothing a completion says: checked for their type, then ignored (docs/api.md)
 IGNORED = {"store": (frames.is_bool, "true or false"), "metadata": (lambda v: isinstance(v, dict), "an object"),
            "service_tier": (frames.is_str, "a string"), "parallel_tool_calls": (frames.is_bool, "true or false"),
            "tool_choice": (lambda v: v == "none", '"none" (tools are not implemented)')}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
-          "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "priority", *EXTENSIONS, *IGNORED}
+          "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "priority", *EXTENSIONS, *IGNORED,
+          "response_format", *GUIDED}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}
 ROLES = ("system", "developer", "user", "assistant")
@@ -406,6 +410,7 @@ def sampling_fields(api: str, b: dict, gw: Gateway) -> tuple[dict, int | None]:
     """The SamplingParams fields of the body (the websocket protocol's names), and the number of top
     logprobs wanted (None: no logprobs)."""
     fields = {k: b[k] for k in frames.SAMPLING if k in b}
+    fields |= {field: b[name] for name, field in GUIDED.items() if name in b} | response_format(b)
     default = gw.max_tokens if api == "chat" else COMPLETIONS_MAX_TOKENS
     fields["max_tokens"] = b.get("max_completion_tokens", b.get("max_tokens", default))
     if api == "chat":
@@ -423,6 +428,26 @@ def sampling_fields(api: str, b: dict, gw: Gateway) -> tuple[dict, int | None]:
     if not frames.is_int(n) or not 0 <= n <= MAX_LOGPROBS:
         raise bad(f"{name}: must be an integer in [0, {MAX_LOGPROBS}] (got {frames.show(n)})", name)
     return fields, n
+
+
+def response_format(b: dict) -> dict:
+    """The SamplingParams field of OpenAI's response_format (json_schema's `strict` is accepted: the schema is
+    always enforced)."""
+    f = b.get("response_format")
+    if f is None:
+        return {}
+    if not isinstance(f, dict) or f.get("type") not in RESPONSE_FORMATS:
+        raise bad(f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)} (got "
+                  f"{frames.show(f.get('type') if isinstance(f, dict) else f)})", "response_format")
+    if f["type"] != "json_schema":
+        return {"json_object": True} if f["type"] == "json_object" else {}
+    spec = f.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("response_format.json_schema: expected an object with a schema object", "response_format")
+    if not frames.is_bool(spec.get("strict", False)):
+        raise bad(f"response_format.json_schema.strict: expected true or false, got {frames.kind(spec['strict'])}",
+                  "response_format")
+    return {"json_schema": spec.get("schema", {"type": "object"})}
 
 
 def messages(v) -> dict:

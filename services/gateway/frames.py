@@ -56,6 +56,11 @@ SAMPLING = {  # field -> (check, what it must be)
     "frequency_penalty": (is_num, "a number"),
     "speculative": (is_bool, "true or false"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object of token id to bias"),
+    "json_schema": (lambda v: isinstance(v, dict), "an object (a JSON schema)"),
+    "json_object": (is_bool, "true or false"),
+    "regex": (is_str, "a string"),
+    "choice": (lambda v: isinstance(v, list) and all(map(is_str, v)), "an array of strings"),
+    "grammar": (is_str, "a string (an EBNF grammar)"),
 }
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be

@@ -11,7 +11,7 @@ import msgpack
 from schemas import served, subjects
 from schemas.log import configure
 from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, WireError, decode, encode
-from schemas.sampling import check_vocabulary
+from schemas.sampling import check_vocabulary, to_grammar
 from schemas.served import SEPARATOR, Served
 
 LOG = configure("tokenizer")
@@ -32,6 +32,7 @@ class Tokenizer:
     def encode(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids; ValueError naming the field or the limit."""
         check_vocabulary(req.sampling, self.vocab_size)
+        to_grammar(req.sampling)                 # a constraint the engine cannot follow: refused before any worker
         if req.messages is not None:
             ids = self.chat(req.messages)
         elif req.prompt is not None:

@@ -4,6 +4,7 @@ continuous_usage_stats and include_obfuscation, the fields accepted and ignored,
 usage for 1- and 0-token completions on every API and streaming mode (and in the usage records and
 the rate limit's settlement), a token's own bytes in logprobs, and every refusal counted by its code."""
 import asyncio
+import json
 import re
 
 import openai
@@ -213,7 +214,17 @@ REFUSED = [  # (body, words in the message, param)
     (chat(logit_bias={"5": 101}), ["logit_bias[5] must be a number in [-100, 100]"], "logit_bias"),
     (chat(logit_bias={str(i): 1 for i in range(301)}), ["MAX_LOGIT_BIAS=300"], "logit_bias"),
     (chat(logit_bias=[5]), ["logit_bias: expected an object of token id to bias"], "logit_bias"),
-    (chat(response_format={"type": "json_object"}), ["response_format: unknown or unsupported"], "response_format"),
+    (chat(response_format={"type": "xml"}), ["response_format.type: must be one of text, json_object"],
+     "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"schema": "{}"}}),
+     ["response_format.json_schema: expected an object with a schema object"], "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "strict": 1}}),
+     ["response_format.json_schema.strict: expected true or false"], "response_format"),
+    (chat(guided_json={"enum": ["x" * 70000]}), ["json_schema must have 1 to 65536 characters"], "json_schema"),
+    (chat(guided_json={"x": json.loads("[" * 33 + "]" * 33)}),
+     ["MAX_SCHEMA_DEPTH=32"], "json_schema"),
+    (chat(guided_regex="a", guided_choice=["a"]), ["takes at most one of"], "structured"),
+    (chat(guided_choice=[]), ["choice must be a list of 1 to MAX_CHOICES=256"], "choice"),
 ]
 
 

@@ -10,10 +10,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT, SCHEDULING_POLICIES
-from schemas.sampling import SamplingParams, check, check_vocabulary
+from schemas.sampling import SamplingParams, check, check_vocabulary, to_grammar
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
+from workers.engine.grammar import Grammars, Pending
 from workers.engine.kv_cache import KVCacheManager
-from workers.engine.request import Request
+from workers.engine.request import Request, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from workers.engine.speculative import SpeculativeConfig, Speculator
@@ -70,7 +71,7 @@ class StepTrace:
 class LLMEngine:
     def __init__(self, model_dir: str, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.model_cfg = ModelConfig.load(model_dir)
+        self.model_cfg, self.model_dir = ModelConfig.load(model_dir), model_dir
         self.followers, tp = None, SINGLE
         if config.tensor_parallel_size > 1:
             device_type = pick_device(config.device, SINGLE).type
@@ -95,6 +96,8 @@ class LLMEngine:
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
             frozenset(self.model_cfg.eos_token_ids), config.scheduling_policy), self.kv)
         self.requests: dict[str, Request] = {}
+        self.grammars: Grammars | None = None      # built on the first constrained request
+        self.compiling: dict[str, Pending] = {}    # constrained requests waiting for their grammar
         self.seeds = random.Random(config.seed)
         self.num_steps = 0
         self.trace: list[StepTrace] | None = None  # set to a list to record every step
@@ -124,6 +127,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
         check_vocabulary(params, vocab)
+        to_grammar(params)                       # a constraint xgrammar cannot convert (no compile here)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
                              "leaves no room for output")
@@ -170,14 +174,39 @@ class LLMEngine:
                       self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids),
                       priority=priority, tenant=tenant, weight=weight)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if params.constraint is None:
+            self.scheduler.add(req)
+            return req
+        if self.grammars is None:
+            self.grammars = Grammars(self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids)
+        self.compiling[request_id] = Pending(req, self.grammars.submit(params))
         return req
+
+    def admit_compiled(self) -> list[Request]:
+        """Hands the scheduler the constrained requests whose grammar is ready; returns those whose grammar
+        failed (to compile, or in time), ended with finish_reason "error"."""
+        failed = []
+        for rid, pending in list(self.compiling.items()):
+            req = pending.req
+            try:
+                req.matcher = pending.matcher()
+            except ValueError as e:
+                req.status, req.finish_reason, req.error = Status.FINISHED, "error", str(e)
+                failed.append(req)
+                del self.requests[rid]
+            if req.matcher is not None or req.finished:
+                del self.compiling[rid]
+                if not req.finished:
+                    self.scheduler.add(req)
+        return failed
 
     def abort(self, request_id: str) -> Request | None:
         """Ends a request wherever it is and frees its KV; None when it is not (or no longer) here."""
         req = self.requests.pop(request_id, None)
         self.kv.unpin(request_id)
-        if req is not None:
+        if self.compiling.pop(request_id, None) is not None:
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+        elif req is not None:
             self.scheduler.abort(req)
             if self.speculator is not None:
                 self.speculator.forget(request_id)
@@ -195,7 +224,7 @@ class LLMEngine:
             del req.logprobs[max(num_output_tokens - req.num_resumed_tokens, 0):]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -203,9 +232,12 @@ class LLMEngine:
         """One engine step. Returns the requests that got a token or finished in it."""
         start = time.perf_counter()
         forward_before = self.runner.forward_seconds
+        failed = self.admit_compiled() if self.compiling else []
         batch = self.scheduler.schedule()
         if not batch.requests:
-            return []
+            if self.compiling and not failed:     # nothing to run but grammars to wait for: not a busy loop
+                wait(self.compiling.values())
+            return failed
         if self.speculator is not None:
             self.speculator.draft(batch, self.scheduler)
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
@@ -215,13 +247,13 @@ class LLMEngine:
         try:
             tokens, logprobs = self.run(batch, tables)
         except Exception as e:                   # one request's fault, most likely: find it, fail it alone
-            updated = self.isolate(batch, tables, e)
+            updated = failed + self.isolate(batch, tables, e)
         else:
-            updated = self.scheduler.update(batch, tokens, logprobs)
+            updated = failed + self.scheduler.update(batch, tokens, logprobs)
             if self.speculator is not None:
                 self.speculator.observe(batch, time.perf_counter() - run_start)
         for req in updated:
-            if req.finished:
+            if req.finished and req.request_id in self.requests:
                 del self.requests[req.request_id]
                 if self.speculator is not None:
                     self.speculator.forget(req.request_id)
@@ -301,6 +333,12 @@ class LLMEngine:
             "steps": self.num_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+
+def wait(pending) -> None:
+    """Until one of these grammars is ready, for a short while at most."""
+    import concurrent.futures
+    concurrent.futures.wait([p.future for p in pending], timeout=0.05, return_when="FIRST_COMPLETED")
 
 
 def check_priority(priority: int) -> None:

@@ -170,6 +170,10 @@ class Ahead:
         return self.req.seed
 
     @property
+    def matcher(self):
+        return self.req.matcher
+
+    @property
     def num_output_tokens(self) -> int:
         return self.req.num_output_tokens + len(self.extra)
 

@@ -1,18 +1,19 @@
-"""Picks each row's next token from its logits: logit bias and penalties, then greedy or temperature + min_p +
-top_k/top_p sampling, plus the raw logprobs a request asked for.
+"""Picks each row's next token from its logits: logit bias, penalties and grammar masks, then greedy or
+temperature + min_p + top_k/top_p sampling, plus the raw logprobs a request asked for.
 
 Randomness is a counter-based hash of (request seed, output position, vocab index), so a request
 draws the same token alone or in any batch, in any row, on any device, with no generator state.
 """
 import torch
 
+from workers.engine.grammar import apply_grammars
 from workers.engine.request import Request, TokenLogprobs
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         raw = logits
-        logits = apply_penalties(apply_bias(logits, requests), requests)
+        logits = apply_grammars(apply_penalties(apply_bias(logits, requests), requests), requests)
         tokens = logits.max(dim=-1).indices  # argmax's first-maximum rule, 2-4x faster than argmax on CPU
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:

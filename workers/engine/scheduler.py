@@ -306,6 +306,9 @@ class Scheduler:
         return updated
 
     def stop_reason(self, req: Request, token: int) -> str | None:
+        if req.matcher is not None and (not req.matcher.accept_token(token) or req.matcher.is_terminated()):
+            req.stop_reason = token      # its grammar is complete (a rejected token cannot be sampled)
+            return "stop"
         if (token in self.config.eos_token_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
             req.stop_reason = token
             return "stop"

@@ -1,0 +1,145 @@
+"""Structured output in the engine (xgrammar), on the real model: constrained outputs follow their schema,
+regex or choice in batches, after preemption and with speculative decoding, and unconstrained rows beside
+them are unchanged."""
+import json
+import re
+import time
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+
+from schemas.sampling import MAX_SCHEMA_DEPTH, SamplingParams, to_grammar
+from workers.engine import grammar
+from workers.llm import LLM
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": 0, "maximum": 10},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "score", "role", "address", "tags"],
+}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    with LLM(smollm2, num_kv_blocks=1024, max_num_seqs=64) as llm:
+        yield llm
+
+
+def chats(llm: LLM, n: int, ask: str = "Describe person {i} as JSON.") -> list[list[int]]:
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": ask.format(i=i)}],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(n)]
+
+
+def valid(text: str, schema: dict) -> bool:
+    jsonschema.validate(json.loads(text), schema)
+    return True
+
+
+def test_fifty_json_schema_requests_in_one_batch_all_validate(llm):
+    params = [SamplingParams(max_tokens=160, temperature=0 if i % 5 == 0 else 0.8, seed=i, json_schema=PERSON)
+              for i in range(50)]
+    outs = llm.generate(chats(llm, 50), params)
+    assert [o.finish_reason for o in outs] == ["stop"] * 50
+    assert all(valid(o.text, PERSON) for o in outs)
+
+
+def test_regex_choice_and_json_object_always_match(llm):
+    prompts = chats(llm, 20, "Give the number {i} and its name as a short JSON object.")
+    params = ([SamplingParams(max_tokens=20, temperature=1.0, seed=i, regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}!")
+               for i in range(8)]
+              + [SamplingParams(max_tokens=20, temperature=1.0, seed=i, choice=["red", "green", "blue violet"])
+                 for i in range(8)]
+              + [SamplingParams(max_tokens=64, temperature=0.7, seed=i, json_object=True) for i in range(4)])
+    outs = llm.generate(prompts, params)
+    assert all(re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}!", o.text) for o in outs[:8])
+    assert all(o.text in ("red", "green", "blue violet") for o in outs[8:16])
+    assert {o.finish_reason for o in outs[:16]} == {"stop"}
+    # a free object may run to max_tokens (this model can write one string for ever): those that end parse
+    ended = [o.text for o in outs[16:] if o.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(t), dict) for t in ended)
+    assert all(o.text.startswith("{") for o in outs[16:])
+
+
+def test_unconstrained_greedy_and_seeded_outputs_are_unchanged_beside_constrained_rows(llm):
+    prompts = chats(llm, 4, "Tell me a fact about {i}.")
+    plain = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.9, seed=7)]
+    alone = llm.generate(prompts[:2], plain)
+    mixed = llm.generate(prompts, plain + [SamplingParams(max_tokens=24, json_schema=PERSON, seed=1),
+                                           SamplingParams(max_tokens=24, temperature=0, choice=["a", "b"])])
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+
+
+def test_preempted_constrained_requests_resume_and_validate(smollm2):
+    with LLM(smollm2, num_kv_blocks=40, block_size=16, max_num_seqs=16) as small:
+        params = [SamplingParams(max_tokens=160, temperature=0.8, seed=i, json_schema=PERSON) for i in range(12)]
+        outs = small.generate(chats(small, 12), params)
+        assert small.stats()["preemptions"] > 0
+    assert all(valid(o.text, PERSON) for o in outs)
+
+
+def test_drafts_outside_the_grammar_are_rejected_and_outputs_equal_no_speculation(smollm2, llm):
+    prompts = chats(llm, 6)
+    params = [SamplingParams(max_tokens=160, temperature=0, json_schema=PERSON)] * 3 + \
+             [SamplingParams(max_tokens=160, temperature=0.8, seed=i, json_schema=PERSON) for i in range(3)]
+    with LLM(smollm2, num_kv_blocks=512, speculative="ngram:4") as spec:
+        drafted = spec.generate(prompts, params)
+        assert spec.stats()["spec_draft_tokens"] > 0
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert all(valid(o.text, PERSON) for o in drafted)
+
+
+def test_resumed_request_rebuilds_its_matcher_past_its_output(llm):
+    prompt = chats(llm, 1)[0]
+    params = SamplingParams(max_tokens=160, temperature=0, json_schema=PERSON)
+    whole = llm.generate([prompt], params)[0]
+    req = llm.engine.add_request("resumed", prompt, params, output_token_ids=whole.token_ids[:10])
+    while not req.finished:
+        llm.engine.step()
+    assert req.output_token_ids == whole.token_ids and req.finish_reason == "stop"
+
+
+def test_a_grammar_is_compiled_once_per_text(llm):
+    params = SamplingParams(max_tokens=8, regex="[0-9]{4}")
+    llm.generate(chats(llm, 3), [params] * 3)
+    first = llm.engine.grammars.cache[params.constraint]
+    llm.generate(chats(llm, 1), [SamplingParams(max_tokens=8, regex="[0-9]{4}")])
+    assert llm.engine.grammars.cache[params.constraint] is first
+
+
+def test_bad_constraints_name_their_problem_before_running():
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        SamplingParams(json_schema="{'type': 'object'}")
+    with pytest.raises(ValueError, match=f"MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}"):
+        SamplingParams(json_schema="{" + '"a":{' * 40 + "}" * 41)
+    with pytest.raises(ValueError, match="1 to 65536 characters"):
+        SamplingParams(json_schema=json.dumps({"enum": ["x" * 70000]}))
+    with pytest.raises(ValueError, match="at most one of"):
+        SamplingParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match=r'json_schema is not one the engine can follow: Unsupported type "objectx"'):
+        to_grammar(SamplingParams(json_schema={"type": "objectx"}))
+    with pytest.raises(ValueError, match=r"regex is not one the engine can follow: .*parenthesis"):
+        to_grammar(SamplingParams(regex="(("))
+
+
+def test_a_bad_constraint_fails_offline_with_its_error(llm):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: grammar is not one the engine can follow"):
+        llm.generate([[1, 2, 3]], SamplingParams(grammar="root ::= undefined_rule"))
+
+
+def test_a_grammar_past_its_compile_time_fails_only_its_request(monkeypatch):
+    monkeypatch.setattr(grammar, "MAX_COMPILE_SECONDS", 0.01)
+    pending = grammar.Pending(None, Future())
+    time.sleep(0.02)
+    with pytest.raises(ValueError, match=r"MAX_COMPILE_SECONDS=0\.01"):
+        pending.matcher()
