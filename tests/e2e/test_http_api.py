@@ -4,8 +4,10 @@ prompt and never across tenants, logprobs, the context limit, and the usage reco
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from ops.cli import main
@@ -108,6 +110,34 @@ def test_logprobs_and_the_context_limit_through_the_pipeline(stack):
     with pytest.raises(openai.BadRequestError) as refused:
         alpha.completions.create(model=model, prompt=[100 + i % 3000 for i in range(context + 10)], max_tokens=4)
     assert f"max_model_len={context}" in refused.value.message
+
+
+class Reading(pydantic.BaseModel):
+    """A structured output through the official client's parse(): its strict JSON schema."""
+    sensor: Literal["temperature", "pressure", "humidity"]
+    value: int = pydantic.Field(ge=0, le=999)
+    unit: str = pydantic.Field(max_length=6)
+    ok: bool
+
+
+def test_structured_outputs_through_the_openai_client_and_bad_schemas_refused_by_name(stack):
+    alpha = client(stack, "sk-alpha")
+    model = os.path.basename(stack.model)
+    messages = [{"role": "user", "content": "Report one sensor reading as JSON."}]
+    parsed = alpha.chat.completions.parse(model=model, messages=messages, response_format=Reading, max_tokens=80,
+                                          temperature=0.8, seed=3)
+    assert isinstance(parsed.choices[0].message.parsed, Reading) and parsed.choices[0].finish_reason == "stop"
+    chunks = alpha.chat.completions.create(model=model, messages=messages, max_tokens=80, stream=True,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "reading", "schema": Reading.model_json_schema()}})
+    Reading.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    picked = alpha.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                           extra_body={"guided_choice": ["up", "down"]})
+    assert picked.choices[0].message.content in ("up", "down")
+    with pytest.raises(openai.BadRequestError) as refused:
+        alpha.chat.completions.create(model=model, messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}})
+    assert "json_schema" in refused.value.message and "objectx" in refused.value.message
 
 
 def test_usage_sums_the_requests_of_each_tenant(stack, capsys):

@@ -13,6 +13,8 @@ from schemas.sampling import MAX_SCHEMA_DEPTH, SamplingParams, to_grammar
 from workers.engine import grammar
 from workers.llm import LLM
 
+pytestmark = pytest.mark.slow
+
 PERSON = {
     "type": "object",
     "properties": {
