@@ -3,8 +3,12 @@ gateway enforces (schemathesis generates requests from it)."""
 from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
 from schemas.sampling import (
     LOGIT_BIAS_BOUND,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
+    MAX_REGEX_CHARS,
     MAX_REPETITION_PENALTY,
+    MAX_SCHEMA_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
@@ -87,6 +91,22 @@ def sampling(max_tokens: int) -> dict:
                                     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}),
         "speculative": nullable({"type": "boolean", "description": "extension: false keeps this request from "
                                  "verifying draft tokens on a worker that speculates (the same tokens either way)"}),
+        "response_format": nullable({"oneOf": [
+            obj({"type": {"type": "string", "enum": ["text", "json_object"]}}, ["type"]),
+            obj({"type": {"type": "string", "enum": ["json_schema"]},
+                 "json_schema": {"type": "object", "properties": {
+                     "name": {"type": "string"}, "description": {"type": "string"}, "schema": {"type": "object"},
+                     "strict": nullable({"type": "boolean"})}}}, ["type", "json_schema"])],
+            "description": "structured output: the text follows the JSON schema (strict or not), or is a JSON object"}),
+        "guided_json": nullable({"type": "object",
+                                 "description": "extension (vLLM's): a JSON schema the text follows"}),
+        "guided_regex": nullable({"type": "string", "minLength": 1, "maxLength": MAX_REGEX_CHARS,
+                                  "description": "extension (vLLM's): a regular expression the text matches"}),
+        "guided_choice": nullable({"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+                                   "items": {"type": "string", "minLength": 1, "maxLength": MAX_CHOICE_CHARS},
+                                   "description": "extension (vLLM's): the text is one of these"}),
+        "guided_grammar": nullable({"type": "string", "minLength": 1, "maxLength": MAX_SCHEMA_CHARS,
+                                    "description": "extension (vLLM's): an EBNF grammar (rule root) the text follows"}),
     }
 
 
