@@ -6,7 +6,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from schemas.sampling import JSON_OBJECT, MAX_COMPILE_SECONDS, SamplingParams, choice_ebnf, xgrammar_message
+from schemas.sampling import MAX_COMPILE_SECONDS, SamplingParams, to_grammar
 
 MAX_ROLLBACK = 64   # tokens a matcher can take back: a verify step's drafts
 
@@ -27,21 +27,13 @@ class Grammars:
         return self.cache[key]
 
     def compile(self, params: SamplingParams):
+        """The constraint's grammar (to_grammar: the tokenizer stage's conversion, its errors) compiled for this
+        vocabulary."""
         import xgrammar as xgr
 
         if self.compiler is None:
             self.compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=1)
-        kind, text = params.constraint
-        try:
-            if kind == "json_schema":
-                return self.compiler.compile_json_schema(text, any_whitespace=False)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False, strict_mode=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(text)
-            return self.compiler.compile_grammar(choice_ebnf(params.choice) if kind == "choice" else text)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"{kind} is not one the engine can follow: {xgrammar_message(e)}") from None
+        return self.compiler.compile_grammar(to_grammar(params))
 
     def tokenizer_info(self):
         import xgrammar as xgr
