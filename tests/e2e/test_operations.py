@@ -185,14 +185,15 @@ def test_a_worker_whose_heartbeat_only_lapsed_gets_work_again_and_nothing_loops(
         async with connect(stack) as ws:
             os.kill(w0, signal.SIGSTOP)
             try:
-                await send(ws, {"type": "generate", "id": "during", "prompt": "The engine", "max_tokens": 4})
+                await send(ws, {"type": "generate", "id": "during", "prompt": "The engine", "max_tokens": 4,
+                                    "ignore_eos": True})
                 await asyncio.sleep(subjects.WORKER_TTL + 2)
             finally:
                 os.kill(w0, signal.SIGCONT)
             async with asyncio.timeout(15):     # the gateway's admission refuses work while no worker is registered
                 while not [b for b in await read_registry(stack.nats_url) if b.worker == "w0"]:
                     await asyncio.sleep(0.1)
-            after = {"type": "generate", "id": "after", "prompt": "A paged", "max_tokens": 4}
+            after = {"type": "generate", "id": "after", "prompt": "A paged", "max_tokens": 4, "ignore_eos": True}
             await send(ws, after)
             got = await collect(ws, {"during", "after"}, timeout=60)
             deadline = time.monotonic() + 10

@@ -49,7 +49,8 @@ def test_every_chunk_rate_flag_refuses_a_negative_rate_naming_the_flag(capsys):
     from workers.service import parser as worker
 
     for p, args in ((tokenbus(), ["up"]), (tokenbus(), ["bench-pipeline"]), (worker(), ["--model", "m"]),
-                    (stand_in_parser(), ["--nats-url", "x", "--step-ms", "1", "--vocab", "9"])):
+                    (stand_in_parser(), ["--nats-url", "x", "--step-ms", "1", "--vocab", "9",
+                                       "--served-model-name", "m"])):
         with pytest.raises(SystemExit):
             p.parse_args([*args, "--chunk-rate", "-1"])
         assert "argument --chunk-rate: '-1': expected chunks per second, a number from 0 up" in capsys.readouterr().err
