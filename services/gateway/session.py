@@ -253,7 +253,7 @@ class Gateway:
         """A request ended (reason None: with an error): settle its ticket, meter what it used."""
         self.admission.settle(r.ticket, r.prompt_tokens + r.received)
         if reason is not None and r.metered:
-            self.spawn(self.meter(r.usage(reason, r.model or self.model)))
+            self.spawn(self.meter(r.usage(reason)))
 
     async def meter(self, u: Usage) -> None:
         try:
@@ -664,12 +664,12 @@ class Request:
                 "timing": {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0)},
                 "model": self.model, "revision": self.revision}
 
-    def usage(self, reason: str, model: str) -> Usage:
+    def usage(self, reason: str) -> Usage:
         timing = {"ttft_ms": ms(self.ttft), "e2e_ms": ms(time.perf_counter() - self.t0),
                   "queue_ms": self.worker_timing.get("queue_ms")}
-        return Usage(self.rid, self.ticket.key.tenant, self.ticket.key.id, model, self.api, reason, self.prompt_tokens,
-                     self.cached_tokens, self.received, {k: v for k, v in timing.items() if v is not None},
-                     self.created, time.time(), self.revision)
+        return Usage(self.rid, self.ticket.key.tenant, self.ticket.key.id, self.model, self.api, reason,
+                     self.prompt_tokens, self.cached_tokens, self.received,
+                     {k: v for k, v in timing.items() if v is not None}, self.created, time.time(), self.revision)
 
     async def end(self, frame: dict) -> None:
         """Sends the request's last frame and drops its subscription. In the callback this is the last

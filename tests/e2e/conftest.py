@@ -2,10 +2,13 @@
 127.0.0.1 ports, stopped after the module."""
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 import orjson
@@ -144,3 +147,22 @@ def tokens(frames: list[dict]) -> list[int]:
 
 def text(frames: list[dict]) -> str:
     return "".join(f["text"] for f in frames if f["type"] == "delta")
+
+
+def get(url: str) -> tuple[int, dict]:
+    """An HTTP GET's status and JSON body, an error's included."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    """A JSON POST's status and JSON body, an error's included."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

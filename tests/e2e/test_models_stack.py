@@ -4,10 +4,7 @@ pinned revision and a wrong one; a 30% canary of the second model decided per re
 every response and usage record."""
 import asyncio
 import contextlib
-import json
 import math
-import urllib.error
-import urllib.request
 
 import pytest
 import websockets
@@ -19,7 +16,7 @@ from schemas import subjects
 from schemas.messages import Usage, decode
 from schemas.revision import revision
 from services.gateway.models import fraction
-from tests.e2e.conftest import WORKER_ARGS, collect, running, send
+from tests.e2e.conftest import WORKER_ARGS, collect, get, post, running, send
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -50,23 +47,6 @@ def greedy(model: str) -> list[int]:
 
     with LLM(model, num_kv_blocks=64) as llm:
         return llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
-
-
-def get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_two_models_served_at_once_each_request_answered_by_its_own_model(stack, models):

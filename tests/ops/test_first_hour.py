@@ -24,6 +24,7 @@ from ops.broker import CONNECT_TIMEOUT
 from ops.cli import main, parser
 from ops.procs import free_port
 from ops.status import read_registry
+from tests.e2e.conftest import post
 
 TOKENBUS = [sys.executable, "-m", "ops.cli"]
 STARTUP = 15.0                     # seconds a command may take to start on a busy 2-core machine
@@ -236,15 +237,6 @@ def test_logs_follow_prints_lines_as_they_are_written_and_ctrl_c_ends_it_quietly
 
 
 # -- tokenbus up passes its limits on -------------------------------------------------------------
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
 
 def wait_for_line(p: subprocess.Popen, text: str) -> None:
     for line in p.stdout:

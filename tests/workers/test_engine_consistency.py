@@ -3,7 +3,6 @@ pool so small that requests are preempted and resumed, a token budget so small t
 prompt is chunked. Seeded sampling likewise gives the same tokens alone and batched."""
 import pytest
 
-from tests.workers.checkpoints import make_checkpoint
 from workers import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
 
@@ -11,11 +10,6 @@ SHARED = list(range(100, 148))  # a 3-block shared prefix, so prefix caching has
 PROMPTS = [SHARED + [5, 6, 7], SHARED + list(range(200, 230)), list(range(300, 341)), [9, 8, 7],
            SHARED + [5, 6, 7, 8], list(range(20, 90))]
 MAX_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama"))
 
 
 def generate(model_dir: str, prompts, params: SamplingParams, **config) -> tuple[list[list[int]], dict]:

@@ -346,12 +346,6 @@ def test_with_one_tenant_the_fair_policy_schedules_exactly_like_the_priority_pol
 # -- the engine, a tiny model: the same tokens in another order --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.workers.checkpoints import make_checkpoint
-    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama"))
-
-
 def serve(model_dir: str, policy: str) -> tuple[dict[str, list[int]], list[str]]:
     """A flood of a's and two of b's arriving later, on 3 seats: greedy outputs by id, the order of first tokens."""
     from workers.engine.engine import EngineConfig, LLMEngine

@@ -219,12 +219,6 @@ def test_with_one_priority_for_all_the_priority_policy_schedules_exactly_like_fc
 # -- the engine, a tiny model: the same tokens in another order --------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.workers.checkpoints import make_checkpoint
-    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama"))
-
-
 LOW = [list(range(10 + i, 30 + i)) for i in range(5)]            # priority 10, from the start
 HIGH = [list(range(200 + i, 209 + i)) for i in range(2)]         # priority 0, after two steps
 

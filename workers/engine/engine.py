@@ -1,5 +1,6 @@
 """The engine: add requests, step (schedule, run, update), abort. Tokens in, tokens out; text
 and stop strings are the caller's (the offline LLM or the gateway)."""
+import concurrent.futures
 import json
 import os
 import random
@@ -337,7 +338,6 @@ class LLMEngine:
 
 def wait(pending) -> None:
     """Until one of these grammars is ready, for a short while at most."""
-    import concurrent.futures
     concurrent.futures.wait([p.future for p in pending], timeout=0.05, return_when="FIRST_COMPLETED")
 
 
