@@ -26,6 +26,8 @@ MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 256                # strings of one choice constraint
 MAX_CHOICE_CHARS = 1024          # characters of one choice
 MAX_COMPILE_SECONDS = 10.0       # a worker fails a request whose grammar takes longer to compile
+LOOSE_STRING_CHAR = r'[^\"\\\r\n]'     # a length-bounded string's character in xgrammar's EBNF (json_grammar)
+JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'   # JSON's: no control character unescaped
 JSON_OBJECT = '{"type":"object"}'  # json_object: any object (xgrammar's builtin JSON grammar allows arrays too)
 CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -173,24 +175,37 @@ def checked_schema(text: str) -> str:
 
 def to_grammar(p: SamplingParams):
     """The xgrammar Grammar of p's constraint (None without one); ValueError naming the field and xgrammar's
-    complaint for one it cannot convert. Needs no tokenizer: the tokenizer stage checks with it."""
+    complaint for one it cannot convert. Needs no tokenizer: the tokenizer stage checks with it. An
+    unconstrained request returns before xgrammar is loaded."""
+    if p.constraint is None:
+        return None
     import xgrammar as xgr
 
-    kind, text = p.constraint or (None, None)
+    kind, text = p.constraint
     try:
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            return json_grammar(xgr.Grammar.from_json_schema(text, any_whitespace=False))
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema(JSON_OBJECT, any_whitespace=False, strict_mode=False)
+            return json_grammar(xgr.Grammar.from_json_schema(JSON_OBJECT, any_whitespace=False, strict_mode=False))
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(p.choice))
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.from_ebnf(text)                 # grammar
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{kind} is not one the engine can follow: {xgrammar_message(e)}") from None
-    return None
+
+
+def json_grammar(grammar):
+    """xgrammar's grammar of a JSON schema, its strings' characters held to JSON's. xgrammar (0.2) writes a
+    string with minLength or maxLength as characters of LOOSE_STRING_CHAR, which lets control characters
+    (U+0000-U+001F) through unescaped, invalid in JSON: measured, a streamed schema's "unit" field came
+    back with a raw \x18 that no JSON parser takes."""
+    import xgrammar as xgr
+
+    ebnf = str(grammar)
+    return grammar if LOOSE_STRING_CHAR not in ebnf else xgr.Grammar.from_ebnf(
+        ebnf.replace(LOOSE_STRING_CHAR, JSON_STRING_CHAR))
 
 
 def choice_ebnf(choices) -> str:

@@ -124,10 +124,10 @@ def test_structured_outputs_through_the_openai_client_and_bad_schemas_refused_by
     alpha = client(stack, "sk-alpha")
     model = os.path.basename(stack.model)
     messages = [{"role": "user", "content": "Report one sensor reading as JSON."}]
-    parsed = alpha.chat.completions.parse(model=model, messages=messages, response_format=Reading, max_tokens=80,
+    parsed = alpha.chat.completions.parse(model=model, messages=messages, response_format=Reading, max_tokens=200,
                                           temperature=0.8, seed=3)
     assert isinstance(parsed.choices[0].message.parsed, Reading) and parsed.choices[0].finish_reason == "stop"
-    chunks = alpha.chat.completions.create(model=model, messages=messages, max_tokens=80, stream=True,
+    chunks = alpha.chat.completions.create(model=model, messages=messages, max_tokens=200, seed=5, stream=True,
                                            response_format={"type": "json_schema", "json_schema": {
                                                "name": "reading", "schema": Reading.model_json_schema()}})
     Reading.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))

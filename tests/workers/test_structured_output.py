@@ -145,3 +145,17 @@ def test_a_grammar_past_its_compile_time_fails_only_its_request(monkeypatch):
     time.sleep(0.02)
     with pytest.raises(ValueError, match=r"MAX_COMPILE_SECONDS=0\.01"):
         pending.matcher()
+
+
+def test_a_length_bounded_json_string_holds_no_raw_control_character():
+    """xgrammar writes minLength/maxLength strings with a character class that lets U+0000-U+001F through;
+    JSON does not (a streamed reading once came back with a raw \\x18)."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"unit": {"type": "string", "maxLength": 6}}, "required": ["unit"]}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\x18"])) \
+        .compile_grammar(to_grammar(SamplingParams(json_schema=schema)))
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_string(s) for s in ('{', '"unit"', ': ', '"', 'ab'))
+    assert not matcher.accept_string("\x18")
+    assert matcher.accept_string('c"}')
