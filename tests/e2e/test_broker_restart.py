@@ -78,7 +78,8 @@ def test_a_broker_killed_under_load_loses_no_accepted_request_and_runs_none_twic
         async def after():
             async with connect(stack) as ws:
                 for i in range(3):
-                    await send(ws, {"type": "generate", "id": f"a{i}", "prompt": f"after {i}", "max_tokens": 5})
+                    await send(ws, {"type": "generate", "id": f"a{i}", "prompt": f"after {i}", "max_tokens": 5,
+                                    "ignore_eos": True})
                 return await collect(ws, {f"a{i}" for i in range(3)}, timeout=60)
         assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 5 for g in asyncio.run(after()).values())
         stack.check_alive()                                           # nothing was restarted by hand

@@ -47,7 +47,8 @@ def test_poison_requests_get_errors_every_worker_stays_and_the_next_20_complete(
                     await send(ws, {"type": "generate", "id": f"ok-{cid}", "prompt": cid, "max_tokens": 3})
                 got = await collect(ws, set(POISON) | {f"ok-{c}" for c in POISON}, timeout=120)
                 for i in range(20):
-                    await send(ws, {"type": "generate", "id": f"next{i}", "prompt": f"next {i}", "max_tokens": 5})
+                    await send(ws, {"type": "generate", "id": f"next{i}", "prompt": f"next {i}", "max_tokens": 5,
+                                    "ignore_eos": True})
                 return got, await collect(ws, {f"next{i}" for i in range(20)}, timeout=120)
 
         got, after = asyncio.run(body())
@@ -56,7 +57,7 @@ def test_poison_requests_get_errors_every_worker_stays_and_the_next_20_complete(
             assert end["type"] == "error" and words in end["message"], (cid, end)
             assert got[f"ok-{cid}"]["end"]["type"] == "done"
         assert got["engine"]["end"]["code"] == "engine_error"
-        assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 5 for g in after.values())
+        assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 5 for g in after.values()), after
         assert [b.worker for b in asyncio.run(read_registry(stack.nats_url))] == ["w0", "w1"]
         assert all(stack.children[w].poll() is None for w in ("w0", "w1"))
         dead = asyncio.run(dead_letters(stack.nats_url))

@@ -230,7 +230,8 @@ def test_restarting_a_stage_loses_no_accepted_request(stack, service):
             stack.kill("tokenizer")
         try:
             async with connect(stack) as ws:
-                await send(ws, {"type": "generate", "id": "x", "prompt_token_ids": marker, "max_tokens": 6})
+                await send(ws, {"type": "generate", "id": "x", "prompt_token_ids": marker, "max_tokens": 6,
+                                "ignore_eos": True})
                 while (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == before:
                     await asyncio.sleep(0.01)
                 if service == "gateway":

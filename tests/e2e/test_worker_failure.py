@@ -49,7 +49,8 @@ def test_a_killed_worker_leaves_the_registry_its_requests_move_and_the_others_se
         async def serve():
             async with connect(stack) as ws:
                 for i in range(4):
-                    await send(ws, {"type": "generate", "id": f"r{i}", "prompt": f"request {i}", "max_tokens": 5})
+                    await send(ws, {"type": "generate", "id": f"r{i}", "prompt": f"request {i}", "max_tokens": 5,
+                                    "ignore_eos": True})
                 return await collect(ws, {f"r{i}" for i in range(4)})
 
         assert all(g["end"]["type"] == "done" and len(g["token_ids"]) == 5 for g in asyncio.run(serve()).values())
