@@ -15,4 +15,4 @@ run: $(BIN)/tokenbus
 
 test: $(BIN)/tokenbus
 	sh tests/install-chromium.sh
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=40
