@@ -280,6 +280,25 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--plot", metavar="FILE", help="TPOT and throughput bars per configuration (.png or .svg)")
     bs.set_defaults(func=delegate("ops.bench_spec", exits=True))
 
+    bst = sub.add_parser("bench-structured", help="structured output's cost: step time and output tokens/s with 0, 25 "
+                                                  "and 100%% of a batch's rows constrained by a JSON schema, and "
+                                                  "grammar compile times, in one run")
+    bst.add_argument("--model", default=DEFAULT_MODEL, help=MODEL)
+    bst.add_argument("--dtype", choices=["float32", "bfloat16"],
+                     help="the engine's weights and activations (default: the engine's choice for the machine)")
+    bst.add_argument("--batch", type=int, default=64, help="requests run together (default: 64)")
+    bst.add_argument("--output-len", type=int, default=64, help="output tokens of every request (default: 64)")
+    bst.add_argument("--shares", type=float, nargs="+", default=[0, 25, 100], metavar="PERCENT",
+                     help="percentages of the batch's rows constrained, the first the baseline (default: 0 25 100)")
+    bst.add_argument("--min-items", type=int, default=8, help="the schema's least items: a constrained output "
+                     "cannot close before --output-len (default: 8)")
+    bst.add_argument("--large-properties", type=int, default=200,
+                     help="properties of the large schema whose compile time is measured (default: 200)")
+    bst.add_argument("--repeat", type=int, default=3, help="runs of each share and compiles of each schema; "
+                                                           "medians are reported (default: 3)")
+    bst.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bst.set_defaults(func=delegate("ops.bench_structured", exits=True))
+
     bd = sub.add_parser("bench-disagg", help="colocated workers vs disaggregated prefill/decode on as many workers, "
                                              "one mixed workload: chat TPOT, long-prompt TTFT, throughput, KV "
                                              "transfer over NATS vs a socket copy")

@@ -5,6 +5,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -156,23 +157,28 @@ def test_replay_reproduces_greedy_seeded_and_unseeded_sampled_and_stopped_reques
              {"prompt_token_ids": [24, 25, 26, 27], "max_tokens": 24, "temperature": 0.9, "seed": 11},
              {"prompt_token_ids": [28, 29, 30, 31], "max_tokens": 24, "temperature": 1.0, "top_k": 20},
              {"prompt_token_ids": [30, 31, 32, 33], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-              "stop": [stop]}]
+              "stop": [stop]},
+             {"prompt_token_ids": [34, 35, 36, 37], "max_tokens": 24, "temperature": 1.0, "seed": 5,
+              "regex": "[0-9]{2,6}-[a-z]{1,8}"}]
     got = generate(stack, [{"id": f"c{i}", **c} for i, c in enumerate(cases)])
     assert got["c3"]["end"]["finish_reason"] == "stop"
+    assert re.fullmatch("[0-9]{2,6}-[a-z]{1,8}", got["c4"]["text"]), got["c4"]
     time.sleep(0.5)
     recs = [record_of(stack.nats_url, c["prompt_token_ids"]) for c in cases]
     assert recs[2].sampling.seed is not None and recs[3].finish_reason == "abort"   # the tokenizer drew a seed
+    assert recs[4].sampling.regex == "[0-9]{2,6}-[a-z]{1,8}"                      # the constraint is logged
 
-    assert replay.main(replay_args(stack, "--last", "4", "--json")) == 0
+    assert replay.main(replay_args(stack, "--last", "5", "--json")) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result == {"replayed": 4, "identical": 4, "skipped": 0, "diffs": []}
+    assert result == {"replayed": 5, "identical": 5, "skipped": 0, "diffs": []}
 
-    path = tmp_path / "window.jsonl"
-    assert asyncio.run(records.export(stack.nats_url, path, request_id=recs[1].id)) == 1
-    assert replay.main(replay_args(stack, "--file", str(path), "--model", tiny_model)) == 0
-    table = capsys.readouterr().out.splitlines()
-    assert table[1].split()[:3] == [recs[1].id, "identical", "24"]
-    assert table[-1] == "1 replayed: 1 identical, 0 differing, 0 failed"
+    for rec in (recs[1], recs[4]):                  # offline, from an exported file
+        path = tmp_path / f"{rec.id}.jsonl"
+        assert asyncio.run(records.export(stack.nats_url, path, request_id=rec.id)) == 1
+        assert replay.main(replay_args(stack, "--file", str(path), "--model", tiny_model)) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert table[1].split()[:3] == [rec.id, "identical", str(len(rec.output_token_ids))]
+        assert table[-1] == "1 replayed: 1 identical, 0 differing, 0 failed"
 
 
 def test_a_worker_whose_heartbeat_only_lapsed_gets_work_again_and_nothing_loops(stack):

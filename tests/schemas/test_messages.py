@@ -79,6 +79,10 @@ EXAMPLES = [
     GenerateRequest("r4", "t", SAMPLING, prompt="hi", weight=0.001),
     WorkItem(TokenizedRequest("r1", "t", SAMPLING, [5, 6], weight=1000.0), "w0", 3.0),
     Heartbeat("w5", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, scheduling_policy="fair"),
+    WorkItem(TokenizedRequest("r1", "t", SamplingParams(json_schema={"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0}}, "required": ["n"]}), [5, 6]), "w0", 3.0),
+    GenerateRequest("r5", "t", SamplingParams(choice=["yes", "no ✓"]), prompt="hi"),
+    Completion("r6", "t", "w0", SamplingParams(regex="[0-9]{3}"), [5, 6], [7, 8, 9], "stop", 2, created=1.0),
 ]
 SPECULATING = Heartbeat("w2", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, speculation=Speculation(
     "ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65, 0.5, 0.0]))

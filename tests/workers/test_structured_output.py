@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
 
 from schemas.sampling import MAX_SCHEMA_DEPTH, SamplingParams, to_grammar
 from workers.engine import grammar
@@ -80,6 +81,35 @@ def test_unconstrained_greedy_and_seeded_outputs_are_unchanged_beside_constraine
     mixed = llm.generate(prompts, plain + [SamplingParams(max_tokens=24, json_schema=PERSON, seed=1),
                                            SamplingParams(max_tokens=24, temperature=0, choice=["a", "b"])])
     assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+    assert llm.stats()["failed_steps"] == 0      # constrained rows after unconstrained ones: no step ran twice
+
+
+def test_masks_land_on_the_constrained_rows_wherever_they_are_in_the_batch(monkeypatch):
+    import xgrammar as xgr
+
+    vocab = ["a", "b", "c", "yes", "no", "</s>"] + [f"t{i}" for i in range(34)]
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[5])).compile_regex("(yes|no)")
+
+    class Row:
+        def __init__(self, matcher=None):
+            self.matcher = matcher
+
+    rows = [Row(), Row(xgr.GrammarMatcher(compiled)), Row(), Row(xgr.GrammarMatcher(compiled))]
+    raw = torch.randn(4, 40)
+    logits = grammar.apply_grammars(raw, rows)
+    allowed = [[i for i, x in enumerate(row.tolist()) if x > float("-inf")] for row in logits]
+    assert allowed == [list(range(40)), [3, 4], list(range(40)), [3, 4]]
+    assert torch.isfinite(raw).all()                # a new tensor: logprobs are taken from the raw logits
+    bitmask = xgr.allocate_token_bitmask(4, 40)     # the unpacking against xgrammar's own kernel
+    for i in (1, 3):
+        rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+    want = raw.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, indices=[1, 3])
+    assert torch.equal(logits, want)
+    every = grammar.apply_grammars(raw[1::2], rows[1::2])       # every row constrained
+    assert torch.equal(every, want[1::2])
+    monkeypatch.setattr(grammar.sys, "byteorder", "big")       # xgrammar's kernel, as on a GPU
+    assert torch.equal(grammar.apply_grammars(raw, rows), want) and torch.isfinite(raw).all()
 
 
 def test_preempted_constrained_requests_resume_and_validate(smollm2):
@@ -117,6 +147,32 @@ def test_a_grammar_is_compiled_once_per_text(llm):
     first = llm.engine.grammars.cache[params.constraint]
     llm.generate(chats(llm, 1), [SamplingParams(max_tokens=8, regex="[0-9]{4}")])
     assert llm.engine.grammars.cache[params.constraint] is first
+
+
+def test_the_grammar_cache_drops_the_least_recently_asked_for_past_its_count_and_bytes(monkeypatch):
+    class Compiled:
+        memory_size_bytes = 40 << 20
+
+    monkeypatch.setattr(grammar, "MAX_GRAMMARS", 3)
+    monkeypatch.setattr(grammar.Grammars, "compile", lambda self, params: Compiled())
+    grammars = grammar.Grammars("unused", 100, (0,))
+    try:
+        def ask(text: str) -> Future:
+            future = grammars.submit(SamplingParams(regex=text))
+            future.result()
+            return future
+
+        first = ask("a")
+        ask("b"), ask("c")
+        assert ask("a") is first                       # asked again: now the most recent
+        ask("d")
+        assert [k[1] for k in grammars.cache] == ["c", "a", "d"]     # "b" was the least recent
+        monkeypatch.setattr(grammar, "MAX_GRAMMAR_BYTES", 70 << 20)
+        ask("e")                                       # "c" past the count, then "a": 2 × 40 MiB > 70 MiB
+        assert [k[1] for k in grammars.cache] == ["d", "e"]
+        assert ask("a") is not first                   # compiled again
+    finally:
+        grammars.close()
 
 
 def test_bad_constraints_name_their_problem_before_running():

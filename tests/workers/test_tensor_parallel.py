@@ -2,6 +2,7 @@
 each rank holds half of the weights and of the KV pool, and a dead rank ends the replica with an
 error that names it, leaving no process behind."""
 import os
+import re
 import signal
 import time
 
@@ -78,6 +79,21 @@ def test_two_ranks_with_speculative_decoding_give_the_tokens_of_one_without(chec
         got = llm.generate(PROMPTS, params)
         assert llm.stats()["spec_draft_tokens"] > 0
     assert [o.token_ids for o in got] == want
+
+
+def test_two_ranks_constrain_outputs_on_rank_0_and_give_the_tokens_of_one(checkpoints, tiny_tokenizer):
+    """Grammar masks are sampling, which only rank 0 does: the followers run the same forward."""
+    path = str(checkpoints["llama"])
+    tiny_tokenizer.save_pretrained(path)           # the engine builds its grammars' vocabulary from the model's
+    params = [SamplingParams(max_tokens=12, regex="[0-9]{3}-[a-z]{2,4}"),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, choice=["alpha", "beta", "gamma"]),
+              SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, json_object=True)]
+    want = LLM(path, tiny_tokenizer, **OPTIONS).generate(PROMPTS, params)
+    with LLM(path, tiny_tokenizer, tensor_parallel_size=2, **OPTIONS) as llm:
+        got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", got[0].text) and got[1].text in ("alpha", "beta", "gamma")
+    assert got[0].finish_reason == got[1].finish_reason == "stop"
 
 
 def test_each_rank_holds_half_the_weights_and_half_the_kv_pool(checkpoints, tiny_tokenizer):

@@ -101,6 +101,7 @@ class LLMEngine:
         self.compiling: dict[str, Pending] = {}    # constrained requests waiting for their grammar
         self.seeds = random.Random(config.seed)
         self.num_steps = 0
+        self.num_failed_steps = 0                  # steps that raised and were run again in parts
         self.trace: list[StepTrace] | None = None  # set to a list to record every step
         self.speculator: Speculator | None = None
         spec = SpeculativeConfig.of(config.speculative)
@@ -248,6 +249,7 @@ class LLMEngine:
         try:
             tokens, logprobs = self.run(batch, tables)
         except Exception as e:                   # one request's fault, most likely: find it, fail it alone
+            self.num_failed_steps += 1
             updated = failed + self.isolate(batch, tables, e)
         else:
             updated = failed + self.scheduler.update(batch, tokens, logprobs)
@@ -332,6 +334,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "steps": self.num_steps,
+            "failed_steps": self.num_failed_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
 

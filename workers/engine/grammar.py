@@ -1,7 +1,9 @@
 """Structured output (xgrammar): each constraint compiled once, off the step loop, and cached by its
 text; a compiled grammar's matcher per request, which gives its row's token bitmask each step and
 advances with each token the request keeps."""
+import sys
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -9,6 +11,8 @@ import torch
 from schemas.sampling import MAX_COMPILE_SECONDS, SamplingParams, to_grammar
 
 MAX_ROLLBACK = 64   # tokens a matcher can take back: a verify step's drafts
+MAX_GRAMMARS = 512  # compiled grammars a worker keeps, the least recently asked for dropped first
+MAX_GRAMMAR_BYTES = 256 << 20   # and the most memory they may hold together
 
 
 class Grammars:
@@ -18,13 +22,28 @@ class Grammars:
         self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, list(eos_token_ids)
         self.compiler = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self.cache: dict[tuple[str, str], Future] = {}
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()   # least recently asked for first
+        self.sizes: dict[tuple[str, str], int] = {}                         # bytes of those compiled
 
     def submit(self, params: SamplingParams) -> Future:
+        """The constraint's compiled grammar, from the cache or compiling; a request holds its own future,
+        so an eviction never takes a grammar from one."""
         key = params.constraint
-        if key not in self.cache:
-            self.cache[key] = self.pool.submit(self.compile, params)
-        return self.cache[key]
+        future = self.cache.pop(key, None) or self.pool.submit(self.compile, params)
+        self.cache[key] = future
+        self.evict()
+        return future
+
+    def evict(self) -> None:
+        """Least recently asked for first, until at most MAX_GRAMMARS are cached and the compiled ones hold at
+        most MAX_GRAMMAR_BYTES."""
+        for key, future in self.cache.items():
+            if key not in self.sizes and future.done():
+                self.sizes[key] = 0 if future.exception() else future.result().memory_size_bytes
+        total = sum(self.sizes.values())
+        while len(self.cache) > MAX_GRAMMARS or (total > MAX_GRAMMAR_BYTES and len(self.cache) > 1):
+            key, _ = self.cache.popitem(last=False)
+            total -= self.sizes.pop(key, 0)
 
     def compile(self, params: SamplingParams):
         """The constraint's grammar (to_grammar: the tokenizer stage's conversion, its errors) compiled for this
@@ -32,7 +51,8 @@ class Grammars:
         import xgrammar as xgr
 
         if self.compiler is None:
-            self.compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=1)
+            # one thread: compiling shares the cores with the steps; our cache, bounded, in place of xgrammar's
+            self.compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=1, cache_enabled=False)
         return self.compiler.compile_grammar(to_grammar(params))
 
     def tokenizer_info(self):
@@ -80,12 +100,32 @@ def apply_grammars(logits: torch.Tensor, requests: list) -> torch.Tensor:
         return logits
     import xgrammar as xgr
 
-    logits = logits.float()
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
     for n, i in enumerate(rows):
         fill(requests[i].matcher, getattr(requests[i], "extra", ()), bitmask, n)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    if logits.device.type == "cpu" and sys.byteorder == "little":
+        return apply_bitmask_cpu(logits, bitmask, rows)
+    logits = logits.float().clone()
+    full = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])   # xgrammar's indices name rows of both
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
     return logits
+
+
+BIT = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits' rows `rows` with the tokens bitmask's rows (in order) forbid at -inf: xgrammar's bitmask (bit j of
+    int32 word w is token 32w + j, so on a little-endian machine bit b of byte k is token 8k + b) unpacked and
+    applied by torch, vectorized over the rows and threads. xgrammar's CPU kernel does one row at a time:
+    9.6 ms for 64 rows of SmolLM2's 49,152 tokens on this 2-core machine against 2.7 ms here."""
+    logits = logits.float()
+    forbidden = (bitmask.view(torch.uint8).unsqueeze(-1) >> BIT & 1).view(len(rows), -1)[:, :logits.shape[1]] == 0
+    if rows == list(range(logits.shape[0])):     # a new tensor, as the bias and penalties give: logprobs are raw
+        return logits.masked_fill(forbidden, float("-inf"))
+    index = torch.tensor(rows)
+    return logits.index_put((index,), logits[index].masked_fill(forbidden, float("-inf")))
 
 
 def fill(matcher, extra: list[int], bitmask: torch.Tensor, n: int) -> None:
