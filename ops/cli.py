@@ -639,7 +639,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=delegate("ops.status"))
 
-    us = sub.add_parser("usage", help="the metering log summed per tenant, key and model")
+    us = sub.add_parser("usage", help="the metering log summed per tenant, key, model and revision, the requests "
+                                      "the fallback upstream answered apart")
     nats_url(us)
     us.add_argument("--tenant", help="only this tenant")
     us.add_argument("--since", help="only requests since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")

@@ -1,5 +1,5 @@
-"""`tokenbus usage`: the metering log (TB_USAGE, one record per finished request) summed per tenant,
-key and model, as a table or as JSON."""
+"""`tokenbus usage`: the metering log (TB_USAGE, one record per finished request) summed per tenant, key,
+model and revision, the requests the fallback upstream answered apart, as a table or as JSON."""
 import asyncio
 import contextlib
 import datetime
@@ -60,17 +60,18 @@ async def read(nats_url: str, tenant: str | None = None, start: float | None = N
 
 
 def summed(records: list[Usage]) -> list[dict]:
-    """One row per (tenant, key, model), with its sums."""
+    """One row per (tenant, key, model, revision, fallback), with its sums."""
     rows: dict[tuple, dict] = {}
     for u in records:
-        row = rows.setdefault((u.tenant, u.key_id, u.model), {"tenant": u.tenant, "key_id": u.key_id, "model": u.model,
-                                                             **dict.fromkeys(SUMS, 0)})
+        row = rows.setdefault((u.tenant, u.key_id, u.model, u.revision, u.fallback), {
+            "tenant": u.tenant, "key_id": u.key_id, "model": u.model, "revision": u.revision, "fallback": u.fallback,
+            **dict.fromkeys(SUMS, 0)})
         row["requests"] += 1
         row["prompt_tokens"] += u.prompt_tokens
         row["cached_tokens"] += u.cached_tokens
         row["completion_tokens"] += u.completion_tokens
         row["total_tokens"] += u.prompt_tokens + u.completion_tokens
-    return sorted(rows.values(), key=lambda r: (r["tenant"], r["key_id"], r["model"]))
+    return sorted(rows.values(), key=lambda r: (r["tenant"], r["key_id"], r["model"], r["revision"], r["fallback"]))
 
 
 def as_json(rows: list[dict]) -> dict:
@@ -80,12 +81,13 @@ def as_json(rows: list[dict]) -> dict:
 def table(rows: list[dict]) -> str:
     if not rows:
         return "no usage recorded"
-    head = ["tenant", "key", "model", "requests", "prompt", "cached", "completion", "total"]
-    body = [[r["tenant"], r["key_id"] or "-", r["model"], *(str(r[k]) for k in SUMS)] for r in rows]
+    head = ["tenant", "key", "model", "revision", "served", "requests", "prompt", "cached", "completion", "total"]
+    body = [[r["tenant"], r["key_id"] or "-", r["model"], r["revision"] or "-",
+             "fallback" if r["fallback"] else "cluster", *(str(r[k]) for k in SUMS)] for r in rows]
     total = as_json(rows)["total"]
-    body.append(["total", "", "", *(str(total[k]) for k in SUMS)])
+    body.append(["total", "", "", "", "", *(str(total[k]) for k in SUMS)])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return "\n".join("  ".join(c.rjust(w) if i >= 5 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                      for r in [head, *body])
 
 

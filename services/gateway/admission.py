@@ -71,6 +71,7 @@ class Ticket:
     charged: int
     settled: bool = False
     bucket: object = None                         # what it was charged to, refunded at the end (None: its tenant's)
+    placed: str | None = None                     # the worker it was counted on
 
 
 def estimate(req: GenerateRequest) -> int:
@@ -84,12 +85,13 @@ def estimate(req: GenerateRequest) -> int:
 
 
 class Cluster:
-    """The workers the registry shows, and the requests this gateway sent each since its last heartbeat
-    (charged to the decoding worker the router would pick: the least loaded)."""
+    """The workers the registry shows, and what this gateway changed since each one's last heartbeat: the
+    requests it sent (charged to the decoding worker the router would pick: the least loaded), less those
+    of its requests that ended."""
 
     def __init__(self):
         self.workers: dict[str, Heartbeat] = {}
-        self.added: dict[str, int] = {}
+        self.added: dict[str, int] = {}           # may be below 0: ended requests the last heartbeat counted
         self.grace_until = 0.0                    # unix time: till then a stale heartbeat still counts
 
     def stalled(self, now: float) -> None:
@@ -101,18 +103,26 @@ class Cluster:
         self.workers[hb.worker] = hb
         self.added[hb.worker] = 0
 
+    def ended(self, worker: str) -> None:
+        """A request counted on worker ended: sent since the last heartbeat, `added` counted it; sent before,
+        the heartbeat did (as running or waiting). Either way it no longer loads the worker. Without this a
+        worker whose requests end within a heartbeat looked as loaded as every request it took since, and a
+        fast worker was refused work it had room for."""
+        if worker in self.added:
+            self.added[worker] -= 1
+
     def remove(self, worker: str) -> None:
         self.workers.pop(worker, None)
         self.added.pop(worker, None)
 
     def spare(self, hb: Heartbeat) -> bool:
         """Whether a worker has room beyond what its interactive traffic needs now."""
-        running = hb.running + self.added[hb.worker]
+        running = max(hb.running + self.added[hb.worker], 0)
         return (hb.waiting == 0 and running < BATCH_WATERMARK * hb.max_num_seqs
                 and hb.kv_blocks_free >= BATCH_KV_FREE * hb.kv_blocks_total)
 
     def load(self, hb: Heartbeat) -> float:
-        return (hb.running + hb.waiting + self.added[hb.worker]) / max(hb.max_num_seqs, 1)
+        return max(hb.running + hb.waiting + self.added[hb.worker], 0) / max(hb.max_num_seqs, 1)
 
     def place(self, tokens: int, now: float, batch: bool = False, model: str = "", revision: str = "",
               idle: bool = False) -> str:
@@ -184,13 +194,14 @@ class Admission:
                            f"{cap}", "concurrency_limit_exceeded", retry_after=1)
         if t.bucket is not None:
             self.check_rate(key, t.bucket, cost, now)
+        placed = None
         if place:
-            self.cluster.place(cost, time.time(), key.batch, model, revision, idle=not t.active)
+            placed = self.cluster.place(cost, time.time(), key.batch, model, revision, idle=not t.active)
         charged = getattr(t.bucket, "fallback", None) or t.bucket    # a shared limit cut off: its fallback
         if charged is not None:
             charged.take(cost, now)
         t.active += 1
-        return Ticket(key, cost, bucket=charged)
+        return Ticket(key, cost, bucket=charged, placed=placed)
 
     def check_rate(self, key: Key, bucket: TokenBucket, cost: int, now: float) -> None:
         if cost > bucket.capacity:              # would never pass: no Retry-After to give
@@ -211,6 +222,8 @@ class Admission:
         now = time.monotonic() if now is None else now
         t = self.tenant(ticket.key, now)
         t.active -= 1
+        if ticket.placed is not None:
+            self.cluster.ended(ticket.placed)
         bucket = ticket.bucket or t.bucket
         if bucket is not None:
             bucket.take(used - ticket.charged, now)

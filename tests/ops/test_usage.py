@@ -1,5 +1,5 @@
-"""`tokenbus usage` sums the metering log (TB_USAGE) per tenant, key and model, filtered by tenant
-and by time, as a table or JSON."""
+"""`tokenbus usage` sums the metering log (TB_USAGE) per tenant, key, model and revision, fallback requests
+apart, filtered by tenant and by time, as a table or JSON."""
 import asyncio
 import datetime
 import json
@@ -13,8 +13,10 @@ from schemas import subjects
 from schemas.messages import Usage, encode
 
 
-def record(rid: str, tenant: str, key: str, prompt: int, cached: int, completion: int) -> Usage:
-    return Usage(rid, tenant, key, "tiny", "chat", "stop", prompt, cached, completion, {"e2e_ms": 1.0}, 1.0, 2.0)
+def record(rid: str, tenant: str, key: str, prompt: int, cached: int, completion: int, revision: str = "r1",
+           fallback: bool = False) -> Usage:
+    return Usage(rid, tenant, key, "tiny", "chat", "stop", prompt, cached, completion, {"e2e_ms": 1.0}, 1.0, 2.0,
+                 revision, fallback)
 
 
 async def store(nats_url: str, records: list[Usage]) -> None:
@@ -41,12 +43,12 @@ def test_usage_sums_per_tenant_and_key_filters_by_tenant_and_time_and_prints_tab
 
     got = json.loads(usage(capsys, "--nats-url", nats_url, "--json"))
     assert got["rows"] == [
-        {"tenant": "acme", "key_id": "k1", "model": "tiny", "requests": 2, "prompt_tokens": 30, "cached_tokens": 4,
-         "completion_tokens": 12, "total_tokens": 42},
-        {"tenant": "acme", "key_id": "k2", "model": "tiny", "requests": 1, "prompt_tokens": 1, "cached_tokens": 0,
-         "completion_tokens": 1, "total_tokens": 2},
-        {"tenant": "globex", "key_id": "k3", "model": "tiny", "requests": 1, "prompt_tokens": 100,
-         "cached_tokens": 50, "completion_tokens": 30, "total_tokens": 130}]
+        {"tenant": "acme", "key_id": "k1", "model": "tiny", "revision": "r1", "fallback": False, "requests": 2,
+         "prompt_tokens": 30, "cached_tokens": 4, "completion_tokens": 12, "total_tokens": 42},
+        {"tenant": "acme", "key_id": "k2", "model": "tiny", "revision": "r1", "fallback": False, "requests": 1,
+         "prompt_tokens": 1, "cached_tokens": 0, "completion_tokens": 1, "total_tokens": 2},
+        {"tenant": "globex", "key_id": "k3", "model": "tiny", "revision": "r1", "fallback": False, "requests": 1,
+         "prompt_tokens": 100, "cached_tokens": 50, "completion_tokens": 30, "total_tokens": 130}]
     assert got["total"] == {"requests": 4, "prompt_tokens": 131, "cached_tokens": 54, "completion_tokens": 43,
                             "total_tokens": 174}
     assert [r["tenant"] for r in json.loads(usage(capsys, "--nats-url", nats_url, "--json", "--tenant", "globex"))[
@@ -57,9 +59,22 @@ def test_usage_sums_per_tenant_and_key_filters_by_tenant_and_time_and_prints_tab
     assert json.loads(usage(capsys, "--nats-url", nats_url, "--json", "--since", "1h"))["total"]["requests"] == 4
 
     lines = usage(capsys, "--nats-url", nats_url).splitlines()
-    assert lines[0].split() == ["tenant", "key", "model", "requests", "prompt", "cached", "completion", "total"]
-    assert lines[1].split() == ["acme", "k1", "tiny", "2", "30", "4", "12", "42"]
+    assert lines[0].split() == ["tenant", "key", "model", "revision", "served", "requests", "prompt", "cached",
+                                "completion", "total"]
+    assert lines[1].split() == ["acme", "k1", "tiny", "r1", "cluster", "2", "30", "4", "12", "42"]
     assert lines[-1].split() == ["total", "4", "131", "54", "43", "174"]
+
+
+def test_usage_keeps_each_revision_and_the_fallback_s_requests_in_rows_of_their_own(nats_url, capsys):
+    asyncio.run(store(nats_url, [record("a", "acme", "k1", 10, 0, 5), record("b", "acme", "k1", 20, 0, 7, "r2"),
+                                 record("c", "acme", "k1", 30, 0, 9, "", fallback=True),
+                                 record("d", "acme", "k1", 40, 0, 1, "r2")]))
+    rows = json.loads(usage(capsys, "--nats-url", nats_url, "--json"))["rows"]
+    assert [(r["revision"], r["fallback"], r["requests"], r["prompt_tokens"]) for r in rows] == [
+        ("", True, 1, 30), ("r1", False, 1, 10), ("r2", False, 2, 60)]
+    lines = usage(capsys, "--nats-url", nats_url).splitlines()
+    assert [line.split()[3:6] for line in lines[1:4]] == [["-", "fallback", "1"], ["r1", "cluster", "1"],
+                                                         ["r2", "cluster", "2"]]
 
 
 def test_since_takes_ages_and_dates_and_names_what_it_wants():

@@ -98,6 +98,28 @@ def test_admission_refuses_when_every_worker_is_past_the_watermark_and_counts_wh
     a.admit(key, 1, 1, now=0.0)
 
 
+def test_a_request_that_ends_no_longer_loads_its_worker_whichever_heartbeat_counted_it():
+    a = admission_with_worker(max_num_seqs=2)
+    key = keys.OPEN
+    tickets = [a.admit(key, 1, 1, now=0.0) for _ in range(4)]       # at the watermark
+    a.settle(tickets[0], 2, now=0.0)                                # ended: room for one more
+    a.settle(tickets[0], 2, now=0.0)                                # once only
+    assert a.cluster.added["fake"] == 3
+    tickets.append(a.admit(key, 1, 1, now=0.0))
+    with pytest.raises(ApiError):
+        a.admit(key, 1, 1, now=0.0)
+    a.cluster.update(heartbeat(max_num_seqs=2, running=2, waiting=2))   # the heartbeat counts those in flight
+    a.settle(tickets[1], 2, now=0.0)              # sent before that heartbeat, which counted it: room again
+    assert a.cluster.added["fake"] == -1
+    a.admit(key, 1, 1, now=0.0)
+    with pytest.raises(ApiError):
+        a.admit(key, 1, 1, now=0.0)
+    a.cluster.update(heartbeat(max_num_seqs=2))   # a heartbeat that missed them: more end than it counted
+    for t in tickets[2:]:
+        a.settle(t, 2, now=0.0)
+    assert a.cluster.added["fake"] == -3 and a.cluster.load(a.cluster.workers["fake"]) == 0
+
+
 def test_only_workers_that_decode_count_as_room_a_prefill_worker_cannot_finish_a_request_alone():
     a = Admission()
     a.cluster.update(dataclasses.replace(heartbeat("p0", max_num_seqs=2), role="prefill"))
