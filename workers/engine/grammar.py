@@ -105,7 +105,7 @@ def apply_grammars(logits: torch.Tensor, requests: list) -> torch.Tensor:
         fill(requests[i].matcher, getattr(requests[i], "extra", ()), bitmask, n)
     if logits.device.type == "cpu" and sys.byteorder == "little":
         return apply_bitmask_cpu(logits, bitmask, rows)
-    logits = logits.float().clone()
+    logits = logits.to(torch.float32, copy=True)    # a new tensor, as the bias and penalties give: logprobs are raw
     full = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])   # xgrammar's indices name rows of both
     full[rows] = bitmask
     xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
