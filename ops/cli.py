@@ -392,6 +392,12 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--max-model-len", type=int, default=8192, help="context length (default 8192)")
     sm.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                     help="the router's policy (default prefix)")
+    sm.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "fair"],
+                    help="the workers' scheduling policy, as a worker's flag of that name (default fcfs)")
+    sm.add_argument("--tenant", action="append", metavar="NAME:SHARE[:WEIGHT[:PRIORITY]]",
+                    help="a tenant: its share of the conversations, and its key's weight (fair policy, default 1) "
+                         "and priority (priority and fair policies, lower first, default 0); repeat for each "
+                         "(default: one tenant). With more than one, the figures are also given per tenant")
     sm.add_argument("--alpha", type=float, default=4.0, help="the prefix policy's weight of a block to prefill "
                     "against a block of KV held (default 4, the router's)")
     sm.add_argument("--max-local-prefill", type=int, default=1000, help="with prefill workers: uncached prompt "

@@ -44,6 +44,31 @@ from workers.engine.request import Request
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 
 
+@dataclass(frozen=True, slots=True)
+class SimTenant:
+    """A tenant of the simulated product: its share of the arrivals (of conversations: a conversation keeps
+    its tenant), and what its API key gives its requests, the fair policy's weight and a priority."""
+    name: str
+    share: float = 1.0
+    weight: float = 1.0
+    priority: int = 0
+
+
+def parse_tenant(text: str) -> SimTenant:
+    """NAME:SHARE[:WEIGHT[:PRIORITY]], as `--tenant` takes it."""
+    parts = text.split(":")
+    try:
+        if not 2 <= len(parts) <= 4 or not parts[0]:
+            raise ValueError
+        name, share, *rest = parts
+        t = SimTenant(name, float(share), float(rest[0]) if rest else 1.0, int(rest[1]) if len(rest) > 1 else 0)
+    except ValueError:
+        raise ValueError(f"--tenant {text!r}: expected NAME:SHARE[:WEIGHT[:PRIORITY]], e.g. batch:0.8:1:5") from None
+    if t.share <= 0 or not 0.001 <= t.weight <= 1000:
+        raise ValueError(f"--tenant {text!r}: the share must be above 0 and the weight in [0.001, 1000]")
+    return t
+
+
 @dataclass(slots=True)
 class Arrival:
     at: float                    # seconds from the start of the run
@@ -103,6 +128,8 @@ class SimConfig:
     tpot_slo: float = 0.04
     seed: int = 0
     scheduler: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler   # the policy under test
+    scheduling_policy: str = "fcfs"   # the workers' (SchedulerConfig.policy): fcfs, priority or fair
+    tenants: tuple[SimTenant, ...] = (SimTenant("default"),)
 
     @property
     def cell_workers(self) -> int:
@@ -115,6 +142,7 @@ class Conversation:
     tokens: list[int]            # the history
     hashes: list[int]            # block hashes of its full blocks
     turn: int = 0
+    tenant: SimTenant | None = None
 
 
 @dataclass(slots=True)
@@ -131,6 +159,7 @@ class Track:
     tokens: int = 0
     worker: str = ""
     choice: Choice | None = None
+    tenant: str = ""
 
 
 class Worker:
@@ -140,8 +169,8 @@ class Worker:
         self.name, self.role = name, role
         self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size)
         self.kv.record_changes()
-        self.sched = cfg.scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len),
-                                   self.kv)
+        self.sched = cfg.scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
+                                                   policy=cfg.scheduling_policy), self.kv)
         self.busy = False
         self.batch = None
         self.intake: list[list] = []                    # [steps left, request] not in the scheduler yet
@@ -237,7 +266,10 @@ class Cell:
         if conv is None:
             self.conversations += 1
             k = rng.randrange(len(self.systems))
-            conv = Conversation(f"c{self.index}.{self.conversations}", self.systems[k], self.system_hashes[k])
+            tenant = self.cfg.tenants[0] if len(self.cfg.tenants) == 1 else rng.choices(
+                self.cfg.tenants, [t.share for t in self.cfg.tenants])[0]
+            conv = Conversation(f"c{self.index}.{self.conversations}", self.systems[k], self.system_hashes[k],
+                                tenant=tenant)
         prompt = conv.tokens + self.tokens(cfg.user_tokens, rng)
         conv.turn += 1
         return prompt, hash_blocks(prompt, cfg.block_size, None, conv.hashes), conv
@@ -253,10 +285,12 @@ class Cell:
         else:
             prompt, hashes, conv, max_tokens = a.prompt, hash_blocks(a.prompt, cfg.block_size), None, a.max_tokens
         rid = f"r{self.index}.{len(self.tracks)}"
-        self.tracks[rid] = Track(self.now, len(prompt), max_tokens, conv, self.now >= cfg.warmup)
+        tenant = conv.tenant if conv is not None else cfg.tenants[0]      # a replayed request: the first tenant
+        self.tracks[rid] = Track(self.now, len(prompt), max_tokens, conv, self.now >= cfg.warmup, tenant=tenant.name)
         self.unfinished += 1
         req = Request(rid, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0,
-                      cfg.block_size, block_hashes=hashes[:len(prompt) // cfg.block_size])
+                      cfg.block_size, block_hashes=hashes[:len(prompt) // cfg.block_size], priority=tenant.priority,
+                      tenant=tenant.name, weight=tenant.weight)
         self.at(self.now + cfg.dispatch_s, self.route, req)
 
     def route(self, req: Request, handoff: bool = False) -> Choice | None:
@@ -423,7 +457,7 @@ class Cell:
             ttft = (t.first if t.first >= 0 else self.now) + cfg.stream_s - t.arrival
             e2e = (t.end + cfg.stream_s - t.arrival) if done else None
             tpot = (t.end - t.first) / (t.tokens - 1) if done and t.tokens > 1 else None
-            rows.append((ttft, tpot, e2e, t.tokens, t.prompt, max(t.cached, 0), done))
+            rows.append((ttft, tpot, e2e, t.tokens, t.prompt, max(t.cached, 0), done, t.tenant))
         workers = []
         for w in self.workers.values():
             workers.append({"cell": self.index, "worker": w.name, "role": w.role, "requests": w.finished,
@@ -501,10 +535,25 @@ def merge(cfg: SimConfig, parts: list[dict], cells: int, wall_s: float) -> dict:
         "handoffs": sum(p["handoffs"] for p in parts) * scale,
         "router_us_per_decision": 1e6 * sum(p["route_seconds"] for p in parts) / max(routes, 1),
         "workers": [w for p in parts for w in p["workers"]],
+        "tenants": by_tenant(rows, cfg) if len(cfg.tenants) > 1 else {},
         "samples": {"ttft": [r[0] for r in rows], "tpot": [r[1] for r in done if r[1] is not None]},
         "sim_seconds": max((p["sim_seconds"] for p in parts), default=0.0),
         "wall_seconds": wall_s,
     }
+
+
+def by_tenant(rows: list, cfg: SimConfig) -> dict:
+    """Per tenant: its requests, TTFT and TPOT percentiles, and its share of the output tokens generated."""
+    generated = sum(r[3] for r in rows) or 1
+    out = {}
+    for t in cfg.tenants:
+        mine = [r for r in rows if r[7] == t.name]
+        done = [r for r in mine if r[6]]
+        out[t.name] = {"share": t.share, "weight": t.weight, "priority": t.priority, "requests": len(mine),
+                       "finished": len(done), "ttft_s": percentiles([r[0] for r in mine]),
+                       "tpot_s": percentiles([r[1] for r in done if r[1] is not None]),
+                       "token_share": sum(r[3] for r in mine) / generated}
+    return out
 
 
 def meets(rows: list, done: list, cfg: SimConfig) -> bool:
@@ -537,16 +586,19 @@ def search(cfg: SimConfig, most: int = 4096) -> tuple[int, dict]:
     return hi, tried[hi]
 
 
+def ms(d: dict, k: str) -> str:
+    """A percentile of seconds as whole ms."""
+    return "-" if d[k] is None else f"{d[k] * 1e3:,.0f}"
+
+
 def table(r: dict) -> str:
     c = r["config"]
-
-    def ms(d: dict, k: str) -> str:
-        return "-" if d[k] is None else f"{d[k] * 1e3:,.0f}"
     roles = [f"{c['workers']} colocated"] + [f"{c[k]} {k.split('_')[0]}" for k in ("prefill_workers", "decode_workers")
                                              if c[k]]
     lines = [
         f"sim: {r['nodes']:,} workers = {c['cells']} cell(s) × ({', '.join(roles)}); {r['cells_simulated']} cell(s) "
-        f"simulated; cost: {c['cost']}; router: {c['policy']}; scheduler: {c['scheduler']}",
+        f"simulated; cost: {c['cost']}; router: {c['policy']}; scheduler: {c['scheduler']} "
+        f"({c['scheduling_policy']})",
         f"     {c['rate']:g} requests/s for {c['duration']:g} s; {r['sim_seconds']:.0f} simulated seconds in "
         f"{r['wall_seconds']:.1f} s of wall time",
         f"requests     {r['requests']:,.0f} measured, {r['unfinished']:,.0f} unfinished",
@@ -559,6 +611,7 @@ def table(r: dict) -> str:
         f"{'yes' if r['meets_slo'] else 'no'}",
         f"prefix hits  {r['prefix_hit_rate']:.1%} of prompt tokens; preemptions {r['preemptions']:,.0f}; "
         f"handoffs {r['handoffs']:,.0f}; router {r['router_us_per_decision']:.0f} µs a decision",
+        *tenant_lines(r),
         "",
         f"{'cell':>4} {'worker':>6} {'role':>7} {'requests':>8} {'busy':>6} {'load':>6} {'KV mean':>7} {'KV max':>6}"
         f" {'preempt':>7}",
@@ -569,6 +622,18 @@ def table(r: dict) -> str:
     if len(r["workers"]) > 64:
         lines.append(f"... {len(r['workers']) - 64} more workers (--json has them all)")
     return "\n".join(lines)
+
+
+def tenant_lines(r: dict) -> list[str]:
+    if not r.get("tenants"):
+        return []
+    lines = ["", f"{'tenant':<12} {'share':>6} {'weight':>6} {'prio':>4} {'requests':>8} {'TTFT p50':>9} "
+                 f"{'TTFT p99':>9} {'TPOT p50':>9} {'tokens':>7}"]
+    for name, t in r["tenants"].items():
+        lines.append(f"{name:<12} {t['share']:>6.0%} {t['weight']:>6g} {t['priority']:>4} {t['requests']:>8} "
+                     f"{ms(t['ttft_s'], 'p50'):>9} {ms(t['ttft_s'], 'p99'):>9} {ms(t['tpot_s'], 'p50'):>9} "
+                     f"{t['token_share']:>7.1%}")
+    return lines
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -612,7 +677,14 @@ def config(args, cost: StepCost, kv_blocks: int, kv_bytes_per_token: float) -> S
         spec_k=args.spec_k, spec_acceptance=args.spec_acceptance, spec_draft_cost=args.spec_draft_cost,
         spec_max_batch=args.spec_max_batch, kv_bandwidth=args.kv_gb_per_s * 1e9,
         kv_bytes_per_token=kv_bytes_per_token, ttft_slo=args.ttft_slo_ms / 1e3, tpot_slo=args.tpot_slo_ms / 1e3,
-        seed=args.seed)
+        seed=args.seed, scheduling_policy=args.scheduling_policy, tenants=tenants(args.tenant))
+
+
+def tenants(texts: list[str] | None) -> tuple[SimTenant, ...]:
+    try:
+        return tuple(parse_tenant(t) for t in texts) if texts else (SimTenant("default"),)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def replayed(path: str) -> list[Arrival]:

@@ -6,7 +6,7 @@ import pytest
 
 from ops import cli
 from ops.plan import GPUS, Efficiency, Plan, Workload, model_config
-from ops.sim import Arrival, SimConfig, replayed, search, simulate
+from ops.sim import Arrival, SimConfig, SimTenant, parse_tenant, replayed, search, simulate
 from ops.sim_cost import RooflineCost, StepShape
 from workers.engine.scheduler import Scheduler
 
@@ -139,3 +139,28 @@ def test_cpu_workers_share_the_cores(cost):
     shared = simulate(small(cost, policy="round-robin", cores=1.0), arrivals)
     assert [w["requests"] for w in shared["workers"]] == [1, 1]
     assert shared["tpot_s"]["p50"] == pytest.approx(2 * own["tpot_s"]["p50"], rel=0.05)
+
+
+def test_the_workers_scheduling_policy_and_tenants_shape_who_waits(cost):
+    """One worker past its seats, a flooding tenant and a steady one: under FCFS the steady tenant waits in
+    the flood's queue; the fair policy serves it almost at once, as a better priority does."""
+    tenants = (SimTenant("flood", 0.9), SimTenant("steady", 0.1))
+    base = small(cost, workers=1, max_num_seqs=16, rate=20.0, duration=20.0, output_tokens=200, turns=8,
+                 tenants=tenants)
+    runs = {p: simulate(dataclasses.replace(base, scheduling_policy=p)) for p in ("fcfs", "fair")}
+    urgent = simulate(dataclasses.replace(base, scheduling_policy="priority",
+                                          tenants=(tenants[0], SimTenant("steady", 0.1, priority=-1))))
+    steady = {p: r["tenants"]["steady"]["ttft_s"]["p50"] for p, r in {**runs, "priority": urgent}.items()}
+    assert runs["fcfs"]["tenants"]["flood"]["ttft_s"]["p50"] > 5.0                 # the worker is past its seats
+    assert steady["fair"] * 10 < steady["fcfs"] and steady["priority"] * 10 < steady["fcfs"], steady
+    assert all(r["tenants"]["steady"]["requests"] > 10 for r in runs.values())
+    shares = runs["fair"]["tenants"]
+    assert shares["flood"]["token_share"] + shares["steady"]["token_share"] == pytest.approx(1.0)
+
+
+def test_a_tenant_is_name_share_and_optionally_weight_and_priority():
+    assert parse_tenant("batch:0.8:2:5") == SimTenant("batch", 0.8, 2.0, 5)
+    assert parse_tenant("chat:0.2") == SimTenant("chat", 0.2, 1.0, 0)
+    for bad in ("chat", "chat:x", ":0.5", "chat:0.5:0", "chat:0:1"):
+        with pytest.raises(ValueError, match="--tenant"):
+            parse_tenant(bad)
