@@ -10,7 +10,12 @@
   its runs. Every constrained output is checked to be a prefix of a text the schema allows.
 - Compiles: the vocabulary's tokenizer info (once per worker), then the typical schema, a large one
   (--large-properties properties of nested objects, arrays and enums) and a regex, each compiled cold
-  (xgrammar's own cache off, as the engine runs it), median of --repeat.
+  (xgrammar's own cache off, as the engine runs it), median of --repeat, with the time of its conversion
+  to a grammar alone (schemas.sampling.grammar_of, once per text in a process); and the longest the calling
+  thread paused while the typical schema compiled on another (the engine compiles beside its step loop).
+- Masks: the full run's constrained outputs, each cut at a different length, give the matchers of one
+  batch; for them, the time to fill the bitmasks, to apply them with xgrammar's CPU kernel and with the
+  engine's (workers.engine.grammar.apply_bitmask_cpu), median of 20.
 
 Goal: at 100% constrained rows, at most GOAL_COST (10%) fewer output tokens/s than at 0%; the command
 exits 1 when it is missed.
@@ -97,23 +102,78 @@ def run_share(llm, clock: MaskClock, prompts: list[list[int]], share: float, sch
             masks.append(clock.seconds)
     outputs = [llm.tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in reqs[:constrained]]
     return {"steps": len(steps), "step_ms": 1e3 * statistics.median(steps), "mask_ms": 1e3 * statistics.median(masks),
-            "ended_early": sum(r.num_output_tokens < output_len for r in reqs), "outputs": outputs}
+            "ended_early": sum(r.num_output_tokens < output_len for r in reqs), "outputs": outputs,
+            "token_ids": [r.output_token_ids for r in reqs[:constrained]]}
 
 
-def follows(text: str, schema: dict) -> bool:
-    """The text is a prefix of a JSON text the schema allows (a matcher for the schema accepts it)."""
+def schema_grammar(schema: dict):
+    """The schema compiled by xgrammar on an empty vocabulary: for checking texts, not sampling."""
     import xgrammar as xgr
 
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_json_schema(
-        json.dumps(schema), any_whitespace=False))
-    return matcher.accept_string(text)
+    return xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def follows(text: str, compiled) -> bool:
+    """The text is a prefix of a JSON text the schema allows (a matcher of schema_grammar accepts it)."""
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled).accept_string(text)
+
+
+def longest_pause(work) -> float:
+    """Seconds: the longest the calling thread went between two turns of a short loop while `work` ran on
+    another thread."""
+    import threading
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    longest, last = 0.0, time.perf_counter()
+    while worker.is_alive():
+        sum(range(200))
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    worker.join()
+    return longest
+
+
+def mask_times(compiled, outputs: list[list[int]], vocab_size: int, repeat: int = 20) -> dict:
+    """ms to fill one batch's bitmasks and to apply them with xgrammar's kernel and with the engine's; the
+    batch's matchers are the outputs' grammar states, output i cut after i × 7 mod its length tokens."""
+    import torch
+    import xgrammar as xgr
+
+    from workers.engine.grammar import apply_bitmask_cpu
+
+    matchers = []
+    for i, tokens in enumerate(outputs):
+        m = xgr.GrammarMatcher(compiled)
+        for token in tokens[:i * 7 % max(len(tokens), 1)]:
+            m.accept_token(token)
+        matchers.append(m)
+    rows, logits = list(range(len(matchers))), torch.randn(len(matchers), vocab_size)
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+
+    def fill():
+        for n, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, n)
+
+    def ms(fn) -> float:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times)
+    return {"rows": len(rows), "fill_ms": ms(fill),
+            "xgrammar_apply_ms": ms(lambda: xgr.apply_token_bitmask_inplace(logits.clone(), bitmask)),
+            "clone_ms": ms(logits.clone), "engine_apply_ms": ms(lambda: apply_bitmask_cpu(logits, bitmask, rows))}
 
 
 def compile_times(model_dir: str, vocab_size: int, eos: tuple[int, ...], schemas: dict, repeat: int) -> dict:
     """Seconds: the tokenizer info, then each constraint compiled cold as the engine compiles it."""
     import xgrammar as xgr
 
-    from schemas.sampling import SamplingParams, to_grammar
+    from schemas.sampling import SamplingParams, grammar_of, to_grammar
     from workers.engine.grammar import Grammars
 
     t = time.perf_counter()
@@ -127,12 +187,18 @@ def compile_times(model_dir: str, vocab_size: int, eos: tuple[int, ...], schemas
             t = time.perf_counter()
             compiled = compiler.compile_grammar(to_grammar(params))
             times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        grammar_of.__wrapped__(*params.constraint)          # the conversion alone, past its cache
         rows[name] = {"seconds": statistics.median(times), "chars": len(params.constraint[1]),
-                      "mib": compiled.memory_size_bytes / 2**20}
+                      "mib": compiled.memory_size_bytes / 2**20, "convert_seconds": time.perf_counter() - t}
+    typical = SamplingParams(**schemas["typical schema"])
+    rows["longest pause beside a compile"] = {
+        "seconds": longest_pause(lambda: compiler.compile_grammar(to_grammar(typical))), "chars": None}
     return rows
 
 
 def run(args) -> dict:
+    from schemas.sampling import SamplingParams
     from workers import LLM
 
     schema, shares = order_schema(args.min_items), [s / 100 for s in args.shares]
@@ -152,6 +218,9 @@ def run(args) -> dict:
             for s in shares[r % len(shares):] + shares[:r % len(shares)]:
                 runs[s].append(run_share(llm, clock, prompts, s, schema, args.output_len, f"r{r}-{s}"))
         engine = llm.engine
+        full = max(shares)
+        masks = mask_times(engine.grammars.submit(SamplingParams(json_schema=schema)).result(),
+                           [t for r in runs[full] for t in r["token_ids"]][:args.batch], engine.model_cfg.vocab_size)
         compiles = compile_times(llm.model_dir, engine.model_cfg.vocab_size, engine.model_cfg.eos_token_ids, {
             "typical schema": {"json_schema": schema}, f"large schema ({args.large_properties} properties)":
             {"json_schema": big}, "regex": {"regex": r"[A-Z]{3}-[0-9]{4}( [a-z]+){1,8}"}}, args.repeat)
@@ -159,6 +228,7 @@ def run(args) -> dict:
         clock.close()
         llm.close()
     base = statistics.median(r["step_ms"] for r in runs[shares[0]])
+    checked = schema_grammar(schema)
     rows = []
     for s in shares:
         step = statistics.median(r["step_ms"] for r in runs[s])
@@ -167,9 +237,9 @@ def run(args) -> dict:
                      "mask_ms": statistics.median(r["mask_ms"] for r in runs[s]),
                      "tokens_per_s": args.batch / step * 1e3, "cost": 1 - base / step,
                      "steps": min(r["steps"] for r in runs[s]), "ended_early": max(r["ended_early"] for r in runs[s]),
-                     "outputs_follow_schema": all(follows(o, schema) for o in outputs), "outputs": len(outputs)})
+                     "outputs_follow_schema": all(follows(o, checked) for o in outputs), "outputs": len(outputs)})
     return {"model": llm.model_dir, "batch": args.batch, "output_len": args.output_len, "repeat": args.repeat,
-            "rows": rows, "compiles": compiles, "large_schema_chars": len(json.dumps(big)),
+            "rows": rows, "compiles": compiles, "masks": masks, "large_schema_chars": len(json.dumps(big)),
             "goal_cost": GOAL_COST}
 
 
@@ -184,8 +254,13 @@ def table(report: dict) -> str:
                      f"{'yes' if r['outputs_follow_schema'] else 'NO':>6}")
     lines.append("compile (cold, one thread):")
     for name, c in report["compiles"].items():
-        size = "" if c["chars"] is None else f"  ({c['chars']} chars, {c['mib']:.2f} MiB compiled)"
+        size = "" if c["chars"] is None else (f"  ({c['chars']} chars, {c['mib']:.2f} MiB compiled; converted in "
+                                              f"{1e3 * c['convert_seconds']:.1f} ms)")
         lines.append(f"  {name:<34} {1e3 * c['seconds']:>8.1f} ms{size}")
+    m = report["masks"]
+    lines.append(f"masks of {m['rows']} rows at the outputs' states: fill {m['fill_ms']:.2f} ms; apply: "
+                 f"xgrammar's kernel {m['xgrammar_apply_ms'] - m['clone_ms']:.2f} ms (less its copy of the logits), "
+                 f"the engine's {m['engine_apply_ms']:.2f} ms")
     return "\n".join(lines)
 
 

@@ -392,7 +392,7 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--max-model-len", type=int, default=8192, help="context length (default 8192)")
     sm.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                     help="the router's policy (default prefix)")
-    sm.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "fair"],
+    sm.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                     help="the workers' scheduling policy, as a worker's flag of that name (default fcfs)")
     sm.add_argument("--tenant", action="append", metavar="NAME:SHARE[:WEIGHT[:PRIORITY]]",
                     help="a tenant: its share of the conversations, and its key's weight (fair policy, default 1) "

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from ops.sim_cost import RooflineCost, StepCost, StepShape
 from schemas.hashing import hash_blocks
-from schemas.messages import Heartbeat, KvEvent
+from schemas.messages import MAX_WEIGHT, MIN_WEIGHT, Heartbeat, KvEvent
 from schemas.sampling import SamplingParams
 from schemas.subjects import HEARTBEAT_SECONDS
 from services.router.policy import Choice, Options, Registry
@@ -64,8 +64,9 @@ def parse_tenant(text: str) -> SimTenant:
         t = SimTenant(name, float(share), float(rest[0]) if rest else 1.0, int(rest[1]) if len(rest) > 1 else 0)
     except ValueError:
         raise ValueError(f"--tenant {text!r}: expected NAME:SHARE[:WEIGHT[:PRIORITY]], e.g. batch:0.8:1:5") from None
-    if t.share <= 0 or not 0.001 <= t.weight <= 1000:
-        raise ValueError(f"--tenant {text!r}: the share must be above 0 and the weight in [0.001, 1000]")
+    if t.share <= 0 or not MIN_WEIGHT <= t.weight <= MAX_WEIGHT:
+        raise ValueError(f"--tenant {text!r}: the share must be above 0 and the weight in [{MIN_WEIGHT:g}, "
+                         f"{MAX_WEIGHT:g}]")
     return t
 
 
@@ -266,6 +267,7 @@ class Cell:
         if conv is None:
             self.conversations += 1
             k = rng.randrange(len(self.systems))
+            # one tenant draws nothing: the prompts' random stream stays what it was before tenants
             tenant = self.cfg.tenants[0] if len(self.cfg.tenants) == 1 else rng.choices(
                 self.cfg.tenants, [t.share for t in self.cfg.tenants])[0]
             conv = Conversation(f"c{self.index}.{self.conversations}", self.systems[k], self.system_hashes[k],

@@ -1,6 +1,7 @@
 """How to sample each output token and when to stop: validated where a request enters (the gateway)
 and again where it runs (the engine), so it is part of the wire format. Every field is bounded here:
 no value that passes reaches the engine as something it cannot take (an integer past int64, a NaN)."""
+import functools
 import json
 import math
 import re
@@ -30,6 +31,7 @@ LOOSE_STRING_CHAR = r'[^\"\\\r\n]'     # a length-bounded string's character in 
 JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'   # JSON's: no control character unescaped
 JSON_OBJECT = '{"type":"object"}'  # json_object: any object (xgrammar's builtin JSON grammar allows arrays too)
 CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONVERTED = 256              # constraints whose conversion (to_grammar) a process keeps, least recent dropped
 
 
 @dataclass(slots=True)
@@ -177,11 +179,16 @@ def to_grammar(p: SamplingParams):
     """The xgrammar Grammar of p's constraint (None without one); ValueError naming the field and xgrammar's
     complaint for one it cannot convert. Needs no tokenizer: the tokenizer stage checks with it. An
     unconstrained request returns before xgrammar is loaded."""
-    if p.constraint is None:
-        return None
+    return None if p.constraint is None else grammar_of(*p.constraint)
+
+
+@functools.lru_cache(maxsize=MAX_CONVERTED)
+def grammar_of(kind: str, text: str):
+    """to_grammar's conversion, once per constraint text in a process: the tokenizer stage, the engine's
+    check and its compile thread each ask for it, and a 26 kB schema takes about 30 ms to convert (on the
+    tokenizer's event loop and the engine's step loop). A constraint that fails is not kept: it raises again."""
     import xgrammar as xgr
 
-    kind, text = p.constraint
     try:
         if kind == "json_schema":
             return json_grammar(xgr.Grammar.from_json_schema(text, any_whitespace=False))
@@ -190,7 +197,7 @@ def to_grammar(p: SamplingParams):
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_ebnf(p.choice))
+            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
         return xgr.Grammar.from_ebnf(text)                 # grammar
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{kind} is not one the engine can follow: {xgrammar_message(e)}") from None

@@ -25,8 +25,11 @@ def test_a_small_run_measures_each_share_and_compile_and_every_output_follows_th
     assert all(r["outputs_follow_schema"] and r["ended_early"] == 0 and r["steps"] >= 10 for r in report["rows"])
     assert [r["outputs"] for r in report["rows"]] == [0, 1, 4]
     assert report["rows"][0]["mask_ms"] < 0.5 < report["rows"][2]["mask_ms"] * 100      # no masks without rows
-    assert list(report["compiles"]) == ["tokenizer info", "typical schema", "large schema (8 properties)", "regex"]
+    assert list(report["compiles"]) == ["tokenizer info", "typical schema", "large schema (8 properties)", "regex",
+                                        "longest pause beside a compile"]
     assert all(c["seconds"] > 0 for c in report["compiles"].values())
+    masks = report["masks"]
+    assert masks["rows"] == 4 and all(masks[k] > 0 for k in ("fill_ms", "xgrammar_apply_ms", "engine_apply_ms"))
     assert "constrained" in out and "typical schema" in out
     assert code == (1 if bst.failures(report) else 0)       # 4 rows of 12 tokens: the cost is noise, either way
 
@@ -50,5 +53,6 @@ def test_the_schemas_are_valid_and_the_order_cannot_close_before_its_least_items
     jsonschema.validate(whole, order)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**whole, "items": [item] * 7}, order)
-    assert bst.follows(json.dumps(whole)[:40], order)             # xgrammar writes ", " and ": "
-    assert not bst.follows('{"id": "one"', order)
+    checked = bst.schema_grammar(order)
+    assert bst.follows(json.dumps(whole)[:40], checked)           # xgrammar writes ", " and ": "
+    assert not bst.follows('{"id": "one"', checked)

@@ -5,8 +5,6 @@ import contextlib
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import orjson
 from websockets.asyncio.client import connect
@@ -16,6 +14,7 @@ from schemas import subjects
 from schemas.messages import Cancel, ErrorChunk, GenerateRequest, Heartbeat, decode, encode
 from schemas.subjects import MAX_INFLIGHT_PER_CONNECTION, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP
 from services.gateway.app import Ws
+from tests.e2e.conftest import get
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
 
 
@@ -60,14 +59,6 @@ async def until(check, timeout: float = 5.0) -> None:
 
 def generate(id: str, prompt: str = "hi", **kw) -> dict:
     return {"type": "generate", "id": id, "prompt": prompt, **kw}
-
-
-def http_get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, orjson.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, orjson.loads(e.read())
 
 
 # -- streaming ------------------------------------------------------------------------------------
@@ -405,11 +396,11 @@ def test_a_refusal_on_the_websocket_says_when_to_retry_like_http_retry_after(nat
 def test_healthz_is_503_without_workers_and_200_once_a_heartbeat_is_registered(nats_url, tiny_model, tok):
     async def body():
         async with gateway(nats_url, tiny_model, tok, workers=0) as down:
-            assert await asyncio.to_thread(http_get, down.http + "/healthz") == (
+            assert await asyncio.to_thread(get, down.http + "/healthz") == (
                 503, {"status": "unavailable", "workers": 0})
             kv = await subjects.registry(down.nc.jetstream())
             await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)))
-            assert await asyncio.to_thread(http_get, down.http + "/healthz") == (200, {"status": "ok", "workers": 1})
+            assert await asyncio.to_thread(get, down.http + "/healthz") == (200, {"status": "ok", "workers": 1})
     run(body())
 
 
@@ -421,7 +412,7 @@ def test_python_m_services_gateway_serves_and_exits_cleanly_on_sigterm(nats_url,
         deadline = time.monotonic() + 15
         while True:
             with contextlib.suppress(OSError):
-                assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 503
+                assert get(f"http://127.0.0.1:{port}/healthz")[0] == 503
                 break
             assert p.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)

@@ -195,7 +195,15 @@ def test_a_bad_constraint_fails_offline_with_its_error(llm):
         llm.generate([[1, 2, 3]], SamplingParams(grammar="root ::= undefined_rule"))
 
 
-def test_a_grammar_past_its_compile_time_fails_only_its_request(monkeypatch):
+def test_a_constraint_is_converted_once_per_text_in_a_process():
+    """The tokenizer stage, the engine's check and its compile thread all ask; the conversion is cached."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    assert to_grammar(SamplingParams(json_schema=schema)) is to_grammar(SamplingParams(json_schema=dict(schema)))
+    assert to_grammar(SamplingParams(choice=["a", "b"])) is to_grammar(SamplingParams(choice=("a", "b")))
+    assert to_grammar(SamplingParams(choice=["a", "b"])) is not to_grammar(SamplingParams(choice=["a", "c"]))
+
+
+def test_a_grammar_past_its_compile_time_raises_naming_the_limit(monkeypatch):
     monkeypatch.setattr(grammar, "MAX_COMPILE_SECONDS", 0.01)
     pending = grammar.Pending(None, Future())
     time.sleep(0.02)

@@ -118,8 +118,8 @@ BIT = torch.arange(8, dtype=torch.uint8)
 def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """logits' rows `rows` with the tokens bitmask's rows (in order) forbid at -inf: xgrammar's bitmask (bit j of
     int32 word w is token 32w + j, so on a little-endian machine bit b of byte k is token 8k + b) unpacked and
-    applied by torch, vectorized over the rows and threads. xgrammar's CPU kernel does one row at a time:
-    9.6 ms for 64 rows of SmolLM2's 49,152 tokens on this 2-core machine against 2.7 ms here."""
+    applied by torch, vectorized over the rows and threads. xgrammar's CPU kernel does one row at a time,
+    about 3× slower for 64 rows of SmolLM2's 49,152 tokens (`tokenbus bench-structured` times both)."""
     logits = logits.float()
     forbidden = (bitmask.view(torch.uint8).unsqueeze(-1) >> BIT & 1).view(len(rows), -1)[:, :logits.shape[1]] == 0
     if rows == list(range(logits.shape[0])):     # a new tensor, as the bias and penalties give: logprobs are raw
