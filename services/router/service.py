@@ -46,6 +46,7 @@ NO_WORKER_POLL = 0.1
 MAX_PENDING = 100_000        # decisions awaiting their completion; past this the oldest is forgotten
 STATS_LOG_SECONDS = 10.0
 REROUTE_INACTIVE = 30.0      # seconds after which the server deletes a re-route consumer left behind
+REROUTE_RETRY = 1.0          # seconds before a re-route that failed (a slow or busy server) is tried again
 
 LOG = configure("router")
 
@@ -65,6 +66,8 @@ class RouterService:
         self.reconnects, self.up_since = nc.stats["reconnects"], 0.0    # the first connection needs no grace
         self.registry_leader: str | None = None     # the registry stream's leader at the last look (a cluster)
         self.watched = 0                            # the registry stream's last sequence the watch delivered
+        self.stored = 0                             # its last sequence stored, at the last look before this one
+        self.rerouting: set[str] = set()            # departed workers whose work is being moved
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -127,7 +130,10 @@ class RouterService:
         """Before a lapse counts, the registry bucket's stream is asked (its leader answers): no answer (a
         cluster without its leader: no heartbeat could be stored), a new leader since the last look, or
         heartbeats stored that the watch has not delivered (its consumer died with a node) mean no
-        worker is to blame; lapses then count WORKER_TTL later at the earliest, as after a reconnect."""
+        worker is to blame; lapses then count WORKER_TTL later at the earliest, as after a reconnect.
+        Behind means a heartbeat stored by the previous look is still not delivered: one stored a moment
+        ago may not have reached the watch yet, and a live worker stores one every HEARTBEAT_SECONDS, as
+        often as this is asked, so counting those could put every departure off for good."""
         try:
             info = await self.nc.jetstream(timeout=1.0).stream_info(subjects.REGISTRY_STREAM)
         except subjects.BUS_ERRORS:
@@ -136,7 +142,8 @@ class RouterService:
         leader = info.cluster.leader if info.cluster else None
         if self.registry_leader is None:            # the first look: no leader to compare with yet
             self.registry_leader = leader
-        if leader != self.registry_leader or info.state.last_seq > self.watched:
+        behind, self.stored = self.stored > self.watched, info.state.last_seq
+        if leader != self.registry_leader or behind:
             self.log.info("heartbeat lapses not counted for WORKER_TTL: the registry changed leader or is ahead "
                           "of the watch", leader=leader, last_seq=info.state.last_seq, watched=self.watched)
             self.registry_leader, self.up_since = leader, now
@@ -259,17 +266,41 @@ class RouterService:
         workers. Its consumer is deleted first, so it gets nothing more. Each item it had taken gets a
         strike (the strikes follow the request id, across re-routes) — only the suspect, when its last
         heartbeat said one request ran alone; items only queued for it get none. A moved request
-        continues on its new worker from the tokens its client has (the worker asks the gateway)."""
+        continues on its new worker from the tokens its client has (the worker asks the gateway).
+        One re-route per worker at a time; one that fails (a server slow to answer) is tried again every
+        REROUTE_RETRY until it is done, the worker is back, the connection is closed or REQUEST_DEADLINE
+        has passed (past it, every item it could move would be given up)."""
+        if worker in self.rerouting:                # a second departure of the same life: one move is enough
+            return
+        self.rerouting.add(worker)
+        taken, deadline = None, time.monotonic() + subjects.REQUEST_DEADLINE
         try:
-            await self.move_all(worker, suspect)
-        except asyncio.CancelledError:
-            self.log.warning("re-route interrupted", worker=worker)
-            raise
-        except Exception as e:                      # e.g. the connection closed at shutdown: a log line
-            self.log.error("re-route failed", worker=worker, error=f"{type(e).__name__}: {e}")
+            while True:
+                try:
+                    if taken is None:               # once: a retry finds the consumer deleted
+                        taken = await self.delivered(worker)
+                    await self.move_all(worker, suspect, taken)
+                    return
+                except asyncio.CancelledError:
+                    self.log.warning("re-route interrupted", worker=worker)
+                    raise
+                except Exception as e:              # e.g. the connection closed at shutdown: a log line
+                    error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, nats.errors.ConnectionClosedError) or time.monotonic() > deadline:
+                        self.log.error("re-route failed", worker=worker, error=error)
+                        return
+                    self.log.warning("re-route failed; retrying", worker=worker, error=error, retry_in=REROUTE_RETRY)
+                await asyncio.sleep(REROUTE_RETRY)
+                if self.back(worker):
+                    self.log.warning("work not re-routed: the worker is back", worker=worker)
+                    return
+        finally:
+            self.rerouting.discard(worker)
 
-    async def move_all(self, worker: str, suspect: str) -> None:
-        taken = await self.delivered(worker)
+    def back(self, worker: str) -> bool:
+        return any(w.hb.worker == worker for w in self.registry.live(time.time()))
+
+    async def move_all(self, worker: str, suspect: str, taken: int) -> None:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(subjects.WORK_STREAM, f"worker-{worker}")
         name = f"reroute-{worker}-{uuid.uuid4().hex[:12]}"
@@ -289,14 +320,17 @@ class RouterService:
             self.log.warning("work re-routed", worker=worker, requests=moved, suspect=suspect or None)
 
     async def delivered(self, worker: str) -> int:
-        """The last stream sequence the worker's consumer delivered: items up to it were taken."""
+        """The last stream sequence the worker's consumer delivered: items up to it were taken. 0 when it
+        has no consumer; a server that does not answer raises (the re-route is tried again)."""
         try:
             info = await self.js.consumer_info(subjects.WORK_STREAM, f"worker-{worker}")
-        except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
+        except nats.js.errors.NotFoundError:
             return 0
         return info.delivered.stream_seq if info.delivered else 0
 
     async def drain(self, worker: str, name: str, taken: int, suspect: str) -> int:
+        """Moves every item of the re-route consumer. An empty fetch ends it only once the consumer says
+        nothing is left to deliver: on a busy server a fetch can time out with the items still there."""
         sub = await self.js.pull_subscribe_bind(stream=subjects.WORK_STREAM, name=name)
         moved = 0
         try:
@@ -304,7 +338,9 @@ class RouterService:
                 try:
                     msgs = await sub.fetch(batch=64, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    return moved
+                    if (await self.js.consumer_info(subjects.WORK_STREAM, name)).num_pending == 0:
+                        return moved
+                    continue
                 for msg in msgs:
                     n = await self.move(msg, worker, msg.metadata.sequence.stream <= taken, suspect)
                     if n < 0:                   # it came back (its heartbeat had only lapsed): the rest is its own

@@ -9,6 +9,7 @@ import nats
 from schemas import subjects
 from schemas.messages import Heartbeat, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
+from services.router import service
 from services.router.service import RouterService
 
 
@@ -110,5 +111,61 @@ def test_a_worker_back_before_its_work_moved_keeps_it_with_the_strikes(nats_url)
         sub = await js.pull_subscribe(subjects.work("gone"), stream=subjects.WORK_STREAM)
         items = [decode(m.data, WorkItem) for m in await sub.fetch(10, timeout=2)]
         assert sorted((w.request.id, w.strikes) for w in items) == [("a", 1), ("b", 0)]
+        await nc.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_fetches_that_time_out_on_a_busy_server_do_not_end_the_re_route_early(nats_url):
+    """An empty fetch is not an empty consumer: the items moved all the same once fetches answer."""
+    async def main():
+        nc, js, router = await setup(nats_url, ["a", "b", "c"], taken=2)
+        bind, timeouts = router.js.pull_subscribe_bind, [2]
+
+        async def slow_bind(**kw):
+            sub = await bind(**kw)
+            fetch = sub.fetch
+
+            async def slow_fetch(*a, **k):
+                if timeouts[0]:
+                    timeouts[0] -= 1
+                    raise nats.errors.TimeoutError
+                return await fetch(*a, **k)
+            sub.fetch = slow_fetch
+            return sub
+        router.js.pull_subscribe_bind = slow_bind
+        await router.reroute("gone")
+        assert timeouts == [0] and await consumers(js) == []
+        assert {rid: w.strikes for rid, w in (await moved(js)).items()} == {"a": 1, "b": 1, "c": 0}
+        await nc.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_re_route_that_fails_is_tried_again_and_keeps_the_strikes_of_the_items_taken(nats_url, monkeypatch):
+    monkeypatch.setattr(service, "REROUTE_RETRY", 0.05)
+
+    async def main():
+        nc, js, router = await setup(nats_url, ["a", "b"], taken=1)
+        send, failures = router.send, [1]
+
+        async def flaky(item):
+            if failures[0]:
+                failures[0] -= 1
+                raise asyncio.TimeoutError
+            await send(item)
+        router.send, router.log = flaky, Recorder()
+        await router.reroute("gone")
+        assert await consumers(js) == []
+        assert {rid: w.strikes for rid, w in (await moved(js)).items()} == {"a": 1, "b": 0}
+        await nc.close()
+        return router.log.lines
+    lines = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [e for _, e, _ in lines if "re-route" in e] == ["re-route failed; retrying", "work re-routed"]
+
+
+def test_a_second_departure_of_a_worker_being_re_routed_starts_no_second_re_route(nats_url):
+    async def main():
+        nc, js, router = await setup(nats_url, ["a"], taken=1)
+        await asyncio.gather(router.reroute("gone"), router.reroute("gone"))
+        assert (await moved(js))["a"].strikes == 1      # one strike: the second found it being moved
         await nc.close()
     asyncio.run(asyncio.wait_for(main(), 30))
