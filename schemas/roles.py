@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from schemas import subjects as s
 
 API = "$JS.API"
-KV_STREAMS = [f"KV_{s.WORKERS_BUCKET}", f"KV_{s.OUTCOMES_BUCKET}", f"KV_{s.LIMITS_BUCKET}", f"KV_{s.GATEWAYS_BUCKET}"]
+KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
+                                   s.SUSPECTS_BUCKET)]
 ALL_STREAMS = [c.name for c in s.STREAMS] + KV_STREAMS
 MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
@@ -62,6 +63,7 @@ def kv_write(bucket: str) -> list[str]:
 
 
 REGISTRY, OUTCOMES, LIMITS, GATEWAYS = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET
+SUSPECTS = s.SUSPECTS_BUCKET
 
 ROLES: dict[str, Permissions] = {
     # accepts requests, streams their tokens, meters them; resumes a stream from the request log's copy;
@@ -88,11 +90,12 @@ ROLES: dict[str, Permissions] = {
                  f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
         subscribe=[s.KV_EVENTS_ALL, s.RESULTS_SUBJECTS]),
     # runs its work queue: tokens, completions, usage (when the gateway's is missing), dead letters,
-    # heartbeats, outcomes, KV events; disaggregated: hands prefilled requests back to the router, and
-    # pulls and serves KV blocks
+    # heartbeats, the request it runs alone, outcomes, KV events; disaggregated: hands prefilled requests
+    # back to the router, and pulls and serves KV blocks
     "worker": Permissions(
         publish=[each(s.out), each(s.done), each(s.usage), each(s.dead), each(s.route), s.KV_TRANSFER_ALL,
                  s.KV_EVENTS_ALL, s.PROGRESS_ALL, *keep_streams(), *kv_write(REGISTRY), *kv_get(REGISTRY),
+                 *kv_write(SUSPECTS), *kv_get(SUSPECTS),
                  *kv_write(OUTCOMES), *kv_get(OUTCOMES),
                  f"{API}.CONSUMER.DURABLE.CREATE.{s.WORK_STREAM}.*", f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],

@@ -34,6 +34,7 @@ REGISTRY_STREAM = f"KV_{WORKERS_BUCKET}"                           # the stream 
 OUTCOMES_BUCKET = "tb_outcomes"                                    # how each request ended, key = request id
 LIMITS_BUCKET = "tb_limits"                                        # tenants' shared token buckets, key = tenant
 GATEWAYS_BUCKET = "tb_gateways"                                    # live gateways, key = gateway id
+SUSPECTS_BUCKET = "tb_suspects"                                    # the request a worker runs alone, key = worker id
 CANCEL_ALL = "tb.cancel.*"
 RESEND_ALL = "tb.resend.*"
 PROGRESS_ALL = "tb.progress.*"
@@ -175,6 +176,7 @@ MAX_STRIKES = 2                          # failures or crashes of workers before
 LIMITS_TTL = 120.0                       # a tenant's shared bucket untouched this long is full (60 s refill it)
 GATEWAY_TTL = 3.0                        # a gateway that has not said it is alive for this long has left
 OUTCOME_TTL = 2 * QUEUE_MAX_AGE          # outlives every work item that could still be redelivered
+SUSPECT_TTL = QUEUE_MAX_AGE              # a worker's suspect is kept as long as its work could be redelivered
 REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)
 STALL_SECONDS = 5.0                      # a stream silent this long is checked (outcome, resend)
 RESUME_GRACE = 10.0                      # seconds a stream whose client's connection dropped waits for a resume
@@ -338,6 +340,7 @@ async def ensure_streams(js) -> None:
     await outcomes(js)
     await limits(js)
     await gateways(js)
+    await suspects(js)
 
 
 async def replicated(create, config, field: str):
@@ -390,6 +393,18 @@ async def gateways(js):
     except nats.js.errors.BucketNotFoundError:
         return await replicated(js.create_key_value, api.KeyValueConfig(
             bucket=GATEWAYS_BUCKET, ttl=GATEWAY_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+
+
+async def suspects(js):
+    """The KV bucket of suspects (key = worker id, value = the id of the request it runs alone; none when
+    it runs none). A worker restarted under the same id reads what its previous life said, however long
+    the restart took (its heartbeat in tb_workers is gone WORKER_TTL after its last), so only that request
+    takes a strike for the crash when their items are delivered again."""
+    try:
+        return await js.key_value(SUSPECTS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=SUSPECTS_BUCKET, ttl=SUSPECT_TTL, history=1, storage=api.StorageType.FILE), "replicas")
 
 
 async def live_workers(kv) -> list[Heartbeat]:

@@ -131,6 +131,7 @@ class WorkerService:
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
         self.registry = await subjects.registry(self.js)
+        self.suspects = await subjects.suspects(self.js)
         self.outcomes = await subjects.outcomes(self.js)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         await self.nc.subscribe(subjects.RESEND_ALL, cb=self.on_resend)
@@ -217,13 +218,16 @@ class WorkerService:
 
     async def announce_suspect(self) -> None:
         """Before a request with a strike runs alone, the heartbeat says so: if this worker dies now,
-        the router blames that request only, not the innocent ones it held."""
+        the router blames that request only, not the innocent ones it held. tb_suspects says so too,
+        for this worker's next life (its heartbeat is gone WORKER_TTL later)."""
         suspect = self.engine.scheduler.suspect()
         rid = suspect.request_id if suspect is not None else ""
         if rid != self.suspect:
             self.suspect = rid
             try:
                 await self.heartbeat()
+                await asyncio.wait_for(self.suspects.put(self.id, rid.encode()) if rid else
+                                       self.suspects.delete(self.id), 2 * subjects.HEARTBEAT_SECONDS)
             except subjects.BUS_ERRORS as e:
                 self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
 
@@ -677,12 +681,14 @@ class WorkerService:
 
 
 async def last_suspect(nc, worker: str) -> str:
-    """The request this worker's previous life (same id, restarted within WORKER_TTL) last said ran
-    alone, from its heartbeat still in the registry; read before the model loads, while it lasts."""
+    """The request this worker's previous life (same id) last said ran alone (tb_suspects), taken off
+    the bucket: what this life runs alone it says itself."""
     try:
-        entry = await (await subjects.registry(nc.jetstream())).get(worker)
-        return decode(entry.value, Heartbeat).isolated if entry.value else ""
-    except (nats.errors.Error, WireError):
+        suspects = await subjects.suspects(nc.jetstream())
+        rid = ((await suspects.get(worker)).value or b"").decode()
+        await suspects.delete(worker)
+        return rid
+    except (nats.errors.Error, asyncio.TimeoutError, UnicodeDecodeError):
         return ""
 
 

@@ -113,6 +113,8 @@ class RouterService:
             self.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
             return
         if hb.worker not in self.registry.workers:
+            if time.time() - hb.ts >= subjects.WORKER_TTL:     # a departed worker's last one, read by a new watch
+                return
             self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
         self.registry.update(hb)
         if self.index.needs_snapshot(hb.worker):

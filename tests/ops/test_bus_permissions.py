@@ -14,6 +14,7 @@ from ops import bus, procs
 from schemas import roles, subjects
 from schemas.credentials import CREDS_ENV, Credentials, seed_file
 from schemas.messages import Usage, encode
+from workers import service
 
 VIOLATION = "permissions violation"
 
@@ -232,8 +233,8 @@ def test_generated_seeds_are_private_and_kept(tmp_path):
 
 def test_the_rarer_jobs_of_each_service_are_allowed(secured):
     """What a plain request does not exercise: the gateway asks a worker to resend and reads an outcome,
-    a worker asks the gateway for a client's progress, dead-letters, writes and deletes registry and outcome
-    entries, the router ends a request past its deadline (its Outcome) and watches the registry."""
+    a worker asks the gateway for a client's progress, dead-letters, writes and deletes registry, suspect
+    and outcome entries, the router ends a request past its deadline (its Outcome) and watches the registry."""
     async def main():
         async with (as_role(secured, "gateway") as (gw, g_errors), as_role(secured, "worker") as (w, w_errors),
                     as_role(secured, "router") as (router, r_errors)):
@@ -258,6 +259,8 @@ def test_the_rarer_jobs_of_each_service_are_allowed(secured):
             await watcher.stop()
             assert await (await subjects.registry(gw.jetstream())).keys() == ["w0"]
             await registry.delete("w0")
+            await (await subjects.suspects(w.jetstream())).put("w0", b"r1")
+            assert await service.last_suspect(w, "w0") == "r1"             # read and deleted
             assert g_errors.violations() == w_errors.violations() == r_errors.violations() == []
 
     asyncio.run(asyncio.wait_for(main(), 30))

@@ -222,3 +222,39 @@ class _Acked:
 
     async def ack(self):
         self.acked = True
+
+
+class _Spy:
+    """Stands in for the tb_suspects bucket: records the puts and deletes, then makes them."""
+
+    def __init__(self, kv):
+        self.kv, self.calls = kv, []
+
+    async def put(self, key, value):
+        self.calls.append(("put", key, value.decode()))
+        return await self.kv.put(key, value)
+
+    async def delete(self, key):
+        self.calls.append(("delete", key))
+        return await self.kv.delete(key)
+
+
+def test_a_request_run_alone_is_named_in_tb_suspects_until_its_first_token_and_the_next_life_reads_it_once(
+        nats_url, engine):
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        q = await stream(nc, "suspect")
+        async with worker(nats_url, engine) as service:
+            while not hasattr(service, "suspects"):                         # the worker is up
+                await asyncio.sleep(0.05)
+            service.suspects = spy = _Spy(service.suspects)
+            await submit(js, "suspect", [5, 6], attempt=1, strikes=1)
+            assert (await until_end(q))[-1].finish_reason == "length"
+        assert spy.calls == [("put", "w0", "suspect"), ("delete", "w0")]
+        kv = await subjects.suspects(js)
+        await kv.put("w0", b"suspect")                  # a life that died running it alone
+        assert [await service_module.last_suspect(nc, "w0") for _ in range(2)] == ["suspect", ""]
+        await nc.close()
+    asyncio.run(main())
