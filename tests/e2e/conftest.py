@@ -2,6 +2,7 @@
 127.0.0.1 ports, stopped after the module."""
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import orjson
 import pytest
@@ -28,8 +30,47 @@ def start_stack(model: str, data_dir, workers: int = 2, extra_worker_args: tuple
                          worker_args=[*WORKER_ARGS, *extra_worker_args]))
 
 
+STACKS: list[Stack] = []                        # every stack started this session: a failing test's report
+ROUTINE = ("routed", "router stats", "kv snapshot loaded", "tokenized", "request accepted", "request started",
+           "request finished")
+MAX_EVENTS = 80                                 # lines of a failing test's report, per stack
+
+
+def events(stack: Stack, since: float = 0.0, until: float = float("inf")) -> str:
+    """What the stack's services logged between two unix times, but the routine lines, in time order:
+    why a failure failed."""
+    lines = []
+    for name in stack.children:
+        path = stack.log(name)
+        if name.startswith("nats") or not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                e = json.loads(line)
+                ts = datetime.fromisoformat(e.pop("timestamp")).timestamp()
+                if e.get("event") not in ROUTINE and since <= ts <= until:
+                    when = datetime.fromtimestamp(ts, timezone.utc)
+                    lines.append((ts, f"{when:%H:%M:%S.%f} {name}: {e.pop('event', '')} "
+                                      + " ".join(f"{k}={v}" for k, v in e.items() if k != "service")))
+    return "\n".join(text for _, text in sorted(lines))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing e2e test's report ends with what its stacks logged while it ran (CI keeps no files)."""
+    report = (yield).get_result()
+    if report.when == "call" and report.failed:
+        # the tests import this file as tests.e2e.conftest, pytest as a module of its own: their list
+        for stack in importlib.import_module("tests.e2e.conftest").STACKS:
+            found = events(stack, call.start - 1, call.stop + 1).splitlines()
+            if found:
+                report.sections.append((f"events of the stack in {stack.data_dir.name}",
+                                        "\n".join(found[-MAX_EVENTS:])))
+
+
 def started(stack: Stack) -> Stack:
     """The stack started and ready, or stopped and the error raised."""
+    STACKS.append(stack)
     try:
         stack.start()
         stack.wait_ready()

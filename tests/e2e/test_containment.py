@@ -108,22 +108,8 @@ async def wait_for_a_death(stack, timeout: float = 60.0) -> None:
     dead = {w for w in ("w0", "w1") if stack.children[w].poll() is not None}
     deadline = time.monotonic() + timeout
     while {w for w in ("w0", "w1") if stack.children[w].poll() is not None} == dead:
-        assert time.monotonic() < deadline, f"no worker died of the poison ({dead or 'none'} before)\n" + events(stack)
+        assert time.monotonic() < deadline, f"no worker died of the poison ({dead or 'none'} before)"
         await asyncio.sleep(0.1)
-
-
-def events(stack) -> str:
-    """What the router and the workers logged, but the routine lines: why a failure failed."""
-    routine = ("routed", "router stats", "kv snapshot loaded")
-    lines = []
-    for name in ("router", "w0", "w1"):
-        for line in stack.log(name).read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                e = json.loads(line)
-                if e.get("event") not in routine:
-                    lines.append(f"{e.get('timestamp', '')[11:23]} {name}: {e.pop('event', '')} "
-                                 + " ".join(f"{k}={v}" for k, v in e.items() if k not in ("timestamp", "service")))
-    return "\n".join(sorted(lines))
 
 
 LONG = {"max_tokens": 120, "temperature": 0.8, "ignore_eos": True}
