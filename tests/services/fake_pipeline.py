@@ -154,6 +154,10 @@ async def gateway(nats_url: str, model: str, tok: Tokenizer, script=None, reques
     await down.start(requests, workers)
     down.ws, down.http = f"ws://127.0.0.1:{port}/ws", f"http://127.0.0.1:{port}"
     down.loop, down.app = asyncio.get_running_loop(), server.config.app
+    seen = down.app.state.gateway.admission.cluster.workers
+    async with asyncio.timeout(10):               # its registry watch has the fake workers: none is refused 503
+        while len(seen) < workers:
+            await asyncio.sleep(0.01)
     try:
         yield down
     finally:
