@@ -407,6 +407,11 @@ async def suspects(js):
             bucket=SUSPECTS_BUCKET, ttl=SUSPECT_TTL, history=1, storage=api.StorageType.FILE), "replicas")
 
 
+def lapsed(hb: Heartbeat, now: float) -> bool:
+    """A worker whose last heartbeat is WORKER_TTL old has left, whether or not the bucket has expired it."""
+    return now - hb.ts >= WORKER_TTL
+
+
 async def live_workers(kv) -> list[Heartbeat]:
     """The latest heartbeat of every live worker in the registry bucket, by worker id: one older than
     WORKER_TTL is gone, whether or not the bucket has expired its entry yet."""
@@ -422,7 +427,7 @@ async def live_workers(kv) -> list[Heartbeat]:
     finally:
         await watcher.stop()
     now = time.time()
-    return sorted((b for b in beats if now - b.ts < WORKER_TTL), key=lambda b: b.worker)
+    return sorted((b for b in beats if not lapsed(b, now)), key=lambda b: b.worker)
 
 
 def refused(e: Exception) -> bool:

@@ -229,7 +229,7 @@ class WorkerService:
                 await asyncio.wait_for(self.suspects.put(self.id, rid.encode()) if rid else
                                        self.suspects.delete(self.id), 2 * subjects.HEARTBEAT_SECONDS)
             except subjects.BUS_ERRORS as e:
-                self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
+                self.log.warning("suspect not announced", suspect=rid or None, error=str(e) or type(e).__name__)
 
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         rid, r = req.request_id, run.item.request

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from schemas.messages import GenerateRequest, Heartbeat
 from schemas.served import serves
-from schemas.subjects import HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL
+from schemas.subjects import HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL, lapsed
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key
 
@@ -130,7 +130,7 @@ class Cluster:
         A batch request takes only a worker with spare capacity; a request for a model (and a revision) only
         a worker serving it ("": any). `idle`: the tenant has nothing in flight, so a worker with the fair
         policy takes it past the queue watermark."""
-        live = [hb for hb in self.workers.values() if now - hb.ts < WORKER_TTL or now < self.grace_until]
+        live = [hb for hb in self.workers.values() if not lapsed(hb, now) or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
         live = [hb for hb in live if serves(hb, model, revision)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat
 from schemas.served import serves
-from schemas.subjects import WORKER_TTL
+from schemas.subjects import lapsed
 from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
@@ -107,7 +107,7 @@ class Registry:
         self.index.drop(worker)
 
     def live(self, now: float) -> list[Worker]:
-        return sorted((w for w in self.workers.values() if now - w.hb.ts < WORKER_TTL), key=lambda w: w.hb.worker)
+        return sorted((w for w in self.workers.values() if not lapsed(w.hb, now)), key=lambda w: w.hb.worker)
 
     def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False,
              hashes: dict[int, list[int]] | None = None, model: str = "", revision: str = "") -> Choice | None:

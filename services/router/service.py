@@ -113,7 +113,7 @@ class RouterService:
             self.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
             return
         if hb.worker not in self.registry.workers:
-            if time.time() - hb.ts >= subjects.WORKER_TTL:     # a departed worker's last one, read by a new watch
+            if subjects.lapsed(hb, time.time()):    # a departed worker's last one, read again by a new watch
                 return
             self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
         self.registry.update(hb)
@@ -124,7 +124,7 @@ class RouterService:
         while True:
             await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
             now = time.time()
-            if any(now - w.hb.ts >= subjects.WORKER_TTL for w in self.registry.workers.values()):
+            if any(subjects.lapsed(w.hb, now) for w in self.registry.workers.values()):
                 await self.check_registry(now)
             self.drop_lapsed(now)
 
@@ -154,7 +154,7 @@ class RouterService:
         if not self.settled(now):
             return
         for w in list(self.registry.workers.values()):
-            if now - w.hb.ts >= subjects.WORKER_TTL:
+            if subjects.lapsed(w.hb, now):
                 self.leave(w.hb.worker, "heartbeat lapsed")
 
     def settled(self, now: float) -> bool:

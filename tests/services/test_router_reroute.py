@@ -162,10 +162,26 @@ def test_a_re_route_that_fails_is_tried_again_and_keeps_the_strikes_of_the_items
     assert [e for _, e, _ in lines if "re-route" in e] == ["re-route failed; retrying", "work re-routed"]
 
 
-def test_a_second_departure_of_a_worker_being_re_routed_starts_no_second_re_route(nats_url):
+def test_a_second_departure_while_the_first_re_route_waits_to_retry_starts_no_second_re_route(nats_url, monkeypatch):
+    """A second re-route would find the worker's consumer gone (the first deleted it), count nothing taken
+    and move the item without its strike."""
+    monkeypatch.setattr(service, "REROUTE_RETRY", 0.5)
+
     async def main():
         nc, js, router = await setup(nats_url, ["a"], taken=1)
-        await asyncio.gather(router.reroute("gone"), router.reroute("gone"))
-        assert (await moved(js))["a"].strikes == 1      # one strike: the second found it being moved
+        send, failures = router.send, [1]
+
+        async def flaky(item):
+            if failures[0]:
+                failures[0] -= 1
+                raise asyncio.TimeoutError
+            await send(item)
+        router.send = flaky
+        first = asyncio.create_task(router.reroute("gone"))
+        while failures[0]:                              # the first failed once and waits to try again
+            await asyncio.sleep(0.01)
+        await router.reroute("gone")
+        await first
+        assert (await moved(js))["a"].strikes == 1
         await nc.close()
     asyncio.run(asyncio.wait_for(main(), 30))
