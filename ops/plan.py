@@ -110,8 +110,8 @@ def measured_cpu(dtype: str = "float32") -> Gpu:
 
 
 def model_config(name: str) -> tuple[str, ModelConfig]:
-    if name in MODELS:
-        return name, ModelConfig.from_hf(MODELS[name])
+    if name.lower() in MODELS:                  # SmolLM2-135M as well as smollm2-135m
+        return name.lower(), ModelConfig.from_hf(MODELS[name.lower()])
     path = Path(name)
     if path.name == "config.json":
         return name, ModelConfig.from_hf(json.loads(path.read_text()))

@@ -566,13 +566,14 @@ def meets(rows: list, done: list, cfg: SimConfig) -> bool:
     return percentiles([r[0] for r in rows])["p99"] <= cfg.ttft_slo and (tpot is None or tpot <= cfg.tpot_slo)
 
 
-def search(cfg: SimConfig, most: int = 4096) -> tuple[int, dict]:
-    """The fewest colocated workers per cell that meet the SLOs at cfg.rate: doubling, then bisection."""
+def search(cfg: SimConfig, arrivals: list[Arrival] | None = None, most: int = 4096) -> tuple[int, dict]:
+    """The fewest colocated workers per cell that meet the SLOs at cfg.rate (or on the replayed arrivals):
+    doubling, then bisection."""
     import dataclasses
     tried: dict[int, dict] = {}
 
     def ok(n: int) -> bool:
-        r = tried[n] = simulate(dataclasses.replace(cfg, workers=n))
+        r = tried[n] = simulate(dataclasses.replace(cfg, workers=n), arrivals)
         print(f"search: {n} workers a cell: p99 TTFT {r['ttft_s']['p99'] * 1e3:,.0f} ms, p99 TPOT "
               f"{(r['tpot_s']['p99'] or 0) * 1e3:,.1f} ms, {r['unfinished']:,.0f} unfinished: "
               f"{'meets' if r['meets_slo'] else 'misses'} the SLOs", file=sys.stderr, flush=True)
@@ -727,7 +728,7 @@ def main(args) -> None:
     cfg = cpu_config(args) if args.gpu == "cpu" else gpu_config(args)
     arrivals = replayed(args.replay) if args.replay else None
     if args.search:
-        workers, r = search(cfg)
+        workers, r = search(cfg, arrivals)
         r["search"] = {"rate": cfg.rate, "workers_per_cell": workers, "nodes": workers * cfg.cells if workers > 0
                        else None}
     else:

@@ -73,3 +73,15 @@ def test_this_cpu_is_measured_and_planned_like_a_gpu(capsys):
     assert r["gpu"]["name"].startswith("this CPU") and r["gpu"]["flops"] > 1e9 and r["gpu"]["bandwidth"] > 1e8
     assert r["bytes_per_parameter"] == 4 and r["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4     # float32
     assert r["node"]["rate"] > 0 and r["nodes_at_peak"] >= 1
+
+
+def test_a_config_json_a_preset_in_any_case_and_every_gpu_preset_plan(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(plan.MODELS["llama-3-8b"]))
+    assert plan.model_config(str(path))[1] == plan.model_config("llama-3-8b")[1]
+    assert plan.model_config("SmolLM2-135M") == plan.model_config("smollm2-135m")
+    for gpu, memory, bandwidth in (("h200", 141e9, 4.8e12), ("a100", 80e9, 2.039e12)):
+        main(["plan", "--model", str(path), "--gpu", gpu, "--tp", "1", "--json"])
+        r = json.loads(capsys.readouterr().out)
+        assert r["gpu"]["memory"] == memory and r["gpu"]["bandwidth"] == bandwidth
+        assert r["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 and r["nodes_at_peak"] >= 1

@@ -164,3 +164,18 @@ def test_a_tenant_is_name_share_and_optionally_weight_and_priority():
     for bad in ("chat", "chat:x", ":0.5", "chat:0.5:0", "chat:0:1"):
         with pytest.raises(ValueError, match="--tenant"):
             parse_tenant(bad)
+
+
+def test_the_command_searches_on_a_replayed_log_and_plots_it(tmp_path, capsys):
+    """--search with --replay sizes the fleet for the log's requests, not for Poisson arrivals; --plot writes
+    the figure."""
+    records = [{"id": f"r{i}", "created": 1000.0 + i / 4, "prompt_token_ids": [20 + i] * 300,
+                "output_token_ids": [5] * 16, "sampling": {"max_tokens": 64}} for i in range(12)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = tmp_path / "sim.png"
+    cli.main(["sim", "--model", "llama-3-8b", "--tp", "1", "--workers", "1", "--replay", str(log), "--search",
+              "--plot", str(png), "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["requests"] == r["finished"] == 12 and r["search"]["workers_per_cell"] >= 1 and r["meets_slo"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
