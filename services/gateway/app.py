@@ -151,7 +151,14 @@ async def http_error(request, exc: HTTPException) -> Response:
 
 async def server_error(request, exc: Exception) -> Response:
     request.app.state.gateway.log.error("request failed", path=request.url.path, error=repr(exc))
-    return ApiError(500, f"the gateway failed: {type(exc).__name__}", "internal").response()
+    e = ApiError(500, f"the gateway failed: {type(exc).__name__}", "internal")
+    counted(request.app, e)
+    return e.response()
+
+
+def counted(app: Starlette, e: ApiError) -> None:
+    """A refusal made outside a route (no key read), counted by its code under tenant "-"."""
+    app.state.gateway.metrics.error("-", e.code or str(e.status))
 
 
 class HeaderLimit:
@@ -172,6 +179,7 @@ class HeaderLimit:
                               "bytes", "headers_too_large")
         else:
             return await self.app(scope, receive, send)
+        counted(scope["app"], e)
         if scope["type"] == "websocket":
             await WebSocket(scope, receive, send).send_denial_response(e.response())
         else:
@@ -185,8 +193,10 @@ class Http(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         if len(self.conn.trailing_data[0]) <= MAX_HEADER_BYTES:
             return super().send_400_response(msg)
-        body = orjson.dumps(ApiError(431, f"the request line and headers are more than MAX_HEADER_BYTES="
-                                          f"{MAX_HEADER_BYTES} bytes", "headers_too_large").body())
+        e = ApiError(431, f"the request line and headers are more than MAX_HEADER_BYTES={MAX_HEADER_BYTES} bytes",
+                     "headers_too_large")
+        counted(self.config.app, e)
+        body = orjson.dumps(e.body())
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                              b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         self.transport.close()

@@ -13,9 +13,11 @@ import pytest
 from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
+from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
+from services.gateway import api
 from services.gateway.admission import Admission
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, heartbeat, said, served
-from tests.services.test_gateway_api import chat, error_of, http, post, run, usage_records
+from tests.services.test_gateway_api import chat, error_of, http, post, raw_request, run, usage_records
 from tests.services.test_metrics import scrape
 
 CACHED = 3
@@ -268,9 +270,25 @@ def test_logprobs_report_a_partial_character_token_by_its_own_bytes(nats_url, ti
 
 # -- refusals in the metrics -------------------------------------------------------------------------
 
-def test_every_refusal_is_counted_by_its_code_in_the_metrics(nats_url, tiny_model, tok, keys_file):
+def test_every_refusal_is_counted_by_its_code_in_the_metrics(nats_url, tiny_model, tok, keys_file, monkeypatch):
+    def boom(*_):
+        raise RuntimeError("forced")
+
     async def body():
         async with gateway(nats_url, tiny_model, tok, script, api_keys=keys_file) as down:
+            port = int(down.http.rsplit(":", 1)[1])
+            many = b"".join(b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS + 1))
+            got = await asyncio.to_thread(raw_request, port, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + many +
+                                          b"connection: close\r\n\r\n")                          # 431 (count)
+            assert got.startswith(b"HTTP/1.1 431"), got[:40]
+            huge = b"x-big: " + b"a" * (MAX_HEADER_BYTES + 1) + b"\r\nconnection: close\r\n\r\n"
+            got = await asyncio.to_thread(raw_request, port, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + huge)
+            assert got.startswith(b"HTTP/1.1 431"), got[:40]                                  # 431 (h11's)
+            with monkeypatch.context() as m:
+                m.setattr(api, "card", boom)
+                status, _, _ = await asyncio.to_thread(http, "GET", down.http + "/v1/models",
+                                                       headers={"authorization": "Bearer sk-acme"})
+                assert status == 500                                                         # 500
             await post(down, "/v1/chat/completions", chat(n=2), key="sk-acme")                      # 400
             await post(down, "/v1/chat/completions", chat(), key="sk-wrong")                        # 401
             await post(down, "/v1/chat/completions", chat(model="gpt-9"), key="sk-acme")             # 404
@@ -295,7 +313,9 @@ def test_every_refusal_is_counted_by_its_code_in_the_metrics(nats_url, tiny_mode
                    if name == "tokenbus_request_errors_total"}
             assert got == {("invalid_request", "acme"): 2.0, ("max_tokens_too_large", "acme"): 1.0,
                            ("invalid_api_key", "-"): 2.0, ("model_not_found", "acme"): 2.0,
-                           ("rate_limit_exceeded", "tight"): 1.0, ("unavailable", "acme"): 1.0}, got
+                           ("rate_limit_exceeded", "tight"): 1.0, ("unavailable", "acme"): 1.0,
+                           ("too_many_headers", "-"): 1.0, ("headers_too_large", "-"): 1.0,
+                           ("internal", "-"): 1.0}, got
             await down.register(heartbeat("fake0"))
     run(body())
 
