@@ -235,6 +235,9 @@ MAX_BODY_BYTES = 4 << 20                 # one HTTP request body
 MAX_HEADERS = 100                        # header fields of one HTTP request or websocket handshake
 MAX_HEADER_BYTES = 32 << 10              # the request line and headers together
 QUEUE_WATERMARK = 1.0                    # a worker with this × max_num_seqs queued beyond a full batch takes no more
+BATCH_PRIORITY = 100                     # a batch key's default; the router places a request this late as batch
+BATCH_WATERMARK = 0.75                   # spare room for batch: fewer than this × max_num_seqs running ...
+BATCH_KV_FREE = 0.25                     # ... at least this share of the KV blocks free, and nothing waiting
 
 
 # -- connecting -----------------------------------------------------------------------------------

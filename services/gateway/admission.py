@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 
 from schemas.messages import GenerateRequest, Heartbeat
 from schemas.served import serves
-from schemas.subjects import HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL, lapsed
+from schemas.subjects import BATCH_KV_FREE, BATCH_WATERMARK, HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL, lapsed
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key
 
 BYTES_PER_TOKEN = 4              # English text under a byte-level BPE; corrected when the request ends
 MESSAGE_OVERHEAD = 4             # chat-template tokens around each message
 BUSY_RETRY = 2 * HEARTBEAT_SECONDS
-BATCH_WATERMARK = 0.75           # a batch request needs a worker running fewer than this share of max_num_seqs ...
-BATCH_KV_FREE = 0.25             # ... with at least this share of its KV blocks free, and nothing waiting
 BATCH_RETRY = 5.0                # seconds: spare capacity comes back slower than a queue drains
 
 

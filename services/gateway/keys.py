@@ -22,13 +22,12 @@ from pathlib import Path
 import orjson
 
 from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT
-from schemas.subjects import token
+from schemas.subjects import BATCH_PRIORITY, token
 
 FIELDS = {"tenant", "tokens_per_minute", "max_concurrent_requests", "class", "priority", "fallback", "weight"}
 LIMITS = ("tokens_per_minute", "max_concurrent_requests")
 PER_TENANT = (*LIMITS, "weight")  # every key of a tenant gives the same
 CLASSES = ("interactive", "batch")
-BATCH_PRIORITY = 100              # a batch key's default priority: after every interactive request of priority 0
 
 
 @dataclass(slots=True, frozen=True)

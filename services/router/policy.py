@@ -10,6 +10,11 @@ heartbeat, and three policies.
 - round-robin: each live worker in turn.
 The prefix index is consulted under every policy, so each decision has a predicted hit to compare.
 
+A batch request (priority BATCH_PRIORITY or later: a batch key's default) is placed, under every
+policy, only among the workers with spare capacity when one has it, as admission counts spare
+capacity: nothing waiting, fewer than BATCH_WATERMARK × max_num_seqs running, BATCH_KV_FREE of the KV
+blocks free; with none spare, it is placed as any request.
+
 Disaggregated serving (workers of role prefill and decode; role both is colocated): a request
 goes to a prefill worker when its uncached prompt — on the decode-capable worker that holds most
 of it — is longer than max_local_prefill tokens and some prefill worker has at most
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat
 from schemas.served import serves
-from schemas.subjects import lapsed
+from schemas.subjects import BATCH_KV_FREE, BATCH_PRIORITY, BATCH_WATERMARK, lapsed
 from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
@@ -110,20 +115,23 @@ class Registry:
         return sorted((w for w in self.workers.values() if not lapsed(w.hb, now)), key=lambda w: w.hb.worker)
 
     def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False,
-             hashes: dict[int, list[int]] | None = None, model: str = "", revision: str = "") -> Choice | None:
+             hashes: dict[int, list[int]] | None = None, model: str = "", revision: str = "",
+             priority: int = 0) -> Choice | None:
         """A worker for a request (a handoff: a decode-capable one), or None when none can take it.
         `hashes` may bring the prompt's block hashes per block size, already known (the simulator's).
-        Only workers serving `model` (and `revision`) are candidates; "" means any."""
+        Only workers serving `model` (and `revision`) are candidates; "" means any. A batch `priority`
+        takes a worker with spare capacity if there is one."""
         self.known = hashes or {}
+        batch = priority >= BATCH_PRIORITY
         live = [w for w in self.live(now) if serves(w.hb, model, revision)]
         decode = [w for w in live if w.hb.role != "prefill"]
         prefill = [w for w in live if w.hb.role == "prefill"]
         if handoff:
-            return self.within(decode, now, prompt, salt, why="handoff")
+            return self.within(decode, now, prompt, salt, "handoff", batch)
         if not prefill:
-            return self.within(live, now, prompt, salt)
+            return self.within(live, now, prompt, salt, batch=batch)
         where, why = self.disaggregate(decode, prefill, prompt, salt)
-        choice = self.within(prefill if where == "remote" else decode, now, prompt, salt, f"{where}:{why}")
+        choice = self.within(prefill if where == "remote" else decode, now, prompt, salt, f"{where}:{why}", batch)
         choice.prefill = where == "remote"
         return choice
 
@@ -139,19 +147,20 @@ class Registry:
             return "local", "prefill_queue"
         return "remote", "long"
 
-    def within(self, live: list[Worker], now: float, prompt: list[int], salt: str | None, why: str = ""
-               ) -> Choice | None:
-        """The policy's pick among these workers."""
+    def within(self, live: list[Worker], now: float, prompt: list[int], salt: str | None, why: str = "",
+               batch: bool = False) -> Choice | None:
+        """The policy's pick among these workers (batch: among those with spare capacity, if any)."""
         if not live:
             return None
         hits = self.hits(live, prompt, salt)
+        pool = [w for w in live if batch and self.spare(w)] or live
         policy = self.options.policy
         if policy == "round-robin":
-            choice = Choice(self.next_after([w.hb.worker for w in live]), 0)
+            choice = Choice(self.next_after([w.hb.worker for w in pool]), 0)
         elif policy == "least-loaded":
-            choice = Choice(self.in_turn(live, lambda w: w.load), 0)
+            choice = Choice(self.in_turn(pool, lambda w: w.load), 0)
         else:
-            choice = self.cheapest(live, hits, len(prompt), now)
+            choice = self.cheapest(pool, hits, len(prompt), now)
         choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
         choice.best_hit_tokens = max(hits.values())
         choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens, now)
@@ -188,6 +197,12 @@ class Registry:
         ties = [w for w in candidates if costs[w.hb.worker] == best]
         worker = self.in_turn(ties, lambda w: (w.load, round(self.taken(w.hb.worker, now), 6)))
         return Choice(worker, 0, cost=best, guarded=len(candidates) < len(live), costs=costs)
+
+    def spare(self, w: Worker) -> bool:
+        """Room beyond what interactive traffic needs now: admission's rule, with what was routed since."""
+        hb = w.hb
+        return (hb.waiting == 0 and hb.running + w.routed < BATCH_WATERMARK * hb.max_num_seqs
+                and hb.kv_blocks_total - w.active_blocks >= BATCH_KV_FREE * hb.kv_blocks_total)
 
     def over(self, w: Worker, new_blocks: int) -> bool:
         """Above the KV or the queue watermark: the hard guard against hot spots."""

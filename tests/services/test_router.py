@@ -5,7 +5,7 @@ import pytest
 
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat, KvEvent
-from schemas.subjects import WORKER_TTL
+from schemas.subjects import BATCH_PRIORITY, WORKER_TTL
 from services.router.policy import Options, Registry
 
 BS = 16
@@ -218,6 +218,34 @@ def test_equal_costs_go_to_the_least_loaded():
     reg = registry(beat("w0", running=3, total=100, free=90), beat("w1", running=1, total=100, free=90),
                    beat("w2", running=2, total=100, free=90))
     assert picks(reg, 1, prompt(0)) == ["w1"]
+
+
+# -- traffic classes --------------------------------------------------------------------------------
+
+def test_a_batch_request_takes_the_worker_with_spare_room_while_an_interactive_one_follows_the_prefix():
+    reg = registry(beat("w0", running=6), beat("w1"))      # w0 runs 6 of 8: at BATCH_WATERMARK, no spare room
+    holds(reg, "w0", SYSTEM)
+    assert reg.pick(NOW, prompt(0)).worker == "w0"
+    assert reg.pick(NOW, prompt(1), priority=BATCH_PRIORITY).worker == "w1"
+    assert reg.pick(NOW, prompt(2), priority=BATCH_PRIORITY - 1).worker == "w0"
+    reg.update(beat("w0", running=5))                      # 5 of 8: spare room again
+    assert reg.pick(NOW, prompt(3), priority=BATCH_PRIORITY).worker == "w0"
+
+
+def test_a_batch_request_counts_kv_and_what_was_routed_since_the_heartbeat_as_used_room():
+    reg = registry(beat("w0", running=5, free=30, queued=6), beat("w1", running=3), alpha=10.0)
+    holds(reg, "w0", SYSTEM)
+    assert reg.pick(NOW, prompt(0), priority=BATCH_PRIORITY).worker == "w1"   # 24 of 100 blocks free
+    assert reg.pick(NOW, prompt(1)).worker == "w0"                           # the prefix outweighs them
+    reg.update(beat("w0", running=5))
+    assert reg.pick(NOW, prompt(2)).worker == "w0"                           # now 6 running with this one
+    assert reg.pick(NOW, prompt(3), priority=BATCH_PRIORITY).worker == "w1"
+
+
+def test_a_batch_request_with_no_spare_room_anywhere_is_placed_as_any_request():
+    reg = registry(beat("w0", running=7), beat("w1", running=6, waiting=1))
+    holds(reg, "w0", SYSTEM)
+    assert reg.pick(NOW, prompt(0), priority=BATCH_PRIORITY).worker == "w0"
 
 
 # -- disaggregated serving --------------------------------------------------------------------------
