@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -141,10 +142,23 @@ def test_structured_outputs_through_the_openai_client_and_bad_schemas_refused_by
     assert "json_schema" in refused.value.message and "objectx" in refused.value.message
 
 
+def strict(properties: dict) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+# nested, its string and array bounded: any output that follows it ends well within max_tokens; SmolLM2
+# writes about 48 tokens (the flat Reading, 33)
+SITE_READING = strict({
+    "sensor": {"enum": ["temperature", "pressure", "humidity"]},
+    "value": {"type": "number", "minimum": -40, "maximum": 125},
+    "site": strict({"room": {"type": "string", "minLength": 1, "maxLength": 6}}),
+    "flags": {"type": "array", "items": {"enum": ["low", "high", "stale"]}, "maxItems": 2},
+})
+
+
 def test_fifty_json_schema_requests_24_at_a_time_half_streamed_all_validate(stack):
     model = os.path.basename(stack.model)
-    fmt = {"type": "json_schema", "json_schema": {"name": "reading", "schema": Reading.model_json_schema(),
-                                                  "strict": True}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reading", "schema": SITE_READING, "strict": True}}
     seats = asyncio.Semaphore(24)       # 16 running, 8 waiting: under the gateway's queue watermark
 
     async def ask(api: openai.AsyncOpenAI, i: int) -> str:
@@ -164,8 +178,8 @@ def test_fifty_json_schema_requests_24_at_a_time_half_streamed_all_validate(stac
                                       timeout=120) as api:
             return await asyncio.gather(*(ask(api, i) for i in range(50)))
 
-    texts = asyncio.run(run())
-    assert [type(Reading.model_validate_json(t)) for t in texts] == [Reading] * 50
+    for text in asyncio.run(run()):
+        jsonschema.validate(json.loads(text), SITE_READING)
 
 
 def test_usage_sums_the_requests_of_each_tenant(stack, capsys):

@@ -5,6 +5,7 @@ import json
 import re
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -58,7 +59,10 @@ def test_fifty_json_schema_requests_in_one_batch_all_validate(llm):
 
 
 def test_regex_choice_and_json_object_always_match(llm):
-    prompts = chats(llm, 20, "Give the number {i} and its name as a short JSON object.")
+    # a free object may go on for ever (this model can write one string past any max_tokens): asked for
+    # two keys, it writes those and ends
+    prompts = chats(llm, 16, "Give the number {i} and its name as a short JSON object.") + \
+        chats(llm, 4, 'Write the number {i} as a JSON object with the keys "number" and "name".')
     params = ([SamplingParams(max_tokens=20, temperature=1.0, seed=i, regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}!")
                for i in range(8)]
               + [SamplingParams(max_tokens=20, temperature=1.0, seed=i, choice=["red", "green", "blue violet"])
@@ -67,11 +71,8 @@ def test_regex_choice_and_json_object_always_match(llm):
     outs = llm.generate(prompts, params)
     assert all(re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}!", o.text) for o in outs[:8])
     assert all(o.text in ("red", "green", "blue violet") for o in outs[8:16])
-    assert {o.finish_reason for o in outs[:16]} == {"stop"}
-    # a free object may run to max_tokens (this model can write one string for ever): those that end parse
-    ended = [o.text for o in outs[16:] if o.finish_reason == "stop"]
-    assert ended and all(isinstance(json.loads(t), dict) for t in ended)
-    assert all(o.text.startswith("{") for o in outs[16:])
+    assert [o.finish_reason for o in outs] == ["stop"] * 20
+    assert all(isinstance(json.loads(o.text), dict) for o in outs[16:])
 
 
 def test_unconstrained_greedy_and_seeded_outputs_are_unchanged_beside_constrained_rows(llm):
@@ -112,6 +113,34 @@ def test_masks_land_on_the_constrained_rows_wherever_they_are_in_the_batch(monke
     assert torch.equal(grammar.apply_grammars(raw, rows), want) and torch.isfinite(raw).all()
 
 
+VOCAB = ["a", "b", "c", "yes", "no", "</s>"] + [f"t{i}" for i in range(34)]
+
+
+def allowed_after(matcher, extra: list[int]) -> list[int]:
+    """The tokens grammar.fill lets a row sample after the drafts `extra`."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, len(VOCAB))
+    grammar.fill(matcher, extra, bitmask, 0)
+    return [t for t in range(len(VOCAB)) if bitmask[0, t // 32].item() >> t % 32 & 1]
+
+
+@pytest.mark.parametrize("extra, want", [
+    ([1, 3], list(range(40))),          # "b" then "yes", "c" due: outside, the row's token is dropped
+    ([0, 2, 4, 5], list(range(40))),    # "acno" and the stop token it accepts: the request ends there
+    ([0, 2], [3, 4]),                   # "ac": then "yes" or "no"
+    ([0, 2, 3], [5]),                   # "acyes": then only the stop token
+], ids=["outside", "ends-in-stop", "inside", "inside-complete"])
+def test_a_row_after_drafts_gets_the_mask_past_them_and_the_matcher_is_left_as_it_was(extra, want):
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[5])).compile_regex("(a|b)c(yes|no)")
+    matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=grammar.MAX_ROLLBACK)
+    assert allowed_after(matcher, extra) == want
+    assert allowed_after(matcher, []) == [0, 1] and not matcher.is_terminated()
+    assert all(matcher.accept_token(t) for t in (1, 2, 3, 5)) and matcher.is_terminated()
+
+
 def test_preempted_constrained_requests_resume_and_validate(smollm2):
     with LLM(smollm2, num_kv_blocks=40, block_size=16, max_num_seqs=16) as small:
         params = [SamplingParams(max_tokens=160, temperature=0.8, seed=i, json_schema=PERSON) for i in range(12)]
@@ -129,6 +158,31 @@ def test_drafts_outside_the_grammar_are_rejected_and_outputs_equal_no_speculatio
         assert spec.stats()["spec_draft_tokens"] > 0
     assert [o.token_ids for o in drafted] == [o.token_ids for o in llm.generate(prompts, params)]
     assert all(valid(o.text, PERSON) for o in drafted)
+
+
+def test_a_draft_model_with_grammars_gives_the_outputs_of_no_speculation_when_a_draft_ends_in_the_stop_token(
+        smollm2, llm):
+    """The draft is the target, drafting unconstrained: greedy, the first prompt's drafts are its whole output
+    ("No, 2 is not 3." and EOS, 10 tokens), 3 a step, so EOS comes as a draft (the second of the third step),
+    and the grammar, complete, has no mask for the row after it. The second prompt's drafts leave the grammar."""
+    qs = ["Is 2 bigger than 3? Reply yes or no.", "What colour is the sky? One word.", "Is water wet? Yes or no."]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False) for q in qs]
+    regex = r"(Yes|No), [^\n]{1,40}"
+    params = [SamplingParams(max_tokens=24, temperature=0, regex=regex)] * 2 + \
+             [SamplingParams(max_tokens=24, temperature=0.8, seed=3, regex=regex)]
+    want = llm.generate(prompts, params)
+    spec = {"method": "draft", "model": smollm2, "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(smollm2, num_kv_blocks=256, speculative=spec) as drafted:
+        drafted.engine.grammars = llm.engine.grammars   # its vocabulary's compiler and regex: seconds to build
+        proposer, drafts = drafted.engine.speculator.proposer, []
+        propose = proposer.propose
+        proposer.propose = lambda reqs, ks: drafts.append(propose(reqs, ks)) or drafts[-1]
+        got = drafted.generate(prompts, params)
+        assert drafted.stats()["failed_steps"] == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(llm.engine.model_cfg.eos_token_ids[0] in step[0] for step in drafts)
+    assert all(re.fullmatch(regex, o.text) and o.finish_reason == "stop" for o in got)
 
 
 def test_resumed_request_rebuilds_its_matcher_past_its_output(llm):
@@ -203,12 +257,55 @@ def test_a_constraint_is_converted_once_per_text_in_a_process():
     assert to_grammar(SamplingParams(choice=["a", "b"])) is not to_grammar(SamplingParams(choice=["a", "c"]))
 
 
-def test_a_grammar_past_its_compile_time_raises_naming_the_limit(monkeypatch):
-    monkeypatch.setattr(grammar, "MAX_COMPILE_SECONDS", 0.01)
-    pending = grammar.Pending(None, Future())
-    time.sleep(0.02)
-    with pytest.raises(ValueError, match=r"MAX_COMPILE_SECONDS=0\.01"):
-        pending.matcher()
+@pytest.fixture
+def slow_grammars(monkeypatch):
+    """Grammars over VOCAB whose compile of the regex "slow" takes 0.6 s, past a MAX_COMPILE_SECONDS of
+    0.3 s; it counts the compiles."""
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[5])).compile_regex("(yes|no)")
+    calls = []
+
+    def compile(self, params):
+        calls.append(params.regex)
+        time.sleep(0.6 if params.regex == "slow" else 0)
+        return compiled
+
+    monkeypatch.setattr(grammar, "MAX_COMPILE_SECONDS", 0.3)
+    monkeypatch.setattr(grammar.Grammars, "compile", compile)
+    grammars = grammar.Grammars("unused", len(VOCAB), (5,))
+    grammars.calls = calls
+    yield grammars
+    grammars.close()
+
+
+def pending(grammars, regex: str) -> grammar.Pending:
+    return grammar.Pending(SimpleNamespace(output_token_ids=[]), grammars.submit(SamplingParams(regex=regex)))
+
+
+def matcher_of(waiting: grammar.Pending):
+    """The matcher, once compiled (or the ValueError)."""
+    while (matcher := waiting.matcher()) is None:
+        time.sleep(0.01)
+    return matcher
+
+
+def test_a_grammar_queued_behind_a_slow_compile_gets_its_own_compile_time(slow_grammars):
+    slow, quick = pending(slow_grammars, "slow"), pending(slow_grammars, "quick")
+    with pytest.raises(ValueError, match=r"MAX_COMPILE_SECONDS=0\.3"):
+        matcher_of(slow)
+    assert matcher_of(quick).accept_string("yes")      # 0.6 s after it was asked for: it waited, then compiled
+
+
+def test_a_grammar_a_request_gave_up_on_is_compiled_again_for_the_next(slow_grammars):
+    first = pending(slow_grammars, "slow")
+    with pytest.raises(ValueError, match="to compile"):
+        matcher_of(first)
+    again = pending(slow_grammars, "slow")
+    assert again.future is not first.future and slow_grammars.cache[("regex", "slow")] is again.future
+    with pytest.raises(ValueError, match="to compile"):
+        matcher_of(again)
+    assert slow_grammars.calls == ["slow", "slow"]
 
 
 def test_a_length_bounded_json_string_holds_no_raw_control_character():

@@ -29,7 +29,11 @@ class Grammars:
         """The constraint's compiled grammar, from the cache or compiling; a request holds its own future,
         so an eviction never takes a grammar from one."""
         key = params.constraint
-        future = self.cache.pop(key, None) or self.pool.submit(self.compile, params)
+        future = self.cache.pop(key, None)
+        if future is None or late(future):      # past its time, its requests gave up on it: compile again
+            future = Future()
+            future.started = None               # set by the compile thread when it starts on it
+            self.pool.submit(self.run, future, params)
         self.cache[key] = future
         self.evict()
         return future
@@ -44,6 +48,17 @@ class Grammars:
         while len(self.cache) > MAX_GRAMMARS or (total > MAX_GRAMMAR_BYTES and len(self.cache) > 1):
             key, _ = self.cache.popitem(last=False)
             total -= self.sizes.pop(key, 0)
+
+    def run(self, future: Future, params: SamplingParams) -> None:
+        """On the compile thread: the future's grammar, and when its compile started (its time limit's start:
+        a compile queued behind a slow one is not charged for that one)."""
+        if not future.set_running_or_notify_cancel():
+            return
+        future.started = time.monotonic()
+        try:
+            future.set_result(self.compile(params))
+        except BaseException as e:
+            future.set_exception(e)
 
     def compile(self, params: SamplingParams):
         """The constraint's grammar (to_grammar: the tokenizer stage's conversion, its errors) compiled for this
@@ -65,21 +80,30 @@ class Grammars:
                                                   stop_token_ids=self.eos_token_ids)
 
     def close(self) -> None:
+        for future in self.cache.values():
+            future.cancel()             # the queued ones: the pool's own futures are not those
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def late(future: Future) -> bool:
+    """Whether a compile has run past MAX_COMPILE_SECONDS since it started (a queued one has not)."""
+    return not future.done() and future.started is not None and \
+        time.monotonic() - future.started > MAX_COMPILE_SECONDS
 
 
 class Pending:
     """A constrained request waiting for its grammar."""
-    __slots__ = ("future", "req", "since")
+    __slots__ = ("future", "req")
 
     def __init__(self, req, future: Future):
-        self.req, self.future, self.since = req, future, time.monotonic()
+        self.req, self.future = req, future
 
     def matcher(self):
         """The request's matcher, past its output tokens so far (a resumed request's); None while compiling.
-        ValueError when the grammar failed or ran past MAX_COMPILE_SECONDS."""
+        ValueError when the grammar failed or its compile ran past MAX_COMPILE_SECONDS (then the next request
+        for it compiles it again)."""
         if not self.future.done():
-            if time.monotonic() - self.since > MAX_COMPILE_SECONDS:
+            if late(self.future):
                 raise ValueError(f"the grammar took longer than MAX_COMPILE_SECONDS={MAX_COMPILE_SECONDS:g} "
                                  "to compile")
             return None
@@ -129,14 +153,16 @@ def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[in
 
 
 def fill(matcher, extra: list[int], bitmask: torch.Tensor, n: int) -> None:
-    """Row n of bitmask: the tokens the matcher allows after `extra` (all tokens when a draft of extra is
-    outside the grammar: the row before it cannot sample that draft, so this row's token is dropped)."""
+    """Row n of bitmask: the tokens the matcher allows after `extra`; all tokens when a draft of extra is
+    outside the grammar (the row before it cannot sample that draft, so this row's token is dropped) or
+    extra ends with a stop token the grammar accepts (the request ends at that token, so this one is dropped
+    too; xgrammar has no mask after its stop token). The matcher is rolled back to where it was."""
     taken = 0
     for token in extra:
         if not matcher.accept_token(token):
             break
         taken += 1
-    if taken == len(extra):
+    if taken == len(extra) and not matcher.is_terminated():
         matcher.fill_next_token_bitmask(bitmask, n)
     if taken:
         matcher.rollback(taken)
