@@ -297,15 +297,17 @@ def test_a_grammar_queued_behind_a_slow_compile_gets_its_own_compile_time(slow_g
     assert matcher_of(quick).accept_string("yes")      # 0.6 s after it was asked for: it waited, then compiled
 
 
-def test_a_grammar_a_request_gave_up_on_is_compiled_again_for_the_next(slow_grammars):
+def test_a_grammar_past_its_time_fails_its_next_request_at_once_is_compiled_once_and_serves_when_done(slow_grammars):
     first = pending(slow_grammars, "slow")
     with pytest.raises(ValueError, match="to compile"):
         matcher_of(first)
     again = pending(slow_grammars, "slow")
-    assert again.future is not first.future and slow_grammars.cache[("regex", "slow")] is again.future
+    assert again.future is first.future
     with pytest.raises(ValueError, match="to compile"):
-        matcher_of(again)
-    assert slow_grammars.calls == ["slow", "slow"]
+        again.matcher()                                 # at once: no second wait, no second compile
+    first.future.result()
+    assert matcher_of(pending(slow_grammars, "slow")).accept_string("yes")
+    assert slow_grammars.calls == ["slow"]
 
 
 def test_a_length_bounded_json_string_holds_no_raw_control_character():

@@ -27,10 +27,12 @@ class Grammars:
 
     def submit(self, params: SamplingParams) -> Future:
         """The constraint's compiled grammar, from the cache or compiling; a request holds its own future,
-        so an eviction never takes a grammar from one."""
+        so an eviction never takes a grammar from one. A compile past its time stays: its text's requests fail
+        at once while it runs on (one compile per text, however often a slow one is asked for), and get
+        the grammar once it is done."""
         key = params.constraint
         future = self.cache.pop(key, None)
-        if future is None or late(future):      # past its time, its requests gave up on it: compile again
+        if future is None:
             future = Future()
             future.started = None               # set by the compile thread when it starts on it
             self.pool.submit(self.run, future, params)
@@ -100,8 +102,7 @@ class Pending:
 
     def matcher(self):
         """The request's matcher, past its output tokens so far (a resumed request's); None while compiling.
-        ValueError when the grammar failed or its compile ran past MAX_COMPILE_SECONDS (then the next request
-        for it compiles it again)."""
+        ValueError when the grammar failed or its compile has run past MAX_COMPILE_SECONDS."""
         if not self.future.done():
             if late(self.future):
                 raise ValueError(f"the grammar took longer than MAX_COMPILE_SECONDS={MAX_COMPILE_SECONDS:g} "
