@@ -1,7 +1,10 @@
 """Fair share on a real stack: one worker with two seats, tenant flood keeps it saturated over HTTP
-while tenant steady sends one streamed request at a time. With --scheduling-policy fair steady's first
-tokens come about as fast as on the idle stack; with fcfs they wait behind the flood (or are refused
-at the queue watermark). Each request reaches the worker with its key's weight."""
+while tenant steady, of the same weight (1:1), sends one streamed request at a time. With
+--scheduling-policy fair steady's first tokens come about as fast as on the idle stack; with fcfs they
+wait behind the flood (or are refused at the queue watermark). Then, under fair, both tenants keep as
+many streams going as the worker has seats (4 in flight: the gateway's queue watermark, so each tenant
+has one running and one waiting at an even split), and each one's generated tokens are counted: they
+split as the weights. Each request reaches the worker with its key's weight."""
 import contextlib
 import json
 import os
@@ -18,10 +21,15 @@ from tests.e2e.conftest import WORKER_ARGS, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-KEYS = {"sk-flood": {"tenant": "flood"}, "sk-steady": {"tenant": "steady", "weight": 2}}
+KEYS = {"sk-flood": {"tenant": "flood"}, "sk-steady": {"tenant": "steady"},
+        "sk-heavy": {"tenant": "heavy", "weight": 2}}
 FLOODERS = 4                        # concurrent HTTP clients of tenant flood, each sending back to back
 STEADY = 8                          # steady's requests under the flood, SPACING apart
 SPACING = 0.2
+STREAMS = 2                         # each tenant's streams while both are backlogged
+SETTLE = 1.0                        # seconds of the backlog before its tokens are counted
+COUNTED = 1000                      # tokens counted, both tenants' together (at most WINDOW_LIMIT seconds)
+WINDOW_LIMIT = 20.0
 
 
 def client(stack: Stack, key: str) -> openai.OpenAI:
@@ -75,9 +83,61 @@ def flooding(stack: Stack, model: str):
             t.join(60)
 
 
-def steady_ttfts(model_dir: str, policy: str, tmp_path_factory) -> tuple[list[float], list[float], int, list[dict]]:
+@contextlib.contextmanager
+def backlogged(stack: Stack, model: str, key: str, streams: int):
+    """Threads of key's tenant, each streaming 64-token requests back to back with the usage so far in
+    every chunk (a 503: again after 50 ms); yields the list of (time received, tokens) they append to."""
+    stop, got = threading.Event(), []
+
+    def stream(i: int) -> None:
+        c, n = client(stack, key), 0
+        while not stop.is_set():
+            try:
+                chunks = c.completions.create(model=model, prompt=f"work {i} {n}", max_tokens=64, stream=True,
+                                              stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                              extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                assert e.status_code == 503, e
+                stop.wait(0.05)
+                continue
+            so_far, n = 0, n + 1
+            for chunk in chunks:                              # to its end: a stream left early runs on (resumable)
+                if chunk.usage is not None:
+                    got.append((time.perf_counter(), chunk.usage.completion_tokens - so_far))
+                    so_far = chunk.usage.completion_tokens
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield got
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+
+def shares(stack: Stack, model: str) -> dict[str, int]:
+    """The tokens flood and steady each received, COUNTED together, while both kept STREAMS going."""
+    with backlogged(stack, model, "sk-flood", STREAMS) as flood, backlogged(stack, model, "sk-steady", STREAMS) \
+            as steady:
+        time.sleep(SETTLE)
+        start = time.perf_counter()
+        while since(flood, start) + since(steady, start) < COUNTED and time.perf_counter() < start + WINDOW_LIMIT:
+            time.sleep(0.02)
+        end = time.perf_counter()
+    return {"flood": since(flood, start, end), "steady": since(steady, start, end),
+            "seconds": round(end - start, 1)}
+
+
+def since(got: list[tuple[float, int]], start: float, end: float = float("inf")) -> int:
+    return sum(n for t, n in got if start <= t < end)
+
+
+def steady_ttfts(model_dir: str, policy: str, tmp_path_factory
+                 ) -> tuple[list[float], list[float], int, list[dict], dict[str, int]]:
     """steady's TTFTs on the idle stack, then under the flood; its 503s under the flood; the worker's
-    "request started" events."""
+    "request started" events; under fair, the tokens each tenant got while both were backlogged."""
     tmp = tmp_path_factory.mktemp(f"fair-{policy}")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
     args = [*WORKER_ARGS, "--max-num-seqs", "2", "--scheduling-policy", policy]
@@ -87,6 +147,7 @@ def steady_ttfts(model_dir: str, policy: str, tmp_path_factory) -> tuple[list[fl
         model, steady = os.path.basename(stack.model), client(stack, "sk-steady")
         ttft(steady, model, "warm up")
         idle = [ttft(steady, model, f"idle {i}")[0] for i in range(5)]
+        ttft(client(stack, "sk-heavy"), model, "heavy")
         loaded, refused = [], 0
         with flooding(stack, model) as done:
             while done[0] < 4:                                # the flood saturates the worker
@@ -96,9 +157,10 @@ def steady_ttfts(model_dir: str, policy: str, tmp_path_factory) -> tuple[list[fl
                 loaded.append(took)
                 refused += n
                 time.sleep(SPACING)
+        tokens = shares(stack, model) if policy == "fair" else {}
         started = [json.loads(line) for line in stack.log("w0").read_text().splitlines()
                    if '"request started"' in line]
-    return idle, loaded, refused, started
+    return idle, loaded, refused, started, tokens
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +169,27 @@ def runs(tiny_model, tmp_path_factory) -> dict:
 
 
 def test_a_steady_tenant_is_served_promptly_beside_a_flood_with_fair_and_not_with_fcfs(runs):
-    idle, loaded, refused, _ = runs["fair"]
+    idle, loaded, refused, _, _ = runs["fair"]
     report = {p: {"idle ms (median)": round(statistics.median(r[0]) * 1e3, 1),
                   "loaded ms": [round(t * 1e3, 1) for t in r[1]], "503s": r[2]} for p, r in runs.items()}
     print(f"\nsteady's TTFT beside the flood: {report}")
     assert refused == 0, report                               # never refused at the queue watermark
-    assert statistics.median(loaded) <= 2 * statistics.median(idle) + 0.02, report     # measured: 21-24 vs 13-16 ms
-    assert max(loaded) <= 3 * statistics.median(idle) + 0.15, report                  # 42 ms at most
-    assert statistics.median(runs["fcfs"][1]) >= 3 * statistics.median(loaded), report  # 340-380 ms
+    assert statistics.median(loaded) <= 2 * statistics.median(idle) + 0.02, report     # 46-49 vs 23-28 ms (1:1)
+    assert max(loaded) <= 3 * statistics.median(idle) + 0.15, report                  # 82 ms at most
+    assert statistics.median(runs["fcfs"][1]) >= 3 * statistics.median(loaded), report  # 0.9-1.2 s
+
+
+def test_two_backlogged_tenants_of_weight_1_1_get_token_shares_within_10_percent_of_even(runs):
+    tokens = runs["fair"][4]
+    print(f"\ntokens with both backlogged: {tokens}")
+    assert abs(share(tokens) - 0.5) <= 0.05, tokens           # within 10% of the weights' 1/2; measured 0.499-0.5
+
+
+def share(tokens: dict) -> float:
+    return tokens["steady"] / (tokens["flood"] + tokens["steady"])
 
 
 def test_each_request_reaches_the_worker_with_its_key_s_weight(runs):
-    _, _, _, started = runs["fair"]
+    started = runs["fair"][3]
     weights = {(e["tenant"], e["weight"]) for e in started}
-    assert weights == {("flood", 1.0), ("steady", 2.0)}
+    assert weights == {("flood", 1.0), ("steady", 1.0), ("heavy", 2.0)}
