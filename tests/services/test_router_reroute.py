@@ -140,19 +140,26 @@ def test_fetches_that_time_out_on_a_busy_server_do_not_end_the_re_route_early(na
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def fail_once(router) -> list[int]:
+    """The router's next send times out, the later ones go through; the list holds the failures left."""
+    send, failures = router.send, [1]
+
+    async def flaky(item):
+        if failures[0]:
+            failures[0] -= 1
+            raise asyncio.TimeoutError
+        await send(item)
+    router.send = flaky
+    return failures
+
+
 def test_a_re_route_that_fails_is_tried_again_and_keeps_the_strikes_of_the_items_taken(nats_url, monkeypatch):
     monkeypatch.setattr(service, "REROUTE_RETRY", 0.05)
 
     async def main():
         nc, js, router = await setup(nats_url, ["a", "b"], taken=1)
-        send, failures = router.send, [1]
-
-        async def flaky(item):
-            if failures[0]:
-                failures[0] -= 1
-                raise asyncio.TimeoutError
-            await send(item)
-        router.send, router.log = flaky, Recorder()
+        fail_once(router)
+        router.log = Recorder()
         await router.reroute("gone")
         assert await consumers(js) == []
         assert {rid: w.strikes for rid, w in (await moved(js)).items()} == {"a": 1, "b": 0}
@@ -169,14 +176,7 @@ def test_a_second_departure_while_the_first_re_route_waits_to_retry_starts_no_se
 
     async def main():
         nc, js, router = await setup(nats_url, ["a"], taken=1)
-        send, failures = router.send, [1]
-
-        async def flaky(item):
-            if failures[0]:
-                failures[0] -= 1
-                raise asyncio.TimeoutError
-            await send(item)
-        router.send = flaky
+        failures = fail_once(router)
         first = asyncio.create_task(router.reroute("gone"))
         while failures[0]:                              # the first failed once and waits to try again
             await asyncio.sleep(0.01)
