@@ -410,6 +410,12 @@ async def suspects(js):
             bucket=SUSPECTS_BUCKET, ttl=SUSPECT_TTL, history=1, storage=api.StorageType.FILE), "replicas")
 
 
+def spare(waiting: int, running: int, max_num_seqs: int, kv_free: int, kv_total: int) -> bool:
+    """Room for batch work beyond what a worker's interactive traffic needs now (admission and the router
+    each count running and free KV with what they sent since the heartbeat)."""
+    return waiting == 0 and running < BATCH_WATERMARK * max_num_seqs and kv_free >= BATCH_KV_FREE * kv_total
+
+
 def lapsed(hb: Heartbeat, now: float) -> bool:
     """A worker whose last heartbeat is WORKER_TTL old has left, whether or not the bucket has expired it."""
     return now - hb.ts >= WORKER_TTL

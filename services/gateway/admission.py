@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 
 from schemas.messages import GenerateRequest, Heartbeat
 from schemas.served import serves
-from schemas.subjects import BATCH_KV_FREE, BATCH_WATERMARK, HEARTBEAT_SECONDS, QUEUE_WATERMARK, WORKER_TTL, lapsed
+from schemas.subjects import (
+    BATCH_KV_FREE,
+    BATCH_WATERMARK,
+    HEARTBEAT_SECONDS,
+    QUEUE_WATERMARK,
+    WORKER_TTL,
+    lapsed,
+    spare,
+)
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key
 
@@ -115,9 +123,8 @@ class Cluster:
 
     def spare(self, hb: Heartbeat) -> bool:
         """Whether a worker has room beyond what its interactive traffic needs now."""
-        running = max(hb.running + self.added[hb.worker], 0)
-        return (hb.waiting == 0 and running < BATCH_WATERMARK * hb.max_num_seqs
-                and hb.kv_blocks_free >= BATCH_KV_FREE * hb.kv_blocks_total)
+        return spare(hb.waiting, max(hb.running + self.added[hb.worker], 0), hb.max_num_seqs, hb.kv_blocks_free,
+                     hb.kv_blocks_total)
 
     def load(self, hb: Heartbeat) -> float:
         return max(hb.running + hb.waiting + self.added[hb.worker], 0) / max(hb.max_num_seqs, 1)

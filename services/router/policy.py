@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat
 from schemas.served import serves
-from schemas.subjects import BATCH_KV_FREE, BATCH_PRIORITY, BATCH_WATERMARK, lapsed
+from schemas.subjects import BATCH_PRIORITY, lapsed, spare
 from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
@@ -201,8 +201,8 @@ class Registry:
     def spare(self, w: Worker) -> bool:
         """Room beyond what interactive traffic needs now: admission's rule, with what was routed since."""
         hb = w.hb
-        return (hb.waiting == 0 and hb.running + w.routed < BATCH_WATERMARK * hb.max_num_seqs
-                and hb.kv_blocks_total - w.active_blocks >= BATCH_KV_FREE * hb.kv_blocks_total)
+        return spare(hb.waiting, hb.running + w.routed, hb.max_num_seqs, hb.kv_blocks_total - w.active_blocks,
+                     hb.kv_blocks_total)
 
     def over(self, w: Worker, new_blocks: int) -> bool:
         """Above the KV or the queue watermark: the hard guard against hot spots."""
