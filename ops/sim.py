@@ -174,6 +174,9 @@ class Worker:
                                                    policy=cfg.scheduling_policy), self.kv)
         self.busy = False
         self.batch = None
+        self.left = 0.0                                 # CPU workers: seconds of the step's work left, at one core
+        self.started = 0.0                              # when the step under way started
+        self.token = 0                                  # CPU workers: the valid end event of the step under way
         self.intake: list[list] = []                    # [steps left, request] not in the scheduler yet
         self.seq = 0                                    # KV events sent
         self.finished = self.prompt_tokens = self.generation_tokens = 0
@@ -206,6 +209,7 @@ class Cell:
         self.events: list = []
         self.seq = 0
         self.now = 0.0
+        self.shared_at = 0.0                            # CPU workers: when the steps' work left was last counted
         self.tracks: dict[str, Track] = {}
         self.unfinished = 0
         self.idle: deque[Conversation] = deque()
@@ -334,16 +338,49 @@ class Cell:
             shape.add(n, req.num_computed_tokens + n, (1 + len(drafts)) if samples else 0)
             drafted += len(drafts)
         seconds = cfg.cost.seconds(shape) + cfg.step_overhead_s
-        if cfg.cores:                                   # CPU workers beyond the cores time-share them
-            seconds *= max(1.0, (1 + sum(x.busy for x in self.workers.values())) / cfg.cores)
         if drafted and cfg.spec_draft_cost:
             seconds += cfg.spec_draft_cost * cfg.spec_k * cfg.cost.seconds(
                 StepShape(shape.rows, shape.rows, shape.rows, float(shape.kv_read), shape.kv_read))
-        w.busy, w.batch = True, batch
-        w.busy_s += seconds
         w.steps += 1
         w.step_tokens += shape.tokens
+        if cfg.cores:                                   # CPU workers beyond the cores time-share them
+            self.advance()
+            w.busy, w.batch, w.left, w.started = True, batch, seconds, self.now
+            self.reschedule()
+            return
+        w.busy, w.batch, w.started = True, batch, self.now
         self.at(self.now + seconds, self.step_end, w)
+
+    # -- CPU workers sharing the cores (cfg.cores) ---------------------------------------------------
+    # Processor sharing: while n workers step, each runs at min(1, cores / n) of a core, so a step's
+    # end moves whenever another worker starts or ends one.
+
+    def share(self) -> float:
+        return min(1.0, self.cfg.cores / max(1, sum(w.busy for w in self.workers.values())))
+
+    def advance(self) -> None:
+        """Counts the work the steps under way did since the last count, at the share they had."""
+        done = (self.now - self.shared_at) * self.share()
+        for w in self.workers.values():
+            if w.busy:
+                w.left -= done
+        self.shared_at = self.now
+
+    def reschedule(self) -> None:
+        """Each step under way ends when its work left is done at today's share (earlier ends are void)."""
+        rate = self.share()
+        for w in self.workers.values():
+            if w.busy:
+                w.token = self.seq + 1
+                self.at(self.now + max(w.left, 0.0) / rate, self.shared_end, (w, w.token))
+
+    def shared_end(self, arg) -> None:
+        w, token = arg
+        if token != w.token:
+            return
+        self.advance()
+        self.step_end(w)
+        self.reschedule()
 
     def draft(self, w: Worker, batch) -> None:
         """Draft tokens for the decoding requests: random ones, which the step keeps with the acceptance rate."""
@@ -362,6 +399,7 @@ class Cell:
 
     def step_end(self, w: Worker) -> None:
         batch, w.busy, w.batch = w.batch, False, None
+        w.busy_s += self.now - w.started
         tokens = [self.sample(d) for d, s in zip(batch.drafts, batch.samples) if s]
         updated = w.sched.update(batch, tokens, [[None] * len(t) for t in tokens])
         for req in updated:

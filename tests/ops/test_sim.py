@@ -141,6 +141,25 @@ def test_cpu_workers_share_the_cores(cost):
     assert shared["tpot_s"]["p50"] == pytest.approx(2 * own["tpot_s"]["p50"], rel=0.05)
 
 
+class Second:
+    """Every step takes one second of a core."""
+    name = "1 s a step"
+
+    def seconds(self, shape: StepShape) -> float:
+        return 1.0
+
+
+def test_a_step_slows_while_another_worker_steps_beside_it_and_speeds_up_when_it_ends():
+    """Processor sharing on one core: A's one-step request runs alone for 0.5 s, then both share the core, so
+    A's step ends at 1.5 s (not at 1.0 s, as if its start had fixed its speed) and B's, half done by then,
+    at 2.0 s (not 2.5 s: alone again for its last half)."""
+    arrivals = [Arrival(0.0, [16] * 32, 1), Arrival(0.5, [17] * 32, 1)]
+    r = simulate(small(Second(), policy="round-robin", cores=1.0, dispatch_s=0.0, stream_s=0.0), arrivals)
+    assert [w["requests"] for w in r["workers"]] == [1, 1]
+    assert sorted(r["samples"]["ttft"]) == pytest.approx([1.5, 1.5])
+    assert r["sim_seconds"] == pytest.approx(2.0)
+
+
 def test_the_workers_scheduling_policy_and_tenants_shape_who_waits(cost):
     """One worker past its seats, a flooding tenant and a steady one: under FCFS the steady tenant waits in
     the flood's queue; the fair policy serves it almost at once, as a better priority does."""
