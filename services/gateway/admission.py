@@ -30,6 +30,7 @@ from schemas.subjects import (
     QUEUE_WATERMARK,
     WORKER_TTL,
     lapsed,
+    restated,
     spare,
 )
 from services.gateway.errors import ApiError
@@ -106,8 +107,10 @@ class Cluster:
         self.grace_until = now + WORKER_TTL
 
     def update(self, hb: Heartbeat) -> None:
+        """A worker's heartbeat; a stand-in beat (the same counts again) keeps what was added since."""
+        if not restated(self.workers.get(hb.worker), hb):
+            self.added[hb.worker] = 0
         self.workers[hb.worker] = hb
-        self.added[hb.worker] = 0
 
     def ended(self, worker: str) -> None:
         """A request counted on worker ended: sent since the last heartbeat, `added` counted it; sent before,

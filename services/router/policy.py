@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat
 from schemas.served import serves
-from schemas.subjects import BATCH_PRIORITY, lapsed, spare
+from schemas.subjects import BATCH_PRIORITY, lapsed, restated, spare
 from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
@@ -103,7 +103,12 @@ class Registry:
         self.known: dict[int, list[int]] = {}                # the block hashes pick() was given
 
     def update(self, hb: Heartbeat) -> None:
-        self.workers[hb.worker] = Worker(hb)
+        """A worker's heartbeat; a stand-in beat (the same counts again) keeps what was routed to it since."""
+        w = self.workers.get(hb.worker)
+        if w is not None and restated(w.hb, hb):
+            w.hb = hb
+        else:
+            self.workers[hb.worker] = Worker(hb)
         self.index.add(hb.worker)
 
     def remove(self, worker: str) -> None:

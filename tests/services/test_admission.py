@@ -94,7 +94,10 @@ def test_admission_refuses_when_every_worker_is_past_the_watermark_and_counts_wh
     with pytest.raises(ApiError) as busy:
         a.admit(key, 1, 1, now=0.0)
     assert busy.value.status == 503 and busy.value.retry_after == 1.0
-    a.cluster.update(heartbeat(max_num_seqs=2))   # a fresh heartbeat shows the queue drained
+    a.cluster.update(heartbeat(max_num_seqs=2))   # the same counts again (a stand-in beat): still busy
+    with pytest.raises(ApiError):
+        a.admit(key, 1, 1, now=0.0)
+    a.cluster.update(dataclasses.replace(heartbeat(max_num_seqs=2), requests_finished=4))   # the queue drained
     a.admit(key, 1, 1, now=0.0)
 
 

@@ -13,8 +13,8 @@ NOW = 100.0
 
 
 def beat(worker: str, running: int = 0, waiting: int = 0, ts: float = NOW, max_num_seqs: int = 8,
-         total: int = 100, free: int = 100, queued: int = 0) -> Heartbeat:
-    return Heartbeat(worker, ts, "tiny", BS, max_num_seqs, running, waiting, total, free, 0, 0, 0,
+         total: int = 100, free: int = 100, queued: int = 0, finished: int = 0) -> Heartbeat:
+    return Heartbeat(worker, ts, "tiny", BS, max_num_seqs, running, waiting, total, free, 0, 0, finished,
                      kv_blocks_queued=queued)
 
 
@@ -57,6 +57,18 @@ def test_least_loaded_counts_what_was_routed_since_the_heartbeat():
     assert picks(reg, 4) == ["w0", "w1", "w0", "w1"]     # equal: in turn
     reg.update(beat("w1", running=8))                    # a fresh heartbeat replaces the guess
     assert picks(reg, 1) == ["w0"]
+
+
+def test_a_stand_in_beat_keeps_what_was_routed_since_the_last_real_one():
+    """While a long step holds a worker's loop, its side thread sends the last heartbeat again with a fresh
+    time: the counts in it are the step's start's, so what was routed since still loads the worker."""
+    reg = registry(beat("w0"), beat("w1"), policy="least-loaded")
+    assert picks(reg, 2) == ["w0", "w1"]
+    assert picks(reg, 2) == ["w0", "w1"]
+    reg.update(beat("w0", ts=NOW + 0.5))                   # stand-ins: w0 and w1 still carry 2 each
+    reg.update(beat("w1", ts=NOW + 0.5, running=1, finished=1))     # w1's step ended: a new count, 1 running
+    assert (reg.workers["w0"].routed, reg.workers["w1"].routed) == (2, 0)
+    assert picks(reg, 1) == ["w1"]
 
 
 def test_least_loaded_is_relative_to_capacity():
@@ -169,7 +181,7 @@ def test_new_conversations_drawn_to_the_worker_holding_their_system_prompt_sprea
         got = []
         for i in range(90):                     # ten a second, each done before the next: all idle again
             for w in ("w0", "w1", "w2"):
-                reg.update(beat(w, ts=NOW + i / 10, total=5000, free=5000))
+                reg.update(beat(w, ts=NOW + i / 10, total=5000, free=5000, finished=got.count(w)))
             got.append(reg.pick(NOW + i / 10, prompt(i)).worker)
             holds(reg, got[-1], prompt(i))
         return [got.count(w) for w in ("w0", "w1", "w2")]
