@@ -23,6 +23,7 @@ the arrivals (the gateway pins a conversation to a cell). Cells are independent,
 them are simulated — in parallel processes — and stand for all: docs/capacity.md says why one router
 cannot pick among a thousand workers at 5k requests/s, and measures the simulator's speed.
 """
+import dataclasses
 import heapq
 import json
 import math
@@ -177,6 +178,8 @@ class Worker:
         self.left = 0.0                                 # CPU workers: seconds of the step's work left, at one core
         self.started = 0.0                              # when the step under way started
         self.token = 0                                  # CPU workers: the valid end event of the step under way
+        self.hb: Heartbeat | None = None                # the last heartbeat built (between steps)
+        self.beat_due = False                           # one fell due during the step under way
         self.intake: list[list] = []                    # [steps left, request] not in the scheduler yet
         self.seq = 0                                    # KV events sent
         self.finished = self.prompt_tokens = self.generation_tokens = 0
@@ -232,7 +235,8 @@ class Cell:
     def run(self) -> dict:
         started = time.perf_counter()
         for i, w in enumerate(self.workers.values()):
-            self.registry.update(w.heartbeat(0.0, self.cfg))
+            w.hb = w.heartbeat(0.0, self.cfg)
+            self.registry.update(w.hb)
             self.registry.index.load_snapshot(w.name, 0, [])
             self.at(HEARTBEAT_SECONDS * (i + 1) / len(self.workers), self.beat, w)
         if self.arrivals is not None:
@@ -415,6 +419,9 @@ class Cell:
         if stored or removed:
             w.seq += 1
             self.registry.index.apply(KvEvent(w.name, w.seq, stored, removed))
+        if w.beat_due:
+            w.beat_due, w.hb = False, w.heartbeat(self.now, self.cfg)
+            self.registry.update(w.hb)
         self.take_intake(w)
         self.start(w)
 
@@ -439,7 +446,15 @@ class Cell:
             self.idle.append(conv)
 
     def beat(self, w: Worker) -> None:
-        self.registry.update(w.heartbeat(self.now, self.cfg))
+        """A worker's heartbeat, as workers/service.py sends it: built between steps, so one that falls due
+        during a step goes out as the last one again with a fresh time (the side thread's stand-in, which
+        the router takes as no news), and a fresh one is built when the step ends."""
+        if w.busy and w.hb is not None:
+            self.registry.update(dataclasses.replace(w.hb, ts=self.now))
+            w.beat_due = True
+        else:
+            w.hb = w.heartbeat(self.now, self.cfg)
+            self.registry.update(w.hb)
         kv = w.kv
         w.kv_use.append(1 - kv.num_free_blocks / kv.num_blocks)
         w.load.append(len(w.sched.running) + len(w.sched.waiting))

@@ -6,7 +6,7 @@ import pytest
 
 from ops import cli
 from ops.plan import GPUS, Efficiency, Plan, Workload, model_config
-from ops.sim import Arrival, SimConfig, SimTenant, parse_tenant, replayed, search, simulate
+from ops.sim import Arrival, Cell, SimConfig, SimTenant, parse_tenant, replayed, search, simulate
 from ops.sim_cost import RooflineCost, StepShape
 from workers.engine.scheduler import Scheduler
 
@@ -158,6 +158,19 @@ def test_a_step_slows_while_another_worker_steps_beside_it_and_speeds_up_when_it
     assert [w["requests"] for w in r["workers"]] == [1, 1]
     assert sorted(r["samples"]["ttft"]) == pytest.approx([1.5, 1.5])
     assert r["sim_seconds"] == pytest.approx(2.0)
+
+
+def test_a_heartbeat_due_during_a_step_says_the_last_one_again_and_a_fresh_one_follows_the_step():
+    """As the real worker sends them: built between steps, so during a 1 s step the router hears the counts
+    of before it (with fresh times), and the step's end brings the new ones."""
+    cell = Cell(small(Second(), workers=1, dispatch_s=0.0, stream_s=0.0), 0, [Arrival(0.1, [16] * 32, 3)])
+    heard = []
+    update = cell.registry.update
+    cell.registry.update = lambda hb: (heard.append((round(cell.now, 3), hb.running, hb.requests_finished)),
+                                       update(hb))
+    cell.run()
+    assert heard[:4] == [(0.0, 0, 0), (0.5, 0, 0), (1.0, 0, 0), (1.1, 1, 0)]   # t=0.5, 1.0: stand-ins; 1.1: built
+    assert (3.1, 0, 1) in heard                                                  # after the third step
 
 
 def test_the_workers_scheduling_policy_and_tenants_shape_who_waits(cost):
