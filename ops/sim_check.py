@@ -370,8 +370,8 @@ def table(r: dict) -> str:
         for m, q in METRICS:
             lines.append(f"{m[:-2].upper() + ' ' + q + ' (ms)':16}{real[m][q] * 1e3:>12.1f}{simd[m][q] * 1e3:>12.1f}"
                          f"{err[m[:-2] + '_' + q]:>+10.1%}")
-        for m, name in (("dispatch_s", "dispatch"), ("worker_ttft_s", "worker TTFT")):
-            lines.append(f"{'  ' + name + ' p50/p99':16}{fmt(real[m]):>12}{fmt(simd[m]):>12}")
+        for m, name in (("dispatch_s", "dispatch"), ("intake_s", "of it intake"), ("worker_ttft_s", "worker TTFT")):
+            lines.append(f"{'  ' + name + ' p50/p99':16}{fmt(real[m]):>12}{fmt(simd[m]) if m in simd else '-':>12}")
         lines.append(f"{'output tok/s':16}{real['output_tokens_per_s']:>12.1f}{simd['output_tokens_per_s']:>12.1f}"
                      f"{err['throughput']:>+10.1%}")
     lines.append("")
