@@ -178,7 +178,7 @@ class Worker:
         self.left = 0.0                                 # CPU workers: seconds of the step's work left, at one core
         self.started = 0.0                              # when the step under way started
         self.token = 0                                  # CPU workers: the valid end event of the step under way
-        self.hb: Heartbeat | None = None                # the last heartbeat built (between steps)
+        self.hb: Heartbeat | None = None                # the last heartbeat built (between steps; set by run)
         self.beat_due = False                           # one fell due during the step under way
         self.intake: list[list] = []                    # [steps left, request] not in the scheduler yet
         self.seq = 0                                    # KV events sent
@@ -348,12 +348,13 @@ class Cell:
         w.steps += 1
         w.step_tokens += shape.tokens
         if cfg.cores:                                   # CPU workers beyond the cores time-share them
-            self.advance()
-            w.busy, w.batch, w.left, w.started = True, batch, seconds, self.now
-            self.reschedule()
-            return
+            self.advance()                              # at the share before this worker joins
         w.busy, w.batch, w.started = True, batch, self.now
-        self.at(self.now + seconds, self.step_end, w)
+        if cfg.cores:
+            w.left = seconds
+            self.reschedule()
+        else:
+            self.at(self.now + seconds, self.step_end, w)
 
     # -- CPU workers sharing the cores (cfg.cores) ---------------------------------------------------
     # Processor sharing: while n workers step, each runs at min(1, cores / n) of a core, so a step's
@@ -384,7 +385,8 @@ class Cell:
             return
         self.advance()
         self.step_end(w)
-        self.reschedule()
+        if not w.busy:                                  # a next step's start rescheduled the others already
+            self.reschedule()
 
     def draft(self, w: Worker, batch) -> None:
         """Draft tokens for the decoding requests: random ones, which the step keeps with the acceptance rate."""
@@ -449,7 +451,7 @@ class Cell:
         """A worker's heartbeat, as workers/service.py sends it: built between steps, so one that falls due
         during a step goes out as the last one again with a fresh time (the side thread's stand-in, which
         the router takes as no news), and a fresh one is built when the step ends."""
-        if w.busy and w.hb is not None:
+        if w.busy:
             self.registry.update(dataclasses.replace(w.hb, ts=self.now))
             w.beat_due = True
         else:

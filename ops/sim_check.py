@@ -318,7 +318,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         real, simd = real_figures(sent), simulated(sent, scaled, consts, workers, args)
         real["dispatch_s"] = sim.percentiles([r.timing["queue_ms"] / 1e3 for r in recs])
         real["worker_ttft_s"] = sim.percentiles([r.timing["ttft_ms"] / 1e3 for r in recs])
-        real["intake_s"] = sim.percentiles([r.timing.get("intake_ms", 0.0) / 1e3 for r in recs])
+        real["intake_s"] = sim.percentiles([r.timing["intake_ms"] / 1e3 for r in recs if "intake_ms" in r.timing])
         simd["dispatch_s"] = sim.percentiles([consts["dispatch_s"]])
         simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"]
                                                  for t in simd.pop("ttft_samples")])

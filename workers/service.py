@@ -198,9 +198,9 @@ class WorkerService:
         round trip to the bus each). Without the wait an item's reply lands during the next step, is read
         after it, and the item joins the step after that, or later. Measured on SmolLM2, 3 workers on 2
         cores (steps of 0.1-3 s): from the work stream to the engine (the records' intake_ms) took 474 ms
-        at the median before the wait (149 ms to be read, 325 ms of checks), 231-430 ms over four runs with
-        it (checks: 3 ms at the median, 12 ms at the p99). The wait
-        is bounded: a slow bus costs each step at most INTAKE_WAIT of its time."""
+        at the median before the wait (149 ms to be read, 325 ms of checks: a one-off instrumentation),
+        231-430 ms over four runs with it (checks: 3 ms at the median, 12 ms at the p99). The wait is
+        bounded: a slow bus costs each step at most INTAKE_WAIT of its time."""
         for _ in range(INTAKE_TURNS):
             await asyncio.sleep(0)
         if self.checking:
@@ -563,11 +563,10 @@ class WorkerService:
             await msg.term()
             return
         run = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id), strikes=strikes,
-                      stored=stored_at(msg) if delivered == 1 else 0.0)
+                      stored=stored_at(msg) if delivered == 1 and p is None else 0.0)
         if p is not None:                        # its timing and prefix hit are the prefill worker's
             run.received, run.first_token, run.seq, run.cached_tokens = p.received, p.first_token, max(p.chunks, 1), \
                 p.cached_tokens
-            run.stored = 0.0
         self.running[r.id] = run
         self.prompt_tokens += len(r.prompt_token_ids)
         self.log.info("request started", request_id=r.id, tenant=r.tenant, weight=r.weight, priority=r.priority,
@@ -734,20 +733,24 @@ def speculation_of(stats: dict) -> Speculation | None:
     return Speculation(**{k.removeprefix("spec_"): v for k, v in stats.items() if k.startswith("spec_")})
 
 
+def metadata(msg):
+    """The JetStream metadata of a work item; None for a message that is not JetStream's (e.g. in a test)."""
+    try:
+        return msg.metadata
+    except Exception:
+        return None
+
+
 def stored_at(msg) -> float:
     """When JetStream stored this work item (time.time()); 0.0 when not known."""
-    try:
-        return msg.metadata.timestamp.timestamp()
-    except Exception:                            # not a JetStream message, e.g. in a test
-        return 0.0
+    m = metadata(msg)
+    return m.timestamp.timestamp() if m is not None else 0.0
 
 
 def num_delivered(msg) -> int:
     """How many times JetStream delivered this work item (1 the first time)."""
-    try:
-        return max(1, msg.metadata.num_delivered)
-    except Exception:                            # not a JetStream message, e.g. in a test
-        return 1
+    m = metadata(msg)
+    return max(1, m.num_delivered) if m is not None else 1
 
 
 def metered(r: TokenizedRequest, done: Completion, now: float) -> Usage | None:

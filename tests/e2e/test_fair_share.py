@@ -56,6 +56,20 @@ def ttft(c: openai.OpenAI, model: str, prompt: str) -> tuple[float, int]:
 
 
 @contextlib.contextmanager
+def in_threads(target, n: int, stop: threading.Event):
+    """target(i) in n threads for the block; then stop is set and they are joined."""
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+
+@contextlib.contextmanager
 def flooding(stack: Stack, model: str):
     """FLOODERS threads of tenant flood, each asking for 64 tokens again as soon as it has them (a 503:
     again after 10 ms), until the block ends; yields the count of completions."""
@@ -72,15 +86,8 @@ def flooding(stack: Stack, model: str):
                 assert e.status_code == 503, e
                 stop.wait(0.01)
 
-    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(FLOODERS)]
-    for t in threads:
-        t.start()
-    try:
+    with in_threads(flood, FLOODERS, stop):
         yield done
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
 
 
 @contextlib.contextmanager
@@ -106,15 +113,8 @@ def backlogged(stack: Stack, model: str, key: str, streams: int):
                     got.append((time.perf_counter(), chunk.usage.completion_tokens - so_far))
                     so_far = chunk.usage.completion_tokens
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
-    for t in threads:
-        t.start()
-    try:
+    with in_threads(stream, streams, stop):
         yield got
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
 
 
 def shares(stack: Stack, model: str) -> dict[str, int]:
