@@ -194,7 +194,7 @@ class Worker:
         return Heartbeat(self.name, now, "sim", kv.block_size, cfg.max_num_seqs, len(s.running), len(s.waiting),
                          kv.num_blocks, kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits, self.finished,
                          s.num_preemptions, self.prompt_tokens, self.generation_tokens,
-                         sum(kv.num_blocks_for(r.num_tokens) for r in s.waiting), role=self.role)
+                         s.queued_blocks(), role=self.role)
 
 
 class Cell:

@@ -380,7 +380,7 @@ class Heartbeat:
     preemptions: int = 0                          # counters since the worker started, like the three above
     prompt_tokens: int = 0                        # of the requests it took
     generation_tokens: int = 0                    # it published
-    kv_blocks_queued: int = 0                     # blocks the waiting requests will take (no prefix hits counted)
+    kv_blocks_queued: int = 0                     # blocks the waiting requests will add (less their cached prefix)
     isolated: str = ""                            # a request running alone (it has a strike): a crash now is its
     speculation: Speculation | None = None        # None: the worker does not speculate
     role: str = "both"                            # both (colocated) | prefill | decode

@@ -666,7 +666,7 @@ class WorkerService:
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
             s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.queued_blocks(), self.suspect, spec, self.role,
+            self.engine.scheduler.queued_blocks(), self.suspect, spec, self.role,
             self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy,
             self.revision), \
             time.monotonic()
@@ -698,9 +698,6 @@ class WorkerService:
             self.log.info("speculation changed", k=spec.k, previous_k=self.spec_k, spec_rows=spec.rows,
                           spec_acceptance_estimate=spec.acceptance_estimate)
             self.spec_k = spec.k
-
-    def queued_blocks(self) -> int:
-        return sum(self.engine.kv.num_blocks_for(r.num_tokens) for r in self.engine.scheduler.waiting)
 
     async def progress_loop(self) -> None:
         """In-progress acks keep JetStream from redelivering work that is still running."""

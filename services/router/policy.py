@@ -1,8 +1,8 @@
 """Which worker gets a request: the live workers (heartbeats), what was routed to each since its
 heartbeat, and three policies.
 
-- prefix (default): per worker, cost = α · (prompt tokens not cached there) / block_size
-  + active blocks + new blocks; the lowest wins. A hard guard first rules out every worker above its
+- prefix (default): per worker, cost = α · ((prompt tokens not cached there) / block_size + the
+  prompt blocks it has still to prefill) + active blocks + new blocks; the lowest wins. A hard guard first rules out every worker above its
   KV watermark or its queue watermark, or that took more than load_cap × (the recent requests of
   the live worker that took fewest + LOAD_SLACK), unless all are. Equal costs go to the least
   loaded, then the one that took fewer recent requests, then in turn.
@@ -67,6 +67,11 @@ class Worker:
     def active_blocks(self) -> int:
         hb = self.hb
         return hb.kv_blocks_total - hb.kv_blocks_free + hb.kv_blocks_queued + self.routed_blocks
+
+    @property
+    def pending_blocks(self) -> int:
+        """Prompt blocks still to prefill: its waiting requests' and those routed to it since."""
+        return self.hb.kv_blocks_queued + self.routed_blocks
 
     @property
     def load(self) -> float:
@@ -194,7 +199,7 @@ class Registry:
         for w in live:
             bs, hit = w.hb.block_size, hits[w.hb.worker]
             new = -(-n // bs) - hit // bs
-            costs[w.hb.worker] = o.alpha * (n - hit) / bs + w.active_blocks + new
+            costs[w.hb.worker] = o.alpha * ((n - hit) / bs + w.pending_blocks) + w.active_blocks + new
             if not self.over(w, new) and self.taken(w.hb.worker, now) <= share:
                 room.append(w)
         candidates = room or live

@@ -112,16 +112,28 @@ def test_unknown_policy_and_bad_options_are_refused():
 
 # -- the prefix cost -----------------------------------------------------------------------------
 
-def test_cost_is_alpha_uncached_blocks_plus_active_plus_new_blocks():
+def test_cost_is_alpha_uncached_and_pending_blocks_plus_active_plus_new_blocks():
     reg = registry(beat("w0", free=60), beat("w1", free=90, queued=5), alpha=2.0)
     p = list(range(10 * BS + 4))                           # 10 full blocks + 4 tokens: 11 blocks
     holds(reg, "w0", p[:6 * BS])
     choice = reg.pick(NOW, p)
     # w0: 6 blocks cached: 2·(164 − 96)/16 + 40 active + 5 new = 53.5
-    # w1: nothing cached:  2·164/16 + (10 active + 5 queued) + 11 new = 46.5
-    assert choice.costs == {"w0": 53.5, "w1": 46.5}
-    assert (choice.worker, choice.hit_tokens, choice.cost) == ("w1", 0, 46.5)
-    assert reg.workers["w1"].routed_blocks == 11 and reg.workers["w1"].routed == 1
+    # w1: nothing cached:  2·(164/16 + 5 queued) + (10 active + 5 queued) + 11 new = 56.5
+    assert choice.costs == {"w0": 53.5, "w1": 56.5}
+    assert (choice.worker, choice.hit_tokens, choice.cost) == ("w0", 6 * BS, 53.5)
+    assert reg.workers["w0"].routed_blocks == 5 and reg.workers["w0"].routed == 1
+    again = reg.pick(NOW, list(range(1000, 1000 + 4 * BS)))   # w0's 5 routed blocks are prefill to come
+    # w0: 2·(4 + 5 routed) + (40 + 5 routed) + 4 = 67; w1: 2·(4 + 5) + 15 + 4 = 37
+    assert again.costs == {"w0": 67.0, "w1": 37.0}
+
+
+def test_prompts_waiting_to_prefill_weigh_as_prefill_not_as_kv_held():
+    """A worker with a queue of long prompts is busier than one holding the same KV for decodes:
+    the queue is prefill still to run (NVIDIA Dynamo counts a worker's pending prefill)."""
+    reg = registry(beat("w0", free=100, queued=30), beat("w1", free=68))
+    choice = reg.pick(NOW, list(range(2 * BS)))
+    # w0: 4·(2 + 30) + 30 + 2 = 160 (counted as KV held, it would be 40); w1: 4·2 + 32 + 2 = 42
+    assert choice.costs == {"w0": 160.0, "w1": 42.0} and choice.worker == "w1"
 
 
 def test_a_conversation_goes_back_to_the_worker_holding_its_history():
@@ -143,8 +155,8 @@ def test_the_prediction_leaves_the_last_prompt_token_to_compute_as_the_engine_do
 def test_a_hit_needs_the_same_salt():
     reg = registry(beat("w0"), beat("w1"))
     holds(reg, "w0", prompt(0), salt="tenant-a")
-    assert reg.pick(NOW, prompt(0), "tenant-b").hit_tokens == 0
     assert reg.pick(NOW, prompt(0), "tenant-a").hit_tokens == 8 * BS
+    assert reg.pick(NOW, prompt(0), "tenant-b").hit_tokens == 0
 
 
 def test_a_hot_system_prompt_held_everywhere_spreads_requests_evenly():
@@ -164,11 +176,11 @@ def test_a_hot_system_prompt_held_by_one_worker_draws_requests_until_its_load_ou
     for i in range(90):
         got.append(reg.pick(NOW, prompt(i)).worker)
         holds(reg, got[-1], prompt(i))                    # the worker caches what it computed
-    # w0 saves 8 prefill blocks and 8 new blocks per request (16); each adds 1 block to its load
-    assert got[:16] == ["w0"] * 16 and got[16] == "w1"
+    # w0 saves 8 prefill blocks and 8 new blocks per request (16); each adds 1 block to its load and
+    # 1 to its prefill to come (2)
+    assert got[:8] == ["w0"] * 8 and got[8] == "w1"
     counts = [got.count(w) for w in ("w0", "w1", "w2")]
-    assert min(counts) >= 15 and max(counts) <= 40, counts         # [37, 36, 17]: the third once the two
-                                                                    # holding the prompt are 4 + 25% over
+    assert min(counts) >= 15 and max(counts) <= 40, counts
 
 
 def test_new_conversations_drawn_to_the_worker_holding_their_system_prompt_spread_once_it_took_its_share():

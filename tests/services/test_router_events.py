@@ -130,10 +130,16 @@ def test_two_router_replicas_send_every_turn_of_a_conversation_to_the_worker_hol
 
         await nc.subscribe(subjects.RESULTS_SUBJECTS, cb=on_done)
 
+        # The first turns go one after another: a long prompt queued on a worker is prefill to come there,
+        # which can outweigh another conversation's history (the cost counts it; test_router.py)
+        first = [asyncio.Event() for _ in range(10)]
+        first[0].set()
+
         async def conversation(c: int) -> list[Completion]:
             history, got = list(system), []
+            await first[c].wait()
             for turn in range(5):
-                history += tokens(rng, rng.randrange(8 * BS, 10 * BS) if turn == 0 else rng.randrange(BS, 4 * BS))
+                history += tokens(rng, rng.randrange(16 * BS, 18 * BS) if turn == 0 else rng.randrange(BS, 4 * BS))
                 rid = f"c{c}t{turn}"
                 req = TokenizedRequest(rid, "t", SamplingParams(max_tokens=1, seed=0), list(history))
                 await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id(rid))
@@ -141,6 +147,7 @@ def test_two_router_replicas_send_every_turn_of_a_conversation_to_the_worker_hol
                     arrived.clear()
                     await arrived.wait()
                 got.append(done[rid])
+                first[c + 1].set()
             return got
 
         # each replica balances its own recent requests (load_cap); off here: this is about the shared index

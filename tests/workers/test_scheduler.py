@@ -191,3 +191,15 @@ def test_random_add_step_abort_sequences_never_leak_or_double_free(ops, num_bloc
     assert not sched.has_unfinished(), "every request that fits the pool finishes"
     assert sched.kv.num_free_blocks == num_blocks
     check_invariants(sched.kv)
+
+
+def test_queued_blocks_are_the_waiting_requests_blocks_less_their_cached_prefix():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(make_request("a", range(10), max_tokens=2))             # 3 blocks of 4; its first 2 get cached
+    step(sched)
+    sched.add(make_request("b", list(range(10)) + list(range(50, 56))))  # 4 blocks, 2 of them cached
+    sched.add(make_request("c", range(100, 109)))                     # 3 blocks, none cached
+    assert sched.queued_blocks() == 2 + 3
+    step(sched)                                                       # a finishes
+    step(sched)                                                       # b is admitted
+    assert [r.request_id for r in sched.waiting] == ["c"] and sched.queued_blocks() == 3

@@ -123,11 +123,26 @@ class Scheduler:
         #                                   at the start of a step. The last is preempted first
         self.num_preemptions = 0
         self.num_arrivals = 0
+        self.counted: dict[str, tuple[int, int]] = {}   # waiting request -> (its tokens, its new blocks) when counted
 
     def add(self, req: Request) -> None:
         req.arrival = self.num_arrivals
         self.num_arrivals += 1
         self.waiting.append(req)
+
+    def queued_blocks(self) -> int:
+        """The KV blocks the waiting requests will add: each one's blocks less its prefix cached when it
+        was first counted (what the router counts for a request it routes). A prefix evicted since is
+        not noticed: the figure is a heartbeat's estimate, and counting each request once keeps a long
+        queue cheap to count."""
+        kv, counted = self.kv, {}
+        for req in self.waiting:
+            seen = self.counted.get(req.request_id)
+            if seen is None or seen[0] != req.num_tokens:
+                seen = req.num_tokens, kv.num_blocks_for(req.num_tokens) - len(kv.get_computed_blocks(req))
+            counted[req.request_id] = seen
+        self.counted = counted
+        return sum(n for _, n in counted.values())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
