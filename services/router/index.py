@@ -104,5 +104,9 @@ class KvIndex:
             n += 1
         return n
 
+    def holds(self, worker: str, h: int) -> bool:
+        w = self.workers.get(worker)
+        return w is not None and h in w.hashes
+
     def sizes(self) -> dict[str, int]:
         return {worker: len(w.hashes) for worker, w in self.workers.items()}

@@ -2,7 +2,9 @@
 heartbeat, and three policies.
 
 - prefix (default): per worker, cost = α · ((prompt tokens not cached there) / block_size + the
-  prompt blocks it has still to prefill) + active blocks + new blocks; the lowest wins. A hard guard first rules out every worker above its
+  prompt blocks it has still to prefill) + active blocks + new blocks; the lowest wins. Still to
+  prefill: its waiting requests' new blocks (its heartbeat) and those of the requests routed to it
+  since whose last full prompt block its KV events have not shown yet. A hard guard first rules out every worker above its
   KV watermark or its queue watermark, or that took more than load_cap × (the recent requests of
   the live worker that took fewest + LOAD_SLACK), unless all are. Equal costs go to the least
   loaded, then the one that took fewer recent requests, then in turn.
@@ -62,16 +64,13 @@ class Worker:
     hb: Heartbeat
     routed: int = 0                 # requests
     routed_blocks: int = 0          # the new blocks they need
+    prefills: list[tuple[int | None, int]] = field(default_factory=list)   # each one's (last full prompt
+    #                                 block's hash, new blocks) until it finishes
 
     @property
     def active_blocks(self) -> int:
         hb = self.hb
         return hb.kv_blocks_total - hb.kv_blocks_free + hb.kv_blocks_queued + self.routed_blocks
-
-    @property
-    def pending_blocks(self) -> int:
-        """Prompt blocks still to prefill: its waiting requests' and those routed to it since."""
-        return self.hb.kv_blocks_queued + self.routed_blocks
 
     @property
     def load(self) -> float:
@@ -93,6 +92,7 @@ class Choice:
     costs: dict[str, float] = field(default_factory=dict)
     new_blocks: int = 0             # what it adds to the worker's load until its next heartbeat
     state: Worker | None = None     # the worker's state it was counted in
+    pending: tuple[int | None, int] | None = None   # its entry in state.prefills
     best_hit_tokens: int = 0        # the longest predicted hit on any live worker
     prefill: bool = False           # a remote prefill: the worker is a prefill worker
     why: str = ""                   # "remote:<why>" / "local:<why>" with prefill workers alive, "handoff", or ""
@@ -106,6 +106,7 @@ class Registry:
         self.recent: dict[str, tuple[float, float]] = {}     # worker -> (decayed count of requests, as of)
         self.last = ""
         self.known: dict[int, list[int]] = {}                # the block hashes pick() was given
+        self.hashes: dict[int, list[int]] = {}               # the prompt's, per block size, as hits() found them
 
     def update(self, hb: Heartbeat) -> None:
         """A worker's heartbeat; a stand-in beat (the same counts again) keeps what was routed to it since."""
@@ -173,14 +174,16 @@ class Registry:
             choice = self.cheapest(pool, hits, len(prompt), now)
         choice.hit_tokens, choice.state = hits[choice.worker], self.workers[choice.worker]
         choice.best_hit_tokens = max(hits.values())
-        choice.new_blocks = self.routed(choice.state, len(prompt), choice.hit_tokens, now)
+        blocks = self.hashes[choice.state.hb.block_size]
+        choice.new_blocks, choice.pending = self.routed(choice.state, len(prompt), choice.hit_tokens, now,
+                                                        blocks[-1] if blocks else None)
         choice.why = why
         return choice
 
     def hits(self, live: list[Worker], prompt: list[int], salt: str | None) -> dict[str, int]:
         """Predicted prefix-cache hit tokens per worker: its cached blocks among the prompt's, from the
         first, leaving the last prompt token to compute, exactly as the engine counts them."""
-        hashes: dict[int, list[int]] = {}
+        self.hashes = hashes = {}
         hits = {}
         for w in live:
             bs = w.hb.block_size
@@ -199,7 +202,7 @@ class Registry:
         for w in live:
             bs, hit = w.hb.block_size, hits[w.hb.worker]
             new = -(-n // bs) - hit // bs
-            costs[w.hb.worker] = o.alpha * ((n - hit) / bs + w.pending_blocks) + w.active_blocks + new
+            costs[w.hb.worker] = o.alpha * ((n - hit) / bs + self.pending(w)) + w.active_blocks + new
             if not self.over(w, new) and self.taken(w.hb.worker, now) <= share:
                 room.append(w)
         candidates = room or live
@@ -207,6 +210,15 @@ class Registry:
         ties = [w for w in candidates if costs[w.hb.worker] == best]
         worker = self.in_turn(ties, lambda w: (w.load, round(self.taken(w.hb.worker, now), 6)))
         return Choice(worker, 0, cost=best, guarded=len(candidates) < len(live), costs=costs)
+
+    def pending(self, w: Worker) -> int:
+        """Prompt blocks the worker has still to prefill: its waiting requests' (its heartbeat's
+        kv_blocks_queued) and those of the requests routed to it since whose last full prompt block it
+        has not stored yet. A KV event is the first sign a prefill is done; without it a turn that
+        follows its conversation's last reply within a heartbeat would find the last turn's blocks
+        counted as prefill still to come on the very worker holding them."""
+        holds = self.index.holds
+        return w.hb.kv_blocks_queued + sum(n for h, n in w.prefills if h is None or not holds(w.hb.worker, h))
 
     def spare(self, w: Worker) -> bool:
         """Room beyond what interactive traffic needs now: admission's rule, with what was routed since."""
@@ -237,12 +249,13 @@ class Registry:
         count, at = self.recent.get(worker, (0.0, now))
         return count * math.exp((at - now) / RECENT_SECONDS)
 
-    def routed(self, w: Worker, n: int, hit: int, now: float) -> int:
+    def routed(self, w: Worker, n: int, hit: int, now: float, last: int | None) -> tuple[int, tuple]:
         new = -(-n // w.hb.block_size) - hit // w.hb.block_size
         w.routed += 1
         w.routed_blocks += new
+        w.prefills.append(entry := (last, new))
         self.recent[w.hb.worker] = (self.taken(w.hb.worker, now) + 1, now)
-        return new
+        return new, entry
 
     def finished(self, choice: Choice) -> None:
         """A request ended before its worker's next heartbeat: it no longer loads the worker."""
@@ -250,3 +263,5 @@ class Registry:
         if w is not None and self.workers.get(w.hb.worker) is w:
             w.routed -= 1
             w.routed_blocks -= choice.new_blocks
+            if choice.pending in w.prefills:
+                w.prefills.remove(choice.pending)

@@ -136,6 +136,26 @@ def test_prompts_waiting_to_prefill_weigh_as_prefill_not_as_kv_held():
     assert choice.costs == {"w0": 160.0, "w1": 42.0} and choice.worker == "w1"
 
 
+def test_a_routed_prompt_is_prefill_to_come_until_its_worker_stores_its_last_full_block():
+    """The KV event is the first sign that a prefill is done. A conversation's next turn can come before
+    its worker's next heartbeat; counted as still to prefill, its last turn would outweigh the very
+    history it hits."""
+    reg = registry(beat("w0"), beat("w1"), beat("w2"))
+    turn = list(range(12 * BS + 4))                        # 12 full blocks (+ the last prompt token's): 13 new
+    assert reg.pick(NOW, turn).worker == "w0"
+    assert reg.pending(reg.workers["w0"]) == 13
+    holds(reg, "w0", turn[:6 * BS])
+    assert reg.pending(reg.workers["w0"]) == 13            # half of it stored: still prefilling
+    holds(reg, "w0", turn)
+    assert reg.pending(reg.workers["w0"]) == 0
+    following = reg.pick(NOW, turn + [5] * 32)             # 228 tokens, 192 of them held by w0: 3 new blocks
+    # w0: 4·(36/16 + 0) + 13 routed + 3 new = 25 (with the last turn as prefill to come: 77);
+    # w1, w2: 4·228/16 + 0 + 15 = 72
+    assert following.costs == {"w0": 25.0, "w1": 72.0, "w2": 72.0} and following.worker == "w0"
+    reg.finished(following)
+    assert reg.workers["w0"].prefills == [(hash_blocks(turn[:-1], BS)[-1], 13)]
+
+
 def test_a_conversation_goes_back_to_the_worker_holding_its_history():
     reg = registry(beat("w0", free=90), beat("w1"), beat("w2"))
     history = list(range(12 * BS))
@@ -176,9 +196,9 @@ def test_a_hot_system_prompt_held_by_one_worker_draws_requests_until_its_load_ou
     for i in range(90):
         got.append(reg.pick(NOW, prompt(i)).worker)
         holds(reg, got[-1], prompt(i))                    # the worker caches what it computed
-    # w0 saves 8 prefill blocks and 8 new blocks per request (16); each adds 1 block to its load and
-    # 1 to its prefill to come (2)
-    assert got[:8] == ["w0"] * 8 and got[8] == "w1"
+    # w0 saves 8 prefill blocks and 8 new blocks per request (16); each adds 1 block to its load (its
+    # prefill is done: the worker stored its blocks)
+    assert got[:16] == ["w0"] * 16 and got[16] == "w1"
     counts = [got.count(w) for w in ("w0", "w1", "w2")]
     assert min(counts) >= 15 and max(counts) <= 40, counts
 
