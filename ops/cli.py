@@ -464,6 +464,9 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in a step at most (default 512)")
     sc.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     sc.add_argument("--seed", type=int, default=0, help="seed of the random workloads (default 0)")
+    sc.add_argument("--repeat", type=int, default=1, help="runs of each workload on its stack, from the same seed "
+                    "in other token ids (a cold prefix cache): the figures are their means, and the real runs' "
+                    "spread is how far the real stack moves from run to run (default 1)")
     sc.add_argument("--data-dir", help="keep each stack's logs here (default: a temporary directory)")
     sc.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     sc.set_defaults(func=delegate("ops.sim_check", exits=True))

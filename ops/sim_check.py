@@ -12,13 +12,20 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    busy worker's steps a new request waits before it joins the engine (the intake: the worker reads
    its work between steps, and the item's checks take replies from the bus);
 2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
-   output has its max_tokens:
+   output has its max_tokens (`--repeat N`: N times from the same seed, in other token ids so each run
+   starts with a cold prefix cache; Poisson's requests are then the same, a chat's draws interleave as
+   its replies come):
    - poisson: one-turn requests of random prompts, Poisson arrivals;
    - chat: conversations of several turns behind a few shared system prompts, each turn the whole
      history (with the replies the model gave) plus a new user message, after a pause to type it;
-3. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
+3. the idle probes run again (on prompts the stack has not seen): an idle stack's steps move by ±10%
+   between one probe and the next on a shared machine, so the scale and constants are the means of
+   the two rounds;
+4. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
    in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
-   busy worker taking a request the probed number of its steps after it comes.
+   busy worker taking a request the probed number of its steps after it comes. With several runs the
+   figures compared are the runs' means, and each real figure's spread ((largest − smallest) / mean)
+   says how far the real stack itself moves on the same workload: an error below it is noise.
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
 Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
@@ -112,15 +119,16 @@ async def connect(url: str):
 
 # -- workloads ------------------------------------------------------------------------------------
 
-def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(16, vocab) for _ in range(n)]
+def tokens(rng: random.Random, n: int, vocab: int, shift: int = 0) -> list[int]:
+    """n random ids from 16 on; a `shift` moves each id along by as many (a repeat's same draws, other ids)."""
+    return [16 + (rng.randrange(16, vocab) - 16 + shift) % (vocab - 16) for _ in range(n)]
 
 
-async def poisson(c: Client, args, workers: int, vocab: int, seed: int) -> list[Sent]:
+async def poisson(c: Client, args, workers: int, vocab: int, seed: int, shift: int = 0) -> list[Sent]:
     rng = random.Random(seed)
     asks, at = [], 0.0
     for _ in range(args.requests * workers):
-        asks.append((at, tokens(rng, rng.randint(*args.prompt_len), vocab), rng.randint(*args.output_len)))
+        asks.append((at, tokens(rng, rng.randint(*args.prompt_len), vocab, shift), rng.randint(*args.output_len)))
         at += rng.expovariate(args.rate * workers)
 
     async def one(at: float, prompt: list[int], n: int) -> Sent:
@@ -129,16 +137,16 @@ async def poisson(c: Client, args, workers: int, vocab: int, seed: int) -> list[
     return list(await asyncio.gather(*(one(*a) for a in asks)))
 
 
-async def chat(c: Client, args, workers: int, vocab: int, seed: int) -> list[Sent]:
+async def chat(c: Client, args, workers: int, vocab: int, seed: int, shift: int = 0) -> list[Sent]:
     rng = random.Random(seed)
-    systems = [tokens(rng, args.system_len, vocab) for _ in range(args.system_prompts)]
+    systems = [tokens(rng, args.system_len, vocab, shift) for _ in range(args.system_prompts)]
     sent: list[Sent] = []
 
     async def conversation(k: int) -> None:
         history = list(systems[k % len(systems)])
         await asyncio.sleep(rng.uniform(0, args.think))
         for _ in range(args.turns):
-            history += tokens(rng, rng.randint(*args.user_len), vocab)
+            history += tokens(rng, rng.randint(*args.user_len), vocab, shift)
             s = await c.send(list(history), args.reply_len)
             sent.append(s)
             history += s.output
@@ -205,12 +213,12 @@ class Scaled:
         return (self.scale if shape.tokens > shape.rows else self.decode_scale) * self.cost.seconds(shape)
 
 
-def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int) -> tuple[Scaled, dict]:
+def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe") -> tuple[Scaled, dict]:
     """The stack's step cost and the constants outside the engine, from idle requests one at a time (see the
     module's doc): short prompts that decode, then long ones whose first step is one prefill. A worker's
     TPOT is scale × the decode step's cost + the overhead, its TTFT of a long prompt scale × the prefill's +
     the overhead."""
-    rng = random.Random("probe")
+    rng = random.Random(seed)
     after = asyncio.run(results_seq(stack.nats_url))
     asks = [(PROBE_PROMPT, PROBE_OUTPUT)] * PROBES + [(PROBE_LONG, 2)] * PROBES
 
@@ -301,31 +309,72 @@ def errors(real: dict, simd: dict) -> dict:
     return {k: round(v, 4) for k, v in err.items()}
 
 
+def averaged(probes: list[tuple[Scaled, dict]]) -> tuple[Scaled, dict]:
+    """The probes' scales and constants, each the mean of its rounds (before and after the workload)."""
+    scaled = Scaled(probes[0][0].cost, statistics.fmean(p.scale for p, _ in probes),
+                    statistics.fmean(p.decode_scale for p, _ in probes))
+    return scaled, {k: statistics.fmean(c[k] for _, c in probes) for k in probes[0][1]}
+
+
+def mean_figures(runs: list[dict]) -> dict:
+    """Figures of several runs of one workload: each percentile, rate and share the runs' mean."""
+    out = dict(runs[0])
+    for m in ("ttft_s", "tpot_s"):
+        out[m] = {q: statistics.fmean(r[m][q] for r in runs) for q in runs[0][m]}
+    for m in ("output_tokens_per_s", "prefix_hit_rate", "preemptions"):
+        if m in out:
+            out[m] = statistics.fmean(r[m] for r in runs)
+    return out
+
+
+def spread(runs: list[dict]) -> dict:
+    """How far runs of the same workload moved: (largest − smallest) / mean, per compared figure."""
+    values = {f"{m[:-2]}_{q}": [r[m][q] for r in runs] for m, q in METRICS}
+    values["throughput"] = [r["output_tokens_per_s"] for r in runs]
+    return {k: round((max(v) - min(v)) / statistics.fmean(v), 4) for k, v in values.items()}
+
+
+SHIFT = 7919                  # a repeat's token ids move by this many: the same draws, a cold prefix cache
+
+
 def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> list[dict]:
     threads = threads_for(workers)
     rows = []
     for k, name in enumerate(args.workloads):
         stack = start(model, workers, args, data_dir / f"{name}-{workers}")
+        runs = []
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
-            scaled, consts = probe(stack, cost, vocab)
-            consts["intake_steps"] = intake(stack, scaled, consts, workers, vocab)
-            after = asyncio.run(results_seq(stack.nats_url))
-            sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k))
-            recs = asyncio.run(records(stack.nats_url, after, len(sent)))
+            probes = [probe(stack, cost, vocab)]
+            intake_steps = intake(stack, *probes[0], workers, vocab)
+            for rep in range(args.repeat):
+                after = asyncio.run(results_seq(stack.nats_url))
+                sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k, rep * SHIFT))
+                runs.append((sent, asyncio.run(records(stack.nats_url, after, len(sent)))))
+            probes.append(probe(stack, cost, vocab, "probe after"))
         finally:
             stack.stop()
-        real, simd = real_figures(sent), simulated(sent, scaled, consts, workers, args)
+        scaled, consts = averaged(probes)
+        consts["intake_steps"] = intake_steps
+        reals = [real_figures(sent) for sent, _ in runs]
+        sims = [simulated(sent, scaled, consts, workers, args) for sent, _ in runs]
+        recs = [r for _, rs in runs for r in rs]
+        samples = [t for simd in sims for t in simd.pop("ttft_samples")]
+        real, simd = mean_figures(reals), mean_figures(sims)
         real["dispatch_s"] = sim.percentiles([r.timing["queue_ms"] / 1e3 for r in recs])
         real["worker_ttft_s"] = sim.percentiles([r.timing["ttft_ms"] / 1e3 for r in recs])
         real["intake_s"] = sim.percentiles([r.timing["intake_ms"] / 1e3 for r in recs if "intake_ms" in r.timing])
         simd["dispatch_s"] = sim.percentiles([consts["dispatch_s"]])
-        simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"]
-                                                 for t in simd.pop("ttft_samples")])
-        rows.append({"workload": name, "workers": workers, "threads": threads, "real": real, "sim": simd,
-                     "error": errors(real, simd), "step_scale": round(scaled.scale, 3),
-                     "decode_scale": round(scaled.decode_scale, 3),
-                     "constants": {k: round(v, 6) for k, v in consts.items()}})
+        simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"] for t in samples])
+        row = {"workload": name, "workers": workers, "threads": threads, "runs": len(runs), "real": real,
+               "sim": simd, "error": errors(real, simd), "step_scale": round(scaled.scale, 3),
+               "decode_scale": round(scaled.decode_scale, 3),
+               "probes": [{"step_scale": round(p.scale, 3), "decode_scale": round(p.decode_scale, 3)}
+                          for p, _ in probes],
+               "constants": {k: round(v, 6) for k, v in consts.items()}}
+        if len(runs) > 1:
+            row["real_runs"], row["real_spread"] = reals, spread(reals)
+        rows.append(row)
     return rows
 
 
@@ -360,20 +409,24 @@ def table(r: dict) -> str:
                      f"p90 {q['p90_rel_error']:.1%} ({q['held_out_steps']} steps)")
     for row in r["results"]:
         real, simd, err, c = row["real"], row["sim"], row["error"], row["constants"]
+        spreads = row.get("real_spread")
+        before, after = row["probes"][0], row["probes"][-1]
         lines.append("")
         lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s): "
-                     f"{real['requests']} requests; dispatch {c['dispatch_s'] * 1e3:.1f} ms, stream "
-                     f"{c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
-                     f"{c['intake_steps']} steps, "
-                     f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f})")
-        lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}")
+                     f"{real['requests']} requests × {row['runs']} run(s); dispatch {c['dispatch_s'] * 1e3:.1f} ms, "
+                     f"stream {c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
+                     f"{c['intake_steps']} steps, steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}; "
+                     f"probed before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, decode "
+                     f"{before['decode_scale']:.2f}/{after['decode_scale']:.2f})")
+        lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}" + (f"{'real spread':>13}" if spreads else ""))
         for m, q in METRICS:
+            key = m[:-2] + "_" + q
             lines.append(f"{m[:-2].upper() + ' ' + q + ' (ms)':16}{real[m][q] * 1e3:>12.1f}{simd[m][q] * 1e3:>12.1f}"
-                         f"{err[m[:-2] + '_' + q]:>+10.1%}")
+                         f"{err[key]:>+10.1%}" + (f"{spreads[key]:>13.1%}" if spreads else ""))
         for m, name in (("dispatch_s", "dispatch"), ("intake_s", "of it intake"), ("worker_ttft_s", "worker TTFT")):
             lines.append(f"{'  ' + name + ' p50/p99':16}{fmt(real[m]):>12}{fmt(simd[m]) if m in simd else '-':>12}")
         lines.append(f"{'output tok/s':16}{real['output_tokens_per_s']:>12.1f}{simd['output_tokens_per_s']:>12.1f}"
-                     f"{err['throughput']:>+10.1%}")
+                     f"{err['throughput']:>+10.1%}" + (f"{spreads['throughput']:>13.1%}" if spreads else ""))
     lines.append("")
     lines.append(f"worst error: {r['worst_error']:.1%}")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """`tokenbus sim-check` on the tiny model, small: the real stack and the simulator (with the CPU cost fitted
 here) run the same requests, and the simulator's TTFT, TPOT and throughput land near the real ones."""
+import random
 from argparse import Namespace
 
 import orjson
@@ -28,7 +29,27 @@ def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_mode
         assert r["sim"]["output_tokens"] == pytest.approx(r["real"]["output_tokens"])   # EOS ignored: max_tokens each
         assert all(abs(e) < BOUND for e in r["error"].values()), r["error"]
         assert r["constants"]["intake_steps"] >= 0                  # probed with the worker busy
+        assert r["runs"] == 1 and len(r["probes"]) == 2 and "real_spread" not in r   # probed before and after
+        assert min(p["step_scale"] for p in r["probes"]) <= r["step_scale"] <= max(p["step_scale"] for p in r["probes"])
         for side in ("real", "sim"):                                # where the TTFT goes: dispatch, then worker
             assert 0 < r[side]["dispatch_s"]["p50"] < r[side]["ttft_s"]["p99"]
             assert r[side]["worker_ttft_s"]["p50"] > 0
     assert report["fits"][f"{sim_check.threads_for(1)}t"]["quality"]["held_out_steps"] > 0
+
+
+def test_a_repeat_draws_the_same_lengths_in_other_token_ids():
+    first, again = (sim_check.tokens(random.Random(3), 50, 1000, shift) for shift in (0, sim_check.SHIFT))
+    assert len(first) == len(again) == 50 and all(16 <= t < 1000 for t in first + again)
+    assert all(a != b for a, b in zip(first, again))                     # no shared prefix: no shared KV block
+    assert sim_check.tokens(random.Random(3), 50, 1000) == first
+
+
+def test_runs_are_compared_by_their_means_and_the_real_runs_spread_is_reported():
+    def figures(ttft_p50: float, tpot_p99: float, rate: float) -> dict:
+        return {"ttft_s": {"p50": ttft_p50, "p99": 2.0}, "tpot_s": {"p50": 0.1, "p99": tpot_p99},
+                "output_tokens_per_s": rate, "requests": 30}
+    runs = [figures(1.0, 0.3, 40.0), figures(1.5, 0.3, 44.0)]
+    mean = sim_check.mean_figures(runs)
+    assert mean["ttft_s"]["p50"] == 1.25 and mean["output_tokens_per_s"] == 42.0 and mean["requests"] == 30
+    assert sim_check.spread(runs) == {"ttft_p50": 0.4, "ttft_p99": 0.0, "tpot_p50": 0.0, "tpot_p99": 0.0,
+                                      "throughput": round(4 / 42, 4)}
