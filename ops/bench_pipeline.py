@@ -215,7 +215,7 @@ class StandIn:
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy="fcfs")
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
                                   num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None)
-        self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[])
+        self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[], queued_blocks=lambda: 0)
         self.requests: dict[str, Request] = {}
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None = None,
