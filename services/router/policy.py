@@ -4,10 +4,10 @@ heartbeat, and three policies.
 - prefix (default): per worker, cost = α · ((prompt tokens not cached there) / block_size + the
   prompt blocks it has still to prefill) + active blocks + new blocks; the lowest wins. Still to
   prefill: its waiting requests' new blocks (its heartbeat) and those of the requests routed to it
-  since whose last full prompt block its KV events have not shown yet. A hard guard first rules out every worker above its
-  KV watermark or its queue watermark, or that took more than load_cap × (the recent requests of
-  the live worker that took fewest + LOAD_SLACK), unless all are. Equal costs go to the least
-  loaded, then the one that took fewer recent requests, then in turn.
+  since whose last full prompt block its KV events have not shown yet. A hard guard first rules
+  out every worker above its KV watermark or its queue watermark, or that took more than load_cap ×
+  (the recent requests of the live worker that took fewest + LOAD_SLACK), unless all are. Equal
+  costs go to the least loaded, then the one that took fewer recent requests, then in turn.
 - least-loaded: (running + waiting + routed since the heartbeat) / max_num_seqs, in turn among equals.
 - round-robin: each live worker in turn.
 The prefix index is consulted under every policy, so each decision has a predicted hit to compare.
