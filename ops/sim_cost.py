@@ -22,6 +22,7 @@ import numpy as np
 FEATURES = ("tokens", "rows", "sampled", "attention", "kv_read")
 HELD_OUT = 0.25                  # of the measured steps, kept out of the fit to judge it
 SPIKE = 1.5                      # a step this many times slower than the first fit says was slowed by a neighbour
+SCENARIOS = 2                    # the version of `scenarios`: a cached fit of other steps is measured again
 
 
 @dataclass(slots=True)
@@ -129,7 +130,10 @@ def fit(name: str, steps: list[tuple[StepShape, float]], seed: int = 0) -> Fitte
 
 def scenarios(rng: random.Random, vocab: int, big: bool) -> list[list[tuple[int, list[int], int]]]:
     """Runs of (step to add at, prompt, max_tokens) whose steps cover the shapes a stack meets: prefills
-    of one prompt and of several, decode batches of several sizes and contexts, prefills among decodes."""
+    of one prompt and of several, decode batches of several sizes and contexts, prefills among decodes,
+    and prompts whose head is cached (a chat's next turn: a few new tokens that attend to a long
+    context; fitted on fresh prompts alone, attention and tokens grow together and the fit cannot
+    tell them apart)."""
     tokens = lambda n: [rng.randrange(16, vocab) for _ in range(n)]  # noqa: E731
     runs = [[(0, tokens(n), 2)] for n in (8, 32, 128, 512, 1024, 2048)]
     runs += [[(0, tokens(n), 2) for _ in range(k)] for n, k in ((64, 8), (256, 4), (512, 3))]
@@ -137,6 +141,9 @@ def scenarios(rng: random.Random, vocab: int, big: bool) -> list[list[tuple[int,
         for context in (32, 256, 1024):
             if batch * context <= (12_000 if big else 40_000):
                 runs.append([(0, tokens(context + rng.randrange(8)), 12) for _ in range(batch)])
+    for head_len, news in ((128, (16, 48, 96, 200)), (512, (16, 64, 160)), (1024 if big else 1536, (32, 96))):
+        head = tokens(head_len)
+        runs.append([(0, head, 2)] + [(4 + 2 * i, head + tokens(n), 6) for i, n in enumerate(news)])
     for _ in range(3):
         at, run = 0, []
         while at < 150:
@@ -183,7 +190,7 @@ def measure(model_dir: str, threads: int, dtype: str | None = None, seed: int = 
 def cache_path(model_dir: str, dtype: str, threads: int) -> Path:
     from workers.models.builder import tokenbus_home
 
-    return tokenbus_home() / "sim" / f"{Path(model_dir).name}-{dtype}-{threads}t.json"
+    return tokenbus_home() / "sim" / f"{Path(model_dir).name}-{dtype}-{threads}t-v{SCENARIOS}.json"
 
 
 def load_or_fit(model: str, threads: int, dtype: str | None = None, refit: bool = False) -> FittedCost:
