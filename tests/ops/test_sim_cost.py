@@ -59,6 +59,6 @@ def test_the_cpu_fit_predicts_held_out_engine_steps_and_round_trips_its_cache(ti
     decode = StepShape(8, 8, 8, 8 * 300, 8 * 300)
     assert cost.seconds(StepShape(1024, 1, 1, 1024 * 512.5, 1024)) > cost.seconds(decode) > cost.const > 0
     [path] = (tmp_path / "sim").iterdir()
-    assert path.name == f"{Path(tiny_model).name}-float32-1t.json"
+    assert path.name == f"{Path(tiny_model).name}-float32-1t-v{sim_cost.SCENARIOS}.json"   # new scenarios: a new fit
     assert json.loads(path.read_text())["quality"] == q
     assert sim_cost.load_or_fit(tiny_model, threads=1) == cost                  # read, not measured again
