@@ -62,10 +62,17 @@ class Options:
 class Worker:
     """A worker's last heartbeat and what was routed to it since."""
     hb: Heartbeat
-    routed: int = 0                 # requests
-    routed_blocks: int = 0          # the new blocks they need
-    prefills: list[tuple[int | None, int]] = field(default_factory=list)   # each one's (last full prompt
-    #                                 block's hash, new blocks) until it finishes
+    prefills: list[tuple[int | None, int]] = field(default_factory=list)   # each request routed to it since,
+    #                                 until it finishes: (its last full prompt block's hash, its new blocks)
+
+    @property
+    def routed(self) -> int:
+        return len(self.prefills)
+
+    @property
+    def routed_blocks(self) -> int:
+        """The new blocks the requests routed since need."""
+        return sum(n for _, n in self.prefills)
 
     @property
     def active_blocks(self) -> int:
@@ -251,8 +258,6 @@ class Registry:
 
     def routed(self, w: Worker, n: int, hit: int, now: float, last: int | None) -> tuple[int, tuple]:
         new = -(-n // w.hb.block_size) - hit // w.hb.block_size
-        w.routed += 1
-        w.routed_blocks += new
         w.prefills.append(entry := (last, new))
         self.recent[w.hb.worker] = (self.taken(w.hb.worker, now) + 1, now)
         return new, entry
@@ -260,8 +265,5 @@ class Registry:
     def finished(self, choice: Choice) -> None:
         """A request ended before its worker's next heartbeat: it no longer loads the worker."""
         w = choice.state
-        if w is not None and self.workers.get(w.hb.worker) is w:
-            w.routed -= 1
-            w.routed_blocks -= choice.new_blocks
-            if choice.pending in w.prefills:
-                w.prefills.remove(choice.pending)
+        if w is not None and self.workers.get(w.hb.worker) is w and choice.pending in w.prefills:
+            w.prefills.remove(choice.pending)
