@@ -510,20 +510,25 @@ class Request:
         return len(self.tokens)
 
     async def submit(self, req) -> None:
+        """Publishes the request; its chunks wait on the lock until the ack, as a worker can take it and send
+        a token before the ack comes back: the accepted frame goes first and SSE event ids carry the seq."""
         gw = self.conn.gw
-        try:
-            ack = await subjects.publish(gw.js, subjects.request_new(req.tenant), encode(req),
-                                         subjects.msg_id(req.id), self.log,
-                                         min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
-        except subjects.NotStored as e:
-            reason, self.unstored = str(e), True
-            self.log.error("request publish failed", request_id=self.rid, error=reason)
-            await self.end(error(self.cid, "unavailable", f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
-            return
-        self.seq = ack.seq
-        self.log.info("request accepted", request_id=self.rid, tenant=req.tenant, client_id=self.cid, seq=ack.seq)
-        if not self.ended:
-            await self.conn.accepted(self)
+        async with self.lock:
+            try:
+                ack = await subjects.publish(gw.js, subjects.request_new(req.tenant), encode(req),
+                                             subjects.msg_id(req.id), self.log,
+                                             min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
+            except subjects.NotStored as e:
+                reason, self.unstored = str(e), True
+                self.log.error("request publish failed", request_id=self.rid, error=reason)
+                await self.end(error(self.cid, "unavailable",
+                                     f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
+                return
+            self.seq = ack.seq
+            self.log.info("request accepted", request_id=self.rid, tenant=req.tenant, client_id=self.cid,
+                          seq=ack.seq)
+            if not self.ended:
+                await self.conn.accepted(self)
 
     async def on_msg(self, msg) -> None:
         if self.ended:                            # messages already queued when the request ended

@@ -144,6 +144,35 @@ def test_accepted_frames_carry_the_resume_id_only_for_requests_that_ask(nats_url
     run(body())
 
 
+def test_tokens_that_come_before_the_publish_ack_wait_for_the_accepted_frame(nats_url, tiny_model, tok,
+                                                                            monkeypatch):
+    publish = subjects.publish
+
+    async def slow_ack(*a, **kw):                   # a worker took the request and streamed before the ack came
+        ack = await publish(*a, **kw)
+        await asyncio.sleep(0.5)
+        return ack
+    monkeypatch.setattr(subjects, "publish", slow_ack)
+
+    async def quick(down, req) -> None:
+        await down.stream(req, TEXT, 0.0)
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, quick) as down:
+            async with connect(down.ws) as ws:
+                resume_id, _ = await started(ws, "r", 0)
+                whole = await until_end(ws, "r")
+                assert resume_id.startswith(down.requests[0].id + ".")
+                assert tokens(whole) == down.ids(TEXT) and text(whole) == TEXT
+            status, data = await asyncio.to_thread(post, down.http + "/v1/completions", {
+                "model": "tiny", "prompt": "hi", "max_tokens": 64, "stream": True})
+            assert status == 200
+            ids = [e.split("\n")[0] for e in data.decode().split("\n\n")[:-1]]
+            rid = down.requests[1].id
+            assert all(i.startswith(f"id: {rid}.") and int(i.split(".")[1]) >= 1 for i in ids), ids  # the seq
+    run(body())
+
+
 def test_a_dropped_stream_resumes_exactly_on_another_gateway_and_on_the_same_one(nats_url, tiny_model, tok):
     async def body():
         async with gateway(nats_url, tiny_model, tok, worker, resume_grace=1.0) as one, \
@@ -265,10 +294,12 @@ def test_resumes_of_another_tenant_an_unknown_id_or_a_bad_offset_are_refused(nat
 def test_dropped_streams_are_cancelled_after_the_grace_and_left_ones_at_once(nats_url, tiny_model, tok):
     async def body():
         async with gateway(nats_url, tiny_model, tok, worker, resume_grace=0.5) as down:
-            for cid, resumable, clean in (("dropped", True, False), ("closed", True, True), ("plain", False, False)):
+            for n, (cid, resumable, clean) in enumerate((("dropped", True, False), ("closed", True, True),
+                                                         ("plain", False, False)), 1):
                 async with connect(down.ws) as ws:
                     await send(ws, {**generate(cid, "hold"), "resumable": resumable})
                     await recv(ws)                        # accepted, or the first delta
+                    await until(lambda n=n: len(down.requests) == n)   # accepted is the ack: the worker may not have it
                     left = time.monotonic()
                     if not clean:
                         drop(ws)
