@@ -467,6 +467,8 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--repeat", type=int, default=1, help="runs of each workload on its stack, from the same seed "
                     "in other token ids (a cold prefix cache): the figures are their means, and the real runs' "
                     "spread is how far the real stack moves from run to run (default 1)")
+    sc.add_argument("--steps", action="store_true", help="also compare the steps: the real workers' (their "
+                    "TB_STEP_TRACE) against the simulator's, and the scaled cost on the real steps' shapes")
     sc.add_argument("--data-dir", help="keep each stack's logs here (default: a temporary directory)")
     sc.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     sc.set_defaults(func=delegate("ops.sim_check", exits=True))

@@ -77,6 +77,8 @@ class Arrival:
     prompt: list[int]            # token ids
     max_tokens: int
     conversation: str = ""
+    output: list[int] | None = None   # the tokens it got (a replay): sampled in turn, so that a next turn that
+                                      # carries them in its prompt finds them in the prefix cache, as it did
 
 
 @dataclass
@@ -132,6 +134,7 @@ class SimConfig:
     scheduler: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler   # the policy under test
     scheduling_policy: str = "fcfs"   # the workers' (SchedulerConfig.policy): fcfs, priority or fair
     tenants: tuple[SimTenant, ...] = (SimTenant("default"),)
+    trace: bool = False          # the result's "steps": every step's worker, start, seconds and shape
 
     @property
     def cell_workers(self) -> int:
@@ -162,6 +165,7 @@ class Track:
     worker: str = ""
     choice: Choice | None = None
     tenant: str = ""
+    output: list[int] | None = None   # the tokens it is known to sample (Arrival.output)
 
 
 class Worker:
@@ -225,6 +229,7 @@ class Cell:
         self.rate = cfg.rate / cfg.cells
         self.arrivals = arrivals
         self.end = cfg.duration
+        self.steps: list[dict] = []                     # cfg.trace: every step, as it starts
 
     # -- the event queue --------------------------------------------------------------------------
 
@@ -296,7 +301,8 @@ class Cell:
             prompt, hashes, conv, max_tokens = a.prompt, hash_blocks(a.prompt, cfg.block_size), None, a.max_tokens
         rid = f"r{self.index}.{len(self.tracks)}"
         tenant = conv.tenant if conv is not None else cfg.tenants[0]      # a replayed request: the first tenant
-        self.tracks[rid] = Track(self.now, len(prompt), max_tokens, conv, self.now >= cfg.warmup, tenant=tenant.name)
+        self.tracks[rid] = Track(self.now, len(prompt), max_tokens, conv, self.now >= cfg.warmup, tenant=tenant.name,
+                                 output=a.output if a is not None else None)
         self.unfinished += 1
         req = Request(rid, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0,
                       cfg.block_size, block_hashes=hashes[:len(prompt) // cfg.block_size], priority=tenant.priority,
@@ -347,6 +353,8 @@ class Cell:
                 StepShape(shape.rows, shape.rows, shape.rows, float(shape.kv_read), shape.kv_read))
         w.steps += 1
         w.step_tokens += shape.tokens
+        if cfg.trace:                                   # "seconds" at a whole core; "end" when it ended
+            self.steps.append({"worker": w.name, "at": self.now, "seconds": seconds, **asdict(shape)})
         if cfg.cores:                                   # CPU workers beyond the cores time-share them
             self.advance()                              # at the share before this worker joins
         w.busy, w.batch, w.started = True, batch, self.now
@@ -394,7 +402,10 @@ class Cell:
             if batch.samples[i] and req.num_computed_tokens >= req.num_prompt_tokens:
                 w.sched.add_drafts(batch, i, self.tokens(self.cfg.spec_k))
 
-    def sample(self, drafts: list[int]) -> list[int]:
+    def sample(self, req: Request, drafts: list[int]) -> list[int]:
+        known = self.tracks[req.request_id].output
+        if known and req.num_output_tokens < len(known) and not drafts:
+            return [known[req.num_output_tokens]]
         p, keep = self.cfg.spec_acceptance, 0
         while keep < len(drafts) and self.rng.random() < p:
             keep += 1
@@ -405,8 +416,10 @@ class Cell:
 
     def step_end(self, w: Worker) -> None:
         batch, w.busy, w.batch = w.batch, False, None
+        if self.cfg.trace:
+            next(s for s in reversed(self.steps) if s["worker"] == w.name)["end"] = self.now
         w.busy_s += self.now - w.started
-        tokens = [self.sample(d) for d, s in zip(batch.drafts, batch.samples) if s]
+        tokens = [self.sample(r, d) for r, d, s in zip(batch.requests, batch.drafts, batch.samples) if s]
         updated = w.sched.update(batch, tokens, [[None] * len(t) for t in tokens])
         for req in updated:
             track = self.tracks[req.request_id]
@@ -524,7 +537,7 @@ class Cell:
                             "kv_use_max": max(w.kv_use, default=0),
                             "load_mean": sum(w.load) / max(len(w.load), 1), "preemptions": w.sched.num_preemptions})
         return {"rows": rows, "workers": workers, "sim_seconds": self.now, "wall_seconds": wall_s,
-                "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs}
+                "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs, "steps": self.steps}
 
 
 def run_cell(args) -> dict:
@@ -596,7 +609,7 @@ def merge(cfg: SimConfig, parts: list[dict], cells: int, wall_s: float) -> dict:
         "samples": {"ttft": [r[0] for r in rows], "tpot": [r[1] for r in done if r[1] is not None]},
         "sim_seconds": max((p["sim_seconds"] for p in parts), default=0.0),
         "wall_seconds": wall_s,
-    }
+    } | ({"steps": [s for p in parts for s in p["steps"]]} if cfg.trace else {})
 
 
 def by_tenant(rows: list, cfg: SimConfig) -> dict:
@@ -753,7 +766,7 @@ def replayed(path: str) -> list[Arrival]:
         raise SystemExit(f"--replay {path}: no records")
     t0 = min(r["created"] for r in records)
     return sorted((Arrival(r["created"] - t0, r["prompt_token_ids"], max(len(r["output_token_ids"]), 1),
-                           r.get("id", "")) for r in records), key=lambda a: a.at)
+                           r.get("id", ""), r["output_token_ids"]) for r in records), key=lambda a: a.at)
 
 
 def plot(r: dict, path: str) -> None:

@@ -29,8 +29,9 @@ router, the workers, the gateway) is warmed with prompts of every length the run
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
 Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
-simulator knows no other contention: workers that together want more cores than the machine has (3
-workers on 2 cores) run slower than it says.
+workers share the cores the intake probe measured (`cores`: the workers / how much slower a decode step
+is with all of them busy than on the idle stack) by processor sharing in the simulator; `--steps` shows
+the real and simulated steps side by side (`steps_report`).
 """
 import asyncio
 import contextlib
@@ -53,12 +54,14 @@ from ops.procs import free_port
 from ops.up import Stack
 from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
+from workers.service import STEP_TRACE
 
 REQUEST_TIMEOUT = 300.0       # seconds; a request slower than this means the stack is broken
 PROBES = 6                    # idle requests, one at a time
 PROBE_PROMPT, PROBE_OUTPUT = 32, 24
 PROBE_LONG = 384
 BUSY_OUTPUT = 256             # tokens of each request that keeps a worker busy while the intake is probed
+CONTENDED = 3.0               # seconds every worker decodes alone, to time steps with all of them busy
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
 
 
@@ -173,11 +176,15 @@ def threads_for(workers: int) -> int:
 
 def start(model: str, workers: int, args, data_dir: Path) -> Stack:
     threads = threads_for(workers)
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if getattr(args, "steps", False):
+        data_dir.mkdir(parents=True, exist_ok=True)
+        env[STEP_TRACE] = str(data_dir / "steps.jsonl")
     stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
                   worker_args=["--threads", str(threads), "--num-kv-blocks", str(args.kv_blocks),
                                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                                str(args.max_num_batched_tokens), "--block-size", str(args.block_size)],
-                  worker_env={"OMP_NUM_THREADS": str(threads)})
+                  worker_env=env)
     stack.start()
     stack.wait_ready()
     return stack
@@ -242,24 +249,36 @@ def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe"
     return Scaled(cost, scale, decode_scale), consts
 
 
-def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -> int:
-    """How many of a busy worker's steps a request waits before it joins the engine: each worker decodes a
-    long request while short ones (one output token) come one at a time. A short request's TTFT is the
-    dispatch and the stream, the rest of the step under way (half a step on average), the intake's steps,
-    and the step that prefills it; each is timed by the long request's token gaps on the short one's
-    worker (the completion records say which), and short requests that found an idle worker are left out."""
+def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -> tuple[int, float]:
+    """How many of a busy worker's steps a request waits before it joins the engine, and the cores the
+    workers get when all of them step. Each worker decodes a long request; for CONTENDED seconds nothing
+    else comes: the decode steps' gaps against the idle stack's decode step say how much slower a step is
+    with every worker busy, and the cores are the workers / that slowdown (fewer than the machine has: the
+    other services and the client run too, and neighbours share the caches and memory bandwidth). Then
+    short requests (one output token) come one at a time. A short request's TTFT is the dispatch and the
+    stream, the rest of the step under way (half a step on average), the intake's steps, and the step that
+    prefills it; each is timed by the long request's token gaps on the short one's worker (the completion
+    records say which), and short requests that found an idle worker are left out."""
     rng = random.Random("intake")
     after = asyncio.run(results_seq(stack.nats_url))
 
-    async def run() -> tuple[list[Sent], list[Sent]]:
+    async def run() -> tuple[list[Sent], list[Sent], tuple[float, float]]:
         async with connect(stack.url) as c:
             busy = [asyncio.ensure_future(c.send(tokens(rng, PROBE_PROMPT, vocab), BUSY_OUTPUT))
                     for _ in range(workers)]
             while not all(s.result.chunks for s in c.sent):
                 await asyncio.sleep(0.01)
+            alone = time.perf_counter()
+            await asyncio.sleep(CONTENDED)
+            alone = (alone, time.perf_counter())
             probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
-            return list(await asyncio.gather(*busy)), probes
-    busy, probes = asyncio.run(run())
+            return list(await asyncio.gather(*busy)), probes, alone
+    busy, probes, alone = asyncio.run(run())
+    contended = [b - a for s in busy for a, b in itertools.pairwise(s.result.chunks) if alone[0] <= a and b <= alone[1]]
+    idle = sim_cost.StepShape()
+    idle.add(1, PROBE_PROMPT + PROBE_OUTPUT // 2, 1)             # the context matters little to a decode step
+    slowdown = statistics.median(contended) / (cost.seconds(idle) + consts["step_overhead_s"]) if contended else 1.0
+    cores = workers / max(1.0, slowdown)
     worker = {tuple(r.prompt_token_ids): r.worker
               for r in asyncio.run(records(stack.nats_url, after, len(busy) + len(probes)))}
     start, end = min(p.result.start for p in probes), max(p.result.end for p in probes)
@@ -274,7 +293,7 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
     prefill_steps = cost.seconds(prefill) / cost.seconds(decode)
     waits = [(p.result.ttft - consts["dispatch_s"] - consts["stream_s"]) / statistics.median(g) - prefill_steps - 0.5
              for p in probes if (g := gaps.get(worker[tuple(p.prompt)]))]
-    return max(0, round(statistics.median(waits))) if waits else 0
+    return max(0, round(statistics.median(waits))) if waits else 0, cores
 
 
 # -- one configuration ----------------------------------------------------------------------------
@@ -289,18 +308,66 @@ def real_figures(sent: list[Sent]) -> dict:
             "output_tokens": out}
 
 
-def simulated(sent: list[Sent], cost, consts: dict, workers: int, args) -> dict:
+def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: bool = False) -> dict:
     t0 = min(s.at for s in sent)
-    arrivals = sorted((sim.Arrival(s.at - t0, s.prompt, s.max_tokens) for s in sent), key=lambda a: a.at)
+    arrivals = sorted((sim.Arrival(s.at - t0, s.prompt, s.max_tokens, output=s.output) for s in sent),
+                      key=lambda a: a.at)
     cfg = sim.SimConfig(workers=workers, cost=cost, block_size=args.block_size, num_blocks=args.kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, rate=0.0, drain=REQUEST_TIMEOUT,
-                        cores=os.cpu_count() or 1, **consts)
+                        trace=trace, **consts)
     r = sim.simulate(cfg, arrivals)
     out = r["output_tokens_per_s"] * r["sim_seconds"]
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
             "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
-            "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]}
+            "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]} \
+        | ({"steps": r["steps"]} if trace else {})
+
+
+# -- steps (--steps) ------------------------------------------------------------------------------
+
+def traced(path: Path, windows: list[tuple[float, float]]) -> list[dict]:
+    """The real workers' steps (their STEP_TRACE lines) that started within one of the runs' windows."""
+    if not path.exists():
+        return []
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line]
+    return [t for t in lines if any(a <= t["at"] <= b for a, b in windows)]
+
+
+def step_stats(steps: list[dict], seconds: str) -> dict:
+    """Counts and means of steps, split into decode-only steps and steps that prefill; `seconds` names the
+    field that times a step."""
+    out = {"steps": len(steps)}
+    for kind, part in (("decode", [t for t in steps if t["tokens"] == t["rows"]]),
+                       ("prefill", [t for t in steps if t["tokens"] > t["rows"]])):
+        out[kind] = {"steps": len(part), "rows": statistics.fmean(t["rows"] for t in part) if part else 0.0,
+                     "tokens": statistics.fmean(t["tokens"] for t in part) if part else 0.0,
+                     "kv_read": statistics.fmean(t["kv_read"] for t in part) if part else 0.0,
+                     "seconds": statistics.fmean(t[seconds] for t in part) if part else 0.0,
+                     "total_s": sum(t[seconds] for t in part)}
+    return out
+
+
+def steps_report(real: list[dict], simd: list[dict], cost: "Scaled", overhead: float, cores: float) -> dict:
+    """The real steps against the simulator's (counts, shapes, wall times), and the scaled cost (+ the step
+    overhead) on the real steps' own shapes against their loop times, slowed as the simulator slows a step
+    when more workers step than there are cores (counted at the step's middle): whether an error comes
+    from the cost of a step or from what the steps are."""
+    spans = [(t["at"], t["at"] + t["loop_s"]) for t in real]
+
+    def predicted(t: dict) -> float:
+        shape = sim_cost.StepShape(t["tokens"], t["rows"], t["sampled"], t["attention"], t["kv_read"])
+        mid = t["at"] + t["loop_s"] / 2
+        busy = sum(a <= mid < b for a, b in spans)
+        return (cost.seconds(shape) + overhead) * max(1.0, busy / cores)
+    fit = {}
+    for kind, part in (("decode", [t for t in real if t["tokens"] == t["rows"]]),
+                       ("prefill", [t for t in real if t["tokens"] > t["rows"]])):
+        errs = [predicted(t) / t["loop_s"] - 1 for t in part]
+        fit[kind] = {"median_error": statistics.median(errs) if errs else None,
+                     "total_error": sum(map(predicted, part)) / sum(t["loop_s"] for t in part) - 1 if part else None}
+    simd = [t | {"wall_s": t["end"] - t["at"]} for t in simd if "end" in t]
+    return {"real": step_stats(real, "loop_s"), "sim": step_stats(simd, "wall_s"), "cost_on_real_steps": fit}
 
 
 def errors(real: dict, simd: dict) -> dict:
@@ -346,18 +413,21 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
             probes = [probe(stack, cost, vocab)]
-            intake_steps = intake(stack, *probes[0], workers, vocab)
+            intake_steps, cores = intake(stack, *probes[0], workers, vocab)
+            windows = []
             for rep in range(args.repeat):
-                after = asyncio.run(results_seq(stack.nats_url))
+                after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
                 sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k, rep * SHIFT))
+                windows.append((began, time.monotonic()))
                 runs.append((sent, asyncio.run(records(stack.nats_url, after, len(sent)))))
             probes.append(probe(stack, cost, vocab, "probe after"))
         finally:
             stack.stop()
         scaled, consts = averaged(probes)
-        consts["intake_steps"] = intake_steps
+        consts["intake_steps"], consts["cores"] = intake_steps, min(cores, os.cpu_count() or 1)
         reals = [real_figures(sent) for sent, _ in runs]
-        sims = [simulated(sent, scaled, consts, workers, args) for sent, _ in runs]
+        sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
+        sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
         recs = [r for _, rs in runs for r in rs]
         samples = [t for simd in sims for t in simd.pop("ttft_samples")]
         real, simd = mean_figures(reals), mean_figures(sims)
@@ -374,6 +444,9 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
                "constants": {k: round(v, 6) for k, v in consts.items()}}
         if len(runs) > 1:
             row["real_runs"], row["real_spread"] = reals, spread(reals)
+        if args.steps:
+            row["steps"] = steps_report(traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows), sim_steps,
+                                        scaled, consts["step_overhead_s"], consts["cores"])
         rows.append(row)
     return rows
 
@@ -396,6 +469,23 @@ def main(args) -> int:
     return 0
 
 
+def step_lines(s: dict) -> list[str]:
+    lines = [f"{'steps':16}{'real':>12}{'sim':>12}   (decode-only | with a prefill: count, mean rows, tokens, "
+             "context read, ms, total s)"]
+    for kind in ("decode", "prefill"):
+        r, m = s["real"][kind], s["sim"][kind]
+        for label, key, f in (("count", "steps", "{:.0f}"), ("rows", "rows", "{:.1f}"), ("tokens", "tokens", "{:.1f}"),
+                              ("context", "kv_read", "{:.0f}"), ("ms", "seconds", "{:.1f}"), ("total s", "total_s",
+                                                                                               "{:.1f}")):
+            scale = 1e3 if key == "seconds" else 1
+            lines.append(f"{'  ' + kind + ' ' + label:16}{f.format(r[key] * scale):>12}{f.format(m[key] * scale):>12}")
+    for kind, e in s["cost_on_real_steps"].items():
+        if e["median_error"] is not None:
+            lines.append(f"  cost on the real {kind} steps: median error {e['median_error']:+.1%}, "
+                         f"total {e['total_error']:+.1%}")
+    return lines
+
+
 def fmt(p: dict) -> str:
     return f"{p['p50'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}"
 
@@ -412,7 +502,8 @@ def table(r: dict) -> str:
         spreads = row.get("real_spread")
         before, after = row["probes"][0], row["probes"][-1]
         lines.append("")
-        lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s): "
+        lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s) "
+                     f"on {c['cores']:.2f} cores: "
                      f"{real['requests']} requests × {row['runs']} run(s); dispatch {c['dispatch_s'] * 1e3:.1f} ms, "
                      f"stream {c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
                      f"{c['intake_steps']} steps, steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}; "
@@ -427,6 +518,8 @@ def table(r: dict) -> str:
             lines.append(f"{'  ' + name + ' p50/p99':16}{fmt(real[m]):>12}{fmt(simd[m]) if m in simd else '-':>12}")
         lines.append(f"{'output tok/s':16}{real['output_tokens_per_s']:>12.1f}{simd['output_tokens_per_s']:>12.1f}"
                      f"{err['throughput']:>+10.1%}" + (f"{spreads['throughput']:>13.1%}" if spreads else ""))
+        if "steps" in row:
+            lines += step_lines(row["steps"])
     lines.append("")
     lines.append(f"worst error: {r['worst_error']:.1%}")
     return "\n".join(lines)

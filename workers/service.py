@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import nats
 import nats.errors
 import nats.js.errors
+import orjson
 import torch
 
 from schemas import subjects
@@ -71,6 +72,8 @@ MAX_INTAKE_WAIT = 0.1          # seconds
 PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
 DROP_CHUNKS = "TB_TEST_DROP_CHUNKS"   # test hook, off when unset: "2,final" drops chunk 2 and the final chunk
                                       # of every request on tb.out (the gateway must recover them)
+STEP_TRACE = "TB_STEP_TRACE"   # a file path, off when unset: each step's shape and times as JSON lines
+                               # (`tokenbus sim-check --steps` compares them with the simulator's)
 
 
 def drops() -> set[str]:
@@ -132,6 +135,9 @@ class WorkerService:
         self.beat_at = 0.0
         if self.drops:
             log.warning("test hook: dropping chunks on purpose", hook=DROP_CHUNKS, chunks=sorted(self.drops))
+        self.step_trace = os.environ.get(STEP_TRACE) or None        # diagnostics only
+        if self.step_trace is not None:
+            engine.trace = []
 
     async def run(self) -> None:
         await subjects.ensure_streams(self.js)
@@ -191,6 +197,19 @@ class WorkerService:
             if self.engine.kv.changes:
                 await self.publish_kv()
             await self.intake(seconds)
+            if self.step_trace is not None:
+                self.trace_steps(started)
+
+    def trace_steps(self, started: float) -> None:
+        """The STEP_TRACE lines of the steps just run: the engine's shape and seconds, and the loop's whole
+        step (the engine's, the chunks, the KV events, the intake)."""
+        now = time.monotonic()
+        with open(self.step_trace, "ab") as f:
+            for t in self.engine.trace:
+                f.write(orjson.dumps({"worker": self.id, "at": started, "loop_s": now - started, "seconds": t.seconds,
+                                      "rows": t.num_requests, "tokens": t.num_tokens, "sampled": t.num_sampled,
+                                      "attention": t.attention, "kv_read": t.kv_read}) + b"\n")
+        self.engine.trace.clear()
 
     async def intake(self, step_seconds: float) -> None:
         """Between steps: what came during the step reaches its handler (fetches, cancels, acks, heartbeats),

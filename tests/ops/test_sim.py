@@ -124,12 +124,31 @@ def test_a_log_export_replays(tmp_path, cost):
     assert r["finished"] == 5 and r["output_tokens_per_s"] > 0
 
 
+def test_a_replayed_turn_that_carries_the_last_reply_finds_it_in_the_prefix_cache(cost):
+    """A replayed request samples the tokens it got, so the next turn of its conversation, whose prompt
+    carries them, hits the prefix cache over the reply's computed full blocks as on the real stack; sampled
+    at random they would miss. The trace has every step's shape, start and end."""
+    first, reply = [16 + i for i in range(64)], [300 + i for i in range(32)]
+    second = first + reply + [500] * 16
+
+    def run(output):
+        return simulate(small(cost, workers=1, trace=True), [Arrival(0.0, first, len(reply), output=output),
+                                                             Arrival(5.0, second, 4)])
+    known, unknown = run(reply), run(None)
+    assert known["prefix_hit_rate"] == pytest.approx(80 / (64 + 112))     # 64 + 31 reply tokens computed: 5 blocks
+    assert unknown["prefix_hit_rate"] == pytest.approx(64 / (64 + 112))
+    steps = known["steps"]
+    assert [s["tokens"] for s in steps] == [64] + [1] * 31 + [112 - 80] + [1] * 3
+    assert all(s["at"] < s["end"] for s in steps) and steps[32]["at"] >= 5.0
+    assert steps[0]["seconds"] == pytest.approx(steps[0]["end"] - steps[0]["at"])
+
+
 def test_the_command_prints_json(capsys):
     cli.main(["sim", "--model", "llama-3-8b", "--tp", "1", "--workers", "2", "--rate", "4", "--duration", "5",
               "--output-tokens", "16", "--json"])
     r = json.loads(capsys.readouterr().out)
     assert r["nodes"] == 2 and r["finished"] == r["requests"] > 5
-    assert set(r["ttft_s"]) == {"p50", "p90", "p99", "mean"} and "samples" not in r
+    assert set(r["ttft_s"]) == {"p50", "p90", "p99", "mean"} and "samples" not in r and "steps" not in r
 
 
 def test_cpu_workers_share_the_cores(cost):

@@ -21,10 +21,15 @@ def check_args(model: str, **kw) -> Namespace:
 @pytest.mark.slow
 def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TOKENBUS_HOME", str(tmp_path))
-    assert sim_check.main(check_args(tiny_model, json=True)) == 0
+    assert sim_check.main(check_args(tiny_model, json=True, steps=True)) == 0
     report = orjson.loads(capsys.readouterr().out)
     assert [(r["workload"], r["workers"]) for r in report["results"]] == [("poisson", 1), ("chat", 1)]
     for r in report["results"]:
+        steps = r["steps"]                                         # --steps: the workers' traces and the sim's
+        real, simd = (sum(s[k]["tokens"] * s[k]["steps"] for k in ("decode", "prefill")) for s in (steps["real"],
+                                                                                                    steps["sim"]))
+        assert real == pytest.approx(simd, rel=0.25), steps        # as many tokens computed: the same cache hits
+        assert steps["cost_on_real_steps"]["prefill"]["median_error"] is not None
         assert r["real"]["requests"] == r["sim"]["requests"] == (16 if r["workload"] == "poisson" else 6)
         assert r["sim"]["output_tokens"] == pytest.approx(r["real"]["output_tokens"])   # EOS ignored: max_tokens each
         assert all(abs(e) < BOUND for e in r["error"].values()), r["error"]
