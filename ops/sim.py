@@ -134,7 +134,8 @@ class SimConfig:
     scheduler: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler   # the policy under test
     scheduling_policy: str = "fcfs"   # the workers' (SchedulerConfig.policy): fcfs, priority or fair
     tenants: tuple[SimTenant, ...] = (SimTenant("default"),)
-    trace: bool = False          # the result's "steps": every step's worker, start, seconds and shape
+    trace: bool = False          # the result's "steps" (every step's worker, start, end, seconds and shape) and
+                                 # "requests" (each one's worker, arrival, first token, end, cached tokens)
 
     @property
     def cell_workers(self) -> int:
@@ -537,7 +538,9 @@ class Cell:
                             "kv_use_max": max(w.kv_use, default=0),
                             "load_mean": sum(w.load) / max(len(w.load), 1), "preemptions": w.sched.num_preemptions})
         return {"rows": rows, "workers": workers, "sim_seconds": self.now, "wall_seconds": wall_s,
-                "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs, "steps": self.steps}
+                "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs, "steps": self.steps,
+                "requests": [{"worker": t.worker, "arrival": t.arrival, "first": t.first, "end": t.end,
+                              "cached": t.cached} for t in self.tracks.values()] if cfg.trace else []}
 
 
 def run_cell(args) -> dict:
@@ -609,7 +612,7 @@ def merge(cfg: SimConfig, parts: list[dict], cells: int, wall_s: float) -> dict:
         "samples": {"ttft": [r[0] for r in rows], "tpot": [r[1] for r in done if r[1] is not None]},
         "sim_seconds": max((p["sim_seconds"] for p in parts), default=0.0),
         "wall_seconds": wall_s,
-    } | ({"steps": [s for p in parts for s in p["steps"]]} if cfg.trace else {})
+    } | ({k: [s for p in parts for s in p[k]] for k in ("steps", "requests")} if cfg.trace else {})
 
 
 def by_tenant(rows: list, cfg: SimConfig) -> dict:

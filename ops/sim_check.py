@@ -29,9 +29,8 @@ router, the workers, the gateway) is warmed with prompts of every length the run
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
 Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
-workers share the cores the intake probe measured (`cores`: the workers / how much slower a decode step
-is with all of them busy than on the idle stack) by processor sharing in the simulator; `--steps` shows
-the real and simulated steps side by side (`steps_report`).
+simulated workers share the machine's cores by processor sharing (3 workers on 2 cores: each step 1.5×
+as long while all step); `--steps` shows the real and simulated steps side by side (`steps_report`).
 """
 import asyncio
 import contextlib
@@ -57,11 +56,10 @@ from workers.models.config import ModelConfig
 from workers.service import STEP_TRACE
 
 REQUEST_TIMEOUT = 300.0       # seconds; a request slower than this means the stack is broken
-PROBES = 6                    # idle requests, one at a time
+PROBES = 12                   # idle requests of each kind, one at a time (6 moved the step scale by ±10%)
 PROBE_PROMPT, PROBE_OUTPUT = 32, 24
 PROBE_LONG = 384
 BUSY_OUTPUT = 256             # tokens of each request that keeps a worker busy while the intake is probed
-CONTENDED = 3.0               # seconds every worker decodes alone, to time steps with all of them busy
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
 
 
@@ -249,36 +247,24 @@ def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe"
     return Scaled(cost, scale, decode_scale), consts
 
 
-def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -> tuple[int, float]:
-    """How many of a busy worker's steps a request waits before it joins the engine, and the cores the
-    workers get when all of them step. Each worker decodes a long request; for CONTENDED seconds nothing
-    else comes: the decode steps' gaps against the idle stack's decode step say how much slower a step is
-    with every worker busy, and the cores are the workers / that slowdown (fewer than the machine has: the
-    other services and the client run too, and neighbours share the caches and memory bandwidth). Then
-    short requests (one output token) come one at a time. A short request's TTFT is the dispatch and the
-    stream, the rest of the step under way (half a step on average), the intake's steps, and the step that
-    prefills it; each is timed by the long request's token gaps on the short one's worker (the completion
-    records say which), and short requests that found an idle worker are left out."""
+def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -> int:
+    """How many of a busy worker's steps a request waits before it joins the engine: each worker decodes a
+    long request while short ones (one output token) come one at a time. A short request's TTFT is the
+    dispatch and the stream, the rest of the step under way (half a step on average), the intake's steps,
+    and the step that prefills it; each is timed by the long request's token gaps on the short one's
+    worker (the completion records say which), and short requests that found an idle worker are left out."""
     rng = random.Random("intake")
     after = asyncio.run(results_seq(stack.nats_url))
 
-    async def run() -> tuple[list[Sent], list[Sent], tuple[float, float]]:
+    async def run() -> tuple[list[Sent], list[Sent]]:
         async with connect(stack.url) as c:
             busy = [asyncio.ensure_future(c.send(tokens(rng, PROBE_PROMPT, vocab), BUSY_OUTPUT))
                     for _ in range(workers)]
             while not all(s.result.chunks for s in c.sent):
                 await asyncio.sleep(0.01)
-            alone = time.perf_counter()
-            await asyncio.sleep(CONTENDED)
-            alone = (alone, time.perf_counter())
             probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
-            return list(await asyncio.gather(*busy)), probes, alone
-    busy, probes, alone = asyncio.run(run())
-    contended = [b - a for s in busy for a, b in itertools.pairwise(s.result.chunks) if alone[0] <= a and b <= alone[1]]
-    idle = sim_cost.StepShape()
-    idle.add(1, PROBE_PROMPT + PROBE_OUTPUT // 2, 1)             # the context matters little to a decode step
-    slowdown = statistics.median(contended) / (cost.seconds(idle) + consts["step_overhead_s"]) if contended else 1.0
-    cores = workers / max(1.0, slowdown)
+            return list(await asyncio.gather(*busy)), probes
+    busy, probes = asyncio.run(run())
     worker = {tuple(r.prompt_token_ids): r.worker
               for r in asyncio.run(records(stack.nats_url, after, len(busy) + len(probes)))}
     start, end = min(p.result.start for p in probes), max(p.result.end for p in probes)
@@ -293,7 +279,7 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
     prefill_steps = cost.seconds(prefill) / cost.seconds(decode)
     waits = [(p.result.ttft - consts["dispatch_s"] - consts["stream_s"]) / statistics.median(g) - prefill_steps - 0.5
              for p in probes if (g := gaps.get(worker[tuple(p.prompt)]))]
-    return max(0, round(statistics.median(waits))) if waits else 0, cores
+    return max(0, round(statistics.median(waits))) if waits else 0
 
 
 # -- one configuration ----------------------------------------------------------------------------
@@ -321,7 +307,7 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: b
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
             "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
             "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]} \
-        | ({"steps": r["steps"]} if trace else {})
+        | ({"steps": r["steps"], "requests": r["requests"]} if trace else {})
 
 
 # -- steps (--steps) ------------------------------------------------------------------------------
@@ -334,12 +320,16 @@ def traced(path: Path, windows: list[tuple[float, float]]) -> list[dict]:
     return [t for t in lines if any(a <= t["at"] <= b for a, b in windows)]
 
 
+def kinds(steps: list[dict]) -> tuple[tuple[str, list[dict]], ...]:
+    """The decode-only steps and those that prefill."""
+    return (("decode", [t for t in steps if t["tokens"] == t["rows"]]),
+            ("prefill", [t for t in steps if t["tokens"] > t["rows"]]))
+
+
 def step_stats(steps: list[dict], seconds: str) -> dict:
-    """Counts and means of steps, split into decode-only steps and steps that prefill; `seconds` names the
-    field that times a step."""
+    """Counts and means of steps of each kind; `seconds` names the field that times a step."""
     out = {"steps": len(steps)}
-    for kind, part in (("decode", [t for t in steps if t["tokens"] == t["rows"]]),
-                       ("prefill", [t for t in steps if t["tokens"] > t["rows"]])):
+    for kind, part in kinds(steps):
         out[kind] = {"steps": len(part), "rows": statistics.fmean(t["rows"] for t in part) if part else 0.0,
                      "tokens": statistics.fmean(t["tokens"] for t in part) if part else 0.0,
                      "kv_read": statistics.fmean(t["kv_read"] for t in part) if part else 0.0,
@@ -361,8 +351,7 @@ def steps_report(real: list[dict], simd: list[dict], cost: "Scaled", overhead: f
         busy = sum(a <= mid < b for a, b in spans)
         return (cost.seconds(shape) + overhead) * max(1.0, busy / cores)
     fit = {}
-    for kind, part in (("decode", [t for t in real if t["tokens"] == t["rows"]]),
-                       ("prefill", [t for t in real if t["tokens"] > t["rows"]])):
+    for kind, part in kinds(real):
         errs = [predicted(t) / t["loop_s"] - 1 for t in part]
         fit[kind] = {"median_error": statistics.median(errs) if errs else None,
                      "total_error": sum(map(predicted, part)) / sum(t["loop_s"] for t in part) - 1 if part else None}
@@ -413,7 +402,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
             probes = [probe(stack, cost, vocab)]
-            intake_steps, cores = intake(stack, *probes[0], workers, vocab)
+            intake_steps = intake(stack, *probes[0], workers, vocab)
             windows = []
             for rep in range(args.repeat):
                 after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
@@ -424,10 +413,11 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         finally:
             stack.stop()
         scaled, consts = averaged(probes)
-        consts["intake_steps"], consts["cores"] = intake_steps, min(cores, os.cpu_count() or 1)
+        consts["intake_steps"], consts["cores"] = intake_steps, os.cpu_count() or 1
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
+        sim_requests = [simd.pop("requests", ()) for simd in sims]
         recs = [r for _, rs in runs for r in rs]
         samples = [t for simd in sims for t in simd.pop("ttft_samples")]
         real, simd = mean_figures(reals), mean_figures(sims)
@@ -447,6 +437,8 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         if args.steps:
             row["steps"] = steps_report(traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows), sim_steps,
                                         scaled, consts["step_overhead_s"], consts["cores"])
+            row["requests"] = [paired(sent, recs, simr, consts["stream_s"])
+                               for (sent, recs), simr in zip(runs, sim_requests)]
         rows.append(row)
     return rows
 
@@ -467,6 +459,23 @@ def main(args) -> int:
     report["worst_error"] = round(worst, 4)
     print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() if args.json else table(report))
     return 0
+
+
+def paired(sent: list[Sent], recs: list, simd: list[dict], stream_s: float) -> list[dict]:
+    """Each request of a run as the client saw it on the real stack and in the simulator, in arrival order:
+    its arrival, prompt and output tokens, prefix-cache hit, worker, TTFT and TPOT."""
+    real = {tuple(r.prompt_token_ids): r for r in recs}
+    out = []
+    for s, m in zip(sorted(sent, key=lambda s: s.at), simd):
+        r = real.get(tuple(s.prompt))
+        n = s.result.output_tokens
+        out.append({"at": round(s.at, 4), "prompt": len(s.prompt), "output": n,
+                    "real": {"worker": r.worker if r else "", "cached": r.usage.get("cached_tokens") if r else None,
+                             "ttft": round(s.result.ttft, 4), "tpot": s.result.tpot and round(s.result.tpot, 4)},
+                    "sim": {"worker": m["worker"], "cached": m["cached"],
+                            "ttft": round(m["first"] + stream_s - m["arrival"], 4) if m["first"] >= 0 else None,
+                            "tpot": round((m["end"] - m["first"]) / (n - 1), 4) if m["end"] >= 0 and n > 1 else None}})
+    return out
 
 
 def step_lines(s: dict) -> list[str]:

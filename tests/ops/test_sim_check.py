@@ -30,6 +30,9 @@ def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_mode
                                                                                                     steps["sim"]))
         assert real == pytest.approx(simd, rel=0.25), steps        # as many tokens computed: the same cache hits
         assert steps["cost_on_real_steps"]["prefill"]["median_error"] is not None
+        (run,) = r["requests"]                                      # each request on both sides, paired
+        assert len(run) == r["real"]["requests"] and all(q["real"]["worker"] and q["sim"]["worker"] for q in run)
+        assert sum(q["real"]["cached"] for q in run) == pytest.approx(sum(q["sim"]["cached"] for q in run), rel=0.25)
         assert r["real"]["requests"] == r["sim"]["requests"] == (16 if r["workload"] == "poisson" else 6)
         assert r["sim"]["output_tokens"] == pytest.approx(r["real"]["output_tokens"])   # EOS ignored: max_tokens each
         assert all(abs(e) < BOUND for e in r["error"].values()), r["error"]
