@@ -50,7 +50,6 @@ from ops import sim, sim_cost
 from ops.bench import Result
 from ops.bench_routing import records, results_seq
 from ops.procs import free_port
-from ops.sim_cost import PROBE_LONG, PROBE_OUTPUT, PROBE_PROMPT
 from ops.up import Stack
 from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
@@ -58,6 +57,8 @@ from workers.service import STEP_TRACE
 
 REQUEST_TIMEOUT = 300.0       # seconds; a request slower than this means the stack is broken
 PROBES = 12                   # idle requests of each kind, one at a time (6 moved the step scale by ±10%)
+PROBE_PROMPT, PROBE_OUTPUT = 32, 24
+PROBE_LONG = 384
 BUSY_OUTPUT = 256             # tokens of each request that keeps a worker busy while the intake is probed
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
 
@@ -220,9 +221,8 @@ class Scaled:
 def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe") -> tuple[Scaled, dict]:
     """The stack's step cost and the constants outside the engine, from idle requests one at a time (see the
     module's doc): short prompts that decode, then long ones whose first step is one prefill. A worker's
-    TPOT is scale × the decode step alone + the overhead, its TTFT of a long prompt scale × the prefill
-    alone + the overhead, "alone" being the same steps timed with the engine alone when the cost was fitted
-    (`FittedCost.reference`; the fit's own figure for a cost without them)."""
+    TPOT is scale × the decode step's cost + the overhead, its TTFT of a long prompt scale × the prefill's +
+    the overhead."""
     rng = random.Random(seed)
     after = asyncio.run(results_seq(stack.nats_url))
     asks = [(PROBE_PROMPT, PROBE_OUTPUT)] * PROBES + [(PROBE_LONG, 2)] * PROBES
@@ -238,13 +238,12 @@ def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe"
     decode, prefill = sim_cost.StepShape(), sim_cost.StepShape()
     decode.add(1, PROBE_PROMPT + PROBE_OUTPUT // 2, 1)
     prefill.add(PROBE_LONG, PROBE_LONG, 1)
-    alone = getattr(cost, "reference", None) or {"prefill": cost.seconds(prefill), "decode": cost.seconds(decode)}
-    scale = max(1.0, (ttft - tpot) / (alone["prefill"] - alone["decode"]))
-    decode_scale = min(scale, tpot / alone["decode"])
+    scale = max(1.0, (ttft - tpot) / (cost.seconds(prefill) - cost.seconds(decode)))
+    decode_scale = min(scale, tpot / cost.seconds(decode))
     dispatch = statistics.median(r.timing["queue_ms"] for r in recs) / 1e3
     client_over_worker = statistics.median(s.result.ttft - r.timing["ttft_ms"] / 1e3 for s, r in zip(sent, recs))
     consts = {"dispatch_s": dispatch, "stream_s": max(0.0, client_over_worker - dispatch),
-              "step_overhead_s": max(0.0, tpot - scale * alone["decode"])}
+              "step_overhead_s": max(0.0, tpot - scale * cost.seconds(decode))}
     return Scaled(cost, scale, decode_scale), consts
 
 

@@ -13,8 +13,7 @@ here maps a shape to seconds:
 """
 import json
 import random
-import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -23,10 +22,7 @@ import numpy as np
 FEATURES = ("tokens", "rows", "sampled", "attention", "kv_read")
 HELD_OUT = 0.25                  # of the measured steps, kept out of the fit to judge it
 SPIKE = 1.5                      # a step this many times slower than the first fit says was slowed by a neighbour
-SCENARIOS = 3                    # the version of `scenarios`: a cached fit of other steps is measured again
-PROBE_PROMPT, PROBE_OUTPUT = 32, 24  # `tokenbus sim-check`'s idle probes: a short prompt that decodes,
-PROBE_LONG = 384                     # and a long one whose first step is one prefill
-REFERENCE_RUNS = 6               # of each probe, with the engine alone
+SCENARIOS = 2                    # the version of `scenarios`: a cached fit of other steps is measured again
 
 
 @dataclass(slots=True)
@@ -76,16 +72,11 @@ class RooflineCost:
 @dataclass(slots=True)
 class FittedCost:
     """Seconds = const + Σ coef[f] × shape.f over FEATURES, every coefficient ≥ 0 (a step never gets
-    cheaper with more work). `quality`: R², median and p90 relative error on held-out steps. `reference`:
-    the seconds of sim-check's probe steps with the engine alone ("prefill": a PROBE_LONG prompt's,
-    "decode": a PROBE_PROMPT prompt's decode step), which the same steps in a stack are compared with:
-    against the fit instead, its own error on those two shapes (12% on a one-row decode of SmolLM2)
-    would scale every step."""
+    cheaper with more work). `quality`: R², median and p90 relative error on held-out steps."""
     name: str
     const: float
     coef: dict[str, float]
     quality: dict
-    reference: dict[str, float] = field(default_factory=dict)
 
     def seconds(self, s: StepShape) -> float:
         return self.const + sum(c * getattr(s, f) for f, c in self.coef.items())
@@ -162,10 +153,9 @@ def scenarios(rng: random.Random, vocab: int, big: bool) -> list[list[tuple[int,
     return runs
 
 
-def measure(model_dir: str, threads: int, dtype: str | None = None, seed: int = 0) -> tuple[str, list, dict]:
-    """The engine's dtype, (shape, seconds) of every step of `scenarios` on this CPU with `threads` torch
-    threads after a warm-up run, and the probe steps' reference seconds (medians of REFERENCE_RUNS
-    requests alone); greedy, EOS ignored, prefix cache cold for each run."""
+def measure(model_dir: str, threads: int, dtype: str | None = None, seed: int = 0) -> tuple[str, list]:
+    """The engine's dtype and (shape, seconds) of every step of `scenarios` on this CPU with `threads`
+    torch threads, after a warm-up run; greedy, EOS ignored, prefix cache cold for each run."""
     import torch
 
     from schemas.sampling import SamplingParams
@@ -179,10 +169,7 @@ def measure(model_dir: str, threads: int, dtype: str | None = None, seed: int = 
         params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
         big = engine.model_cfg.matmul_params() > 50e6
         runs = scenarios(random.Random(seed), engine.model_cfg.vocab_size, big)
-        rng = random.Random(seed + 1)
-        runs += [[(0, [rng.randrange(16, engine.model_cfg.vocab_size) for _ in range(n)], m)]
-                 for _ in range(REFERENCE_RUNS) for n, m in ((PROBE_LONG, 2), (PROBE_PROMPT, PROBE_OUTPUT))]
-        steps, prefills, decodes = [], [], []
+        steps = []
         for k, run in enumerate([runs[0], *runs]):
             engine.kv.reset_prefix_cache()
             engine.trace, pending, step = [], sorted(run, key=lambda r: r[0]), 0
@@ -192,16 +179,10 @@ def measure(model_dir: str, threads: int, dtype: str | None = None, seed: int = 
                     engine.add_request(f"m{k}-{step}-{len(pending)}", prompt, params(n))
                 engine.step()
                 step += 1
-            if k > len(runs) - 2 * REFERENCE_RUNS:          # a probe's request, alone
-                if len(run[0][1]) == PROBE_LONG:
-                    prefills.append(engine.trace[0].seconds)
-                else:
-                    decodes += [t.seconds for t in engine.trace[1:]]
             if k:                                # run 0 warms up
                 steps += [(StepShape(t.num_tokens, t.num_requests, t.num_sampled, t.attention, t.kv_read), t.seconds)
                           for t in engine.trace]
-        reference = {"prefill": statistics.median(prefills), "decode": statistics.median(decodes)}
-        return str(engine.dtype).removeprefix("torch."), steps, reference
+        return str(engine.dtype).removeprefix("torch."), steps
     finally:
         torch.set_num_threads(before)
 
@@ -222,9 +203,8 @@ def load_or_fit(model: str, threads: int, dtype: str | None = None, refit: bool 
     path = cache_path(model_dir, want, threads)
     if path.exists() and not refit:
         return FittedCost(**json.loads(path.read_text()))
-    got, steps, reference = measure(model_dir, threads, dtype)
+    got, steps = measure(model_dir, threads, dtype)
     cost = fit(f"cpu {Path(model_dir).name} {got} {threads}t", steps)
-    cost.reference = reference
     path = cache_path(model_dir, got, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cost.to_json(), indent=1))

@@ -58,7 +58,6 @@ def test_the_cpu_fit_predicts_held_out_engine_steps_and_round_trips_its_cache(ti
     assert q["held_out_steps"] >= 100 and q["median_rel_error"] < 0.25, q     # generous: a shared, noisy CPU
     decode = StepShape(8, 8, 8, 8 * 300, 8 * 300)
     assert cost.seconds(StepShape(1024, 1, 1, 1024 * 512.5, 1024)) > cost.seconds(decode) > cost.const > 0
-    assert cost.reference["prefill"] > cost.reference["decode"] > 0          # sim-check's probe steps, alone
     [path] = (tmp_path / "sim").iterdir()
     assert path.name == f"{Path(tiny_model).name}-float32-1t-v{sim_cost.SCENARIOS}.json"   # new scenarios: a new fit
     assert json.loads(path.read_text())["quality"] == q
