@@ -483,9 +483,9 @@ def step_lines(s: dict) -> list[str]:
              "context read, ms, total s)"]
     for kind in ("decode", "prefill"):
         r, m = s["real"][kind], s["sim"][kind]
-        for label, key, f in (("count", "steps", "{:.0f}"), ("rows", "rows", "{:.1f}"), ("tokens", "tokens", "{:.1f}"),
-                              ("context", "kv_read", "{:.0f}"), ("ms", "seconds", "{:.1f}"), ("total s", "total_s",
-                                                                                               "{:.1f}")):
+        for label, key, f in (("count", "steps", "{:.0f}"), ("rows", "rows", "{:.1f}"),
+                              ("tokens", "tokens", "{:.1f}"), ("context", "kv_read", "{:.0f}"),
+                              ("ms", "seconds", "{:.1f}"), ("total s", "total_s", "{:.1f}")):
             scale = 1e3 if key == "seconds" else 1
             lines.append(f"{'  ' + kind + ' ' + label:16}{f.format(r[key] * scale):>12}{f.format(m[key] * scale):>12}")
     for kind, e in s["cost_on_real_steps"].items():
@@ -512,7 +512,7 @@ def table(r: dict) -> str:
         before, after = row["probes"][0], row["probes"][-1]
         lines.append("")
         lines.append(f"{row['workload']}, {row['workers']} worker(s) × {row['threads']} thread(s) "
-                     f"on {c['cores']:.2f} cores: "
+                     f"on {c['cores']:g} cores: "
                      f"{real['requests']} requests × {row['runs']} run(s); dispatch {c['dispatch_s'] * 1e3:.1f} ms, "
                      f"stream {c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
                      f"{c['intake_steps']} steps, steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}; "
