@@ -307,7 +307,7 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: b
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
             "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
             "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]} \
-        | ({"steps": r["steps"], "requests": r["requests"]} if trace else {})
+        | ({"steps": r["steps"], "tracks": r["requests"]} if trace else {})
 
 
 # -- steps (--steps) ------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
-        sim_requests = [simd.pop("requests", ()) for simd in sims]
+        sim_requests = [simd.pop("tracks", ()) for simd in sims]
         recs = [r for _, rs in runs for r in rs]
         samples = [t for simd in sims for t in simd.pop("ttft_samples")]
         real, simd = mean_figures(reals), mean_figures(sims)
