@@ -135,7 +135,7 @@ class SimConfig:
     scheduling_policy: str = "fcfs"   # the workers' (SchedulerConfig.policy): fcfs, priority or fair
     tenants: tuple[SimTenant, ...] = (SimTenant("default"),)
     trace: bool = False          # the result's "steps" (every step's worker, start, end, seconds and shape) and
-                                 # "requests" (each one's worker, arrival, first token, end, cached tokens)
+                                 # "tracks" (each request's worker, arrival, first token, end, cached tokens)
 
     @property
     def cell_workers(self) -> int:
@@ -231,6 +231,7 @@ class Cell:
         self.arrivals = arrivals
         self.end = cfg.duration
         self.steps: list[dict] = []                     # cfg.trace: every step, as it starts
+        self.stepping: dict[str, dict] = {}             # cfg.trace: each busy worker's step under way
 
     # -- the event queue --------------------------------------------------------------------------
 
@@ -355,7 +356,8 @@ class Cell:
         w.steps += 1
         w.step_tokens += shape.tokens
         if cfg.trace:                                   # "seconds" at a whole core; "end" when it ended
-            self.steps.append({"worker": w.name, "at": self.now, "seconds": seconds, **asdict(shape)})
+            self.steps.append(step := {"worker": w.name, "at": self.now, "seconds": seconds, **asdict(shape)})
+            self.stepping[w.name] = step
         if cfg.cores:                                   # CPU workers beyond the cores time-share them
             self.advance()                              # at the share before this worker joins
         w.busy, w.batch, w.started = True, batch, self.now
@@ -418,7 +420,7 @@ class Cell:
     def step_end(self, w: Worker) -> None:
         batch, w.busy, w.batch = w.batch, False, None
         if self.cfg.trace:
-            next(s for s in reversed(self.steps) if s["worker"] == w.name)["end"] = self.now
+            self.stepping.pop(w.name)["end"] = self.now
         w.busy_s += self.now - w.started
         tokens = [self.sample(r, d) for r, d, s in zip(batch.requests, batch.drafts, batch.samples) if s]
         updated = w.sched.update(batch, tokens, [[None] * len(t) for t in tokens])
@@ -539,7 +541,7 @@ class Cell:
                             "load_mean": sum(w.load) / max(len(w.load), 1), "preemptions": w.sched.num_preemptions})
         return {"rows": rows, "workers": workers, "sim_seconds": self.now, "wall_seconds": wall_s,
                 "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs, "steps": self.steps,
-                "requests": [{"worker": t.worker, "arrival": t.arrival, "first": t.first, "end": t.end,
+                "tracks": [{"worker": t.worker, "arrival": t.arrival, "first": t.first, "end": t.end,
                               "cached": t.cached} for t in self.tracks.values()] if cfg.trace else []}
 
 
@@ -612,7 +614,7 @@ def merge(cfg: SimConfig, parts: list[dict], cells: int, wall_s: float) -> dict:
         "samples": {"ttft": [r[0] for r in rows], "tpot": [r[1] for r in done if r[1] is not None]},
         "sim_seconds": max((p["sim_seconds"] for p in parts), default=0.0),
         "wall_seconds": wall_s,
-    } | ({k: [s for p in parts for s in p[k]] for k in ("steps", "requests")} if cfg.trace else {})
+    } | ({k: [s for p in parts for s in p[k]] for k in ("steps", "tracks")} if cfg.trace else {})
 
 
 def by_tenant(rows: list, cfg: SimConfig) -> dict:

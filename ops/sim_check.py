@@ -175,7 +175,7 @@ def threads_for(workers: int) -> int:
 def start(model: str, workers: int, args, data_dir: Path) -> Stack:
     threads = threads_for(workers)
     env = {"OMP_NUM_THREADS": str(threads)}
-    if getattr(args, "steps", False):
+    if args.steps:
         data_dir.mkdir(parents=True, exist_ok=True)
         env[STEP_TRACE] = str(data_dir / "steps.jsonl")
     stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
@@ -307,7 +307,7 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: b
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
             "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
             "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]} \
-        | ({"steps": r["steps"], "tracks": r["requests"]} if trace else {})
+        | ({k: r[k] for k in ("steps", "tracks")} if trace else {})
 
 
 # -- steps (--steps) ------------------------------------------------------------------------------
@@ -352,9 +352,10 @@ def steps_report(real: list[dict], simd: list[dict], cost: "Scaled", overhead: f
         return (cost.seconds(shape) + overhead) * max(1.0, busy / cores)
     fit = {}
     for kind, part in kinds(real):
-        errs = [predicted(t) / t["loop_s"] - 1 for t in part]
-        fit[kind] = {"median_error": statistics.median(errs) if errs else None,
-                     "total_error": sum(map(predicted, part)) / sum(t["loop_s"] for t in part) - 1 if part else None}
+        guess = [predicted(t) for t in part]
+        fit[kind] = {"median_error": statistics.median(g / t["loop_s"] - 1 for g, t in zip(guess, part)) if part
+                     else None,
+                     "total_error": sum(guess) / sum(t["loop_s"] for t in part) - 1 if part else None}
     simd = [t | {"wall_s": t["end"] - t["at"]} for t in simd if "end" in t]
     return {"real": step_stats(real, "loop_s"), "sim": step_stats(simd, "wall_s"), "cost_on_real_steps": fit}
 

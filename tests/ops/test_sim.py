@@ -138,6 +138,7 @@ def test_a_replayed_turn_that_carries_the_last_reply_finds_it_in_the_prefix_cach
     assert known["prefix_hit_rate"] == pytest.approx(80 / (64 + 112))     # 64 + 31 reply tokens computed: 5 blocks
     assert unknown["prefix_hit_rate"] == pytest.approx(64 / (64 + 112))
     steps = known["steps"]
+    assert known["requests"] == 2 and [t["cached"] for t in known["tracks"]] == [0, 80]   # the count stays a count
     assert [s["tokens"] for s in steps] == [64] + [1] * 31 + [112 - 80] + [1] * 3
     assert all(s["at"] < s["end"] for s in steps) and steps[32]["at"] >= 5.0
     assert steps[0]["seconds"] == pytest.approx(steps[0]["end"] - steps[0]["at"])
