@@ -26,6 +26,7 @@ PEAK_GB_S = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe"
              "A100-SXM4-80GB": 2039, "A100": 1555, "L40S": 864}
 SHAPES = {"70B/TP8": (8, 1, 128), "8B": (32, 8, 128)}
 BLOCK_SIZE = 16
+REFERENCE_TOKENS = 64 * 4096   # cached tokens of a batch up to which the reference is timed beside
 
 
 def peak(name: str) -> float | None:
@@ -54,13 +55,16 @@ def bench_attention(name: str, hq: int, hkv: int, d: int, batch: int, context: i
     scale = d ** -0.5
     plan = tri.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE, hq).to(q.device)
     t_ms = triton.testing.do_bench(lambda: tri.unified_attention(q, k, v, cu, lens, tables, scale, plan))
-    ref_plan = ref.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE).to(q.device)
-    r_ms = triton.testing.do_bench(lambda: ref.unified_attention(q, k, v, cu, lens, tables, scale, ref_plan))
+    r_ms = None
+    if batch * context <= REFERENCE_TOKENS:   # the reference gathers every sequence's KV in float32
+        ref_plan = ref.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE).to(q.device)
+        r_ms = triton.testing.do_bench(lambda: ref.unified_attention(q, k, v, cu, lens, tables, scale, ref_plan))
     moved = 2 * batch * context * hkv * d * k.element_size() + 2 * q.numel() * q.element_size()
     gb_s = moved / t_ms / 1e6
     return {"kernel": "decode attention", "shape": f"{name} batch {batch} ctx {context}",
-            "splits": plan.num_splits, "triton_ms": t_ms, "reference_ms": r_ms, "speedup": r_ms / t_ms,
-            "gb_per_s": gb_s, "peak_share": gb_s / gpu_peak if gpu_peak else None}
+            "splits": plan.num_splits, "triton_ms": t_ms, "reference_ms": r_ms,
+            "speedup": r_ms / t_ms if r_ms else None, "gb_per_s": gb_s,
+            "peak_share": gb_s / gpu_peak if gpu_peak else None}
 
 
 def bench_store_kv(tokens: int, hkv: int, d: int, gpu_peak: float | None) -> dict:
@@ -123,8 +127,9 @@ def engine_decode(size: str = "small", num_requests: int = 64, output: int = 128
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(tmp, size))
+        blocks = num_requests * -(-(32 + output) // 16)
         for name, backend in (("triton", kernels.triton), ("reference", kernels.reference)):
-            engine = LLMEngine(model, EngineConfig(device="cuda", max_num_seqs=num_requests))
+            engine = LLMEngine(model, EngineConfig(device="cuda", max_num_seqs=num_requests, num_kv_blocks=blocks))
             engine.runner.kernels = backend
             for attn in engine.runner.model.attention_layers():
                 attn.kernels = backend
@@ -138,8 +143,119 @@ def engine_decode(size: str = "small", num_requests: int = 64, output: int = 128
                 engine.step()
                 steps += 1
             result[f"{name}_decode_tokens_per_s"] = num_requests * steps / (time.perf_counter() - start)
+            del engine
     result["speedup"] = result["triton_decode_tokens_per_s"] / result["reference_decode_tokens_per_s"]
     return result
+
+
+SHARD = {"hidden": 8192, "intermediate": 28672 // 8, "heads": 64 // 8, "kv_heads": 8 // 8, "head_dim": 128}
+
+
+def shard_checkpoint(root: str, layers: int, dims: dict, device: str) -> str:
+    """A random Llama of `layers` decoder layers with one TP rank's share of each weight (Llama-3-70B
+    at TP 8 by default: 8 query heads, 1 KV head, intermediate 3584) and a small vocabulary."""
+    import transformers
+
+    from ops.plan import hf
+
+    cfg = hf(4096, dims["hidden"], dims["intermediate"], layers, dims["heads"], dims["kv_heads"], 8192, False)
+    config = transformers.LlamaConfig(**cfg, head_dim=dims["head_dim"])
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    path = f"{root}/layers{layers}"
+    model.save_pretrained(path)
+    return path
+
+
+def shard_steps(path: str, device: str, batch: int, context: int, prefill: int) -> dict:
+    """The engine's mean decode step at `batch` sequences of `context` tokens, and one prefill step of
+    `prefill` tokens (alone), in seconds: the whole step and its forward."""
+    import random
+
+    from schemas.sampling import SamplingParams
+    from workers.engine.engine import EngineConfig, LLMEngine
+
+    rng = random.Random(0)
+    prompt = lambda n: [rng.randrange(16, 4096) for _ in range(n)]  # noqa: E731
+    steps = 8
+    blocks = batch * -(-(context + steps + 1) // BLOCK_SIZE) + -(-prefill // BLOCK_SIZE) + 8
+    engine = LLMEngine(path, EngineConfig(device=device, dtype="bfloat16", max_num_seqs=batch, num_kv_blocks=blocks,
+                                          max_num_batched_tokens=max(prefill, 2048), block_size=BLOCK_SIZE))
+    warm = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("warm", prompt(prefill), warm)      # compiles the kernels' variants
+    while engine.has_unfinished():
+        engine.step()
+    engine.trace = []
+    engine.add_request("prefill", prompt(prefill), SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    first = engine.trace[0]
+    # the first requests decode while the last are still prefilled: each runs long enough that all
+    # decode together for `steps` steps
+    budget = engine.config.max_num_batched_tokens
+    params = SamplingParams(max_tokens=-(-batch * context // budget) + steps + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{i}", prompt(context), params)
+    engine.trace = []
+    while engine.has_unfinished():
+        engine.step()
+    decode = [t for t in engine.trace if t.num_tokens == t.num_requests == batch]
+    mean = lambda key: sum(getattr(t, key) for t in decode) / len(decode)  # noqa: E731
+    return {"prefill_s": first.seconds, "prefill_forward_s": first.forward_seconds,
+            "decode_s": mean("seconds"), "decode_forward_s": mean("forward_seconds"), "decode_steps": len(decode),
+            "decode_context": mean("kv_read") / batch}
+
+
+def shard_layers(device: str = "cuda", dims: dict = SHARD, depths: tuple = (2, 10), batches=(1, 64, 256),
+                 context: int = 3200, prefill: int = 2048, bandwidth: float = 4.8e12, flops: float = 989e12) -> dict:
+    """One decoder layer of a TP shard on this device, through the engine: the step time of a model
+    of depths[1] layers minus one of depths[0], over the difference (the embedding, LM head,
+    sampling and the step's fixed costs cancel), for decode at each batch and `context` tokens and
+    for a `prefill`-token prefill; against the layer's floor at `bandwidth` and `flops` (ops.plan's
+    roofline with efficiency 1: tokenbus plan assumes mbu 0.7 and mfu 0.5). The shard's all-reduces
+    are not in it (one GPU)."""
+    import tempfile
+
+    h, inter, hq, hkv, d = (dims[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    params = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inter       # q, k, v, o; gate, up, down
+    kv_per_token = 2 * hkv * d * 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [shard_checkpoint(tmp, n, dims, device) for n in depths]
+        runs = {b: [shard_steps(p, device, b, context, prefill) for p in paths] for b in batches}
+    span = depths[1] - depths[0]
+    per_layer = lambda b, key: (runs[b][1][key] - runs[b][0][key]) / span  # noqa: E731
+    prefill_flops = 2 * params * prefill + 4 * hq * d * prefill * prefill / 2
+    prefill_s = per_layer(batches[0], "prefill_s")
+    rows.append({"step": f"prefill {prefill} tokens", "layer_ms": prefill_s * 1e3,
+                 "forward_ms": per_layer(batches[0], "prefill_forward_s") * 1e3,
+                 "floor_ms": prefill_flops / flops * 1e3, "bound": "compute",
+                 "efficiency": prefill_flops / flops / prefill_s})
+    for b in batches:
+        ctx = runs[b][1]["decode_context"]       # the mean over the measured steps
+        moved = params * 2 + b * ctx * kv_per_token
+        work = (2 * params + 4 * hq * d * ctx) * b
+        floor = max(moved / bandwidth, work / flops)
+        seconds = per_layer(b, "decode_s")
+        rows.append({"step": f"decode batch {b}, context {ctx:.0f}", "layer_ms": seconds * 1e3,
+                     "forward_ms": per_layer(b, "decode_forward_s") * 1e3, "floor_ms": floor * 1e3,
+                     "bound": "memory" if moved / bandwidth >= work / flops else "compute",
+                     "efficiency": floor / seconds})
+    return {"dims": dims, "depths": depths, "params_per_layer": params, "bandwidth": bandwidth, "flops": flops,
+            "rows": rows, "runs": {str(b): r for b, r in runs.items()}}
+
+
+def shard_table(report: dict) -> str:
+    d = report["dims"]
+    lines = [f"one decoder layer of a TP shard (hidden {d['hidden']}, {d['heads']} query / {d['kv_heads']} KV heads "
+             f"of {d['head_dim']}, intermediate {d['intermediate']}; {report['params_per_layer'] / 1e6:.0f}M "
+             f"parameters), from {report['depths'][1]}- minus {report['depths'][0]}-layer engine steps; floor at "
+             f"{report['bandwidth'] / 1e12:.1f} TB/s and {report['flops'] / 1e12:.0f} TFLOP/s",
+             f"{'step':32}{'layer ms':>10}{'forward ms':>12}{'floor ms':>10}{'bound':>9}{'of floor':>10}"]
+    for r in report["rows"]:
+        lines.append(f"{r['step']:32}{r['layer_ms']:>10.3f}{r['forward_ms']:>12.3f}{r['floor_ms']:>10.3f}"
+                     f"{r['bound']:>9}{r['efficiency']:>10.0%}")
+    return "\n".join(lines)
 
 
 def run() -> dict:
@@ -165,8 +281,9 @@ def table(report: dict) -> str:
              f"{'of peak':>9}"]
     for r in report["kernels"]:
         share = f"{r['peak_share']:.0%}" if r["peak_share"] is not None else "-"
+        ref_ms, speedup = (f"{r['reference_ms']:.4f}", f"{r['speedup']:.1f}x") if r["reference_ms"] else ("-", "-")
         lines.append(f"{r['kernel']:20}{r['shape']:32}{r['splits'] or '':>7}{r['triton_ms']:>11.4f}"
-                     f"{r['reference_ms']:>10.4f}{r['speedup']:>8.1f}x{r['gb_per_s']:>9.0f}{share:>9}")
+                     f"{ref_ms:>10}{speedup:>9}{r['gb_per_s']:>9.0f}{share:>9}")
     e = report["engine"]
     lines.append(f"engine decode tokens/s: triton {e['triton_decode_tokens_per_s']:.0f}, reference "
                  f"{e['reference_decode_tokens_per_s']:.0f} ({e['speedup']:.2f}x)")
@@ -300,6 +417,8 @@ def main(argv=None) -> None:
     p.add_argument("--engine", metavar="MODEL", help="with --cpu: the engine on MODEL with each attention")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="with --engine: the engine's dtype")
     p.add_argument("--rounds", type=int, default=2, help="with --engine: runs of each side, in turns")
+    p.add_argument("--shard", action="store_true", help="a Llama-70B TP-8 shard's decoder layer on this GPU "
+                   "against tokenbus plan's roofline")
     args = p.parse_args(argv)
     if args.cpu and args.engine:
         report = cpu_engine(args.engine, args.dtype, args.rounds)
@@ -312,6 +431,10 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         print("kernels.bench: no CUDA device here; the Triton kernels are checked on CPU by the tests "
               "(TRITON_INTERPRET=1) and measured on a GPU machine with this command.")
+        return
+    if args.shard:
+        report = shard_layers()
+        print(json.dumps(report, indent=2) if args.json else shard_table(report))
         return
     report = run()
     print(json.dumps(report, indent=2) if args.json else table(report))

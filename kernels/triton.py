@@ -82,7 +82,7 @@ def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, t
                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                stride_ot, stride_oh, stride_bt, split_size,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
     tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     b = tl.load(tile_seq + tile)
@@ -117,7 +117,10 @@ def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, t
                     + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
                     + d[None, :], mask=kv_mask, other=0.0)
-        logits = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+        if IEEE:  # noqa: SIM108 -- float32 operands: exact products (a GPU's float32 dot is tf32 by default)
+            logits = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale
+        else:       # 16-bit operands on the tensor cores, accumulated in float32
+            logits = tl.dot(qv, tl.trans(k)) * scale
         visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
         logits = tl.where(visible, logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
@@ -125,7 +128,10 @@ def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, t
         p = tl.exp(logits - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         s = s * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:       # the probabilities rounded to V's type, as flash attention and HF's SDPA do
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
     out_ptrs = out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -185,7 +191,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_t, stride_h, block_tables.stride(0),
         SPLIT_SIZE, GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split)
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
+        IEEE=q.dtype == torch.float32)
     if split:
         _merge[(num_seqs, num_heads)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
                                       NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,

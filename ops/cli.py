@@ -172,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--peak", action="store_true", help="also measure the CPU's peak matmul FLOP/s (float32, "
                                                        "bfloat16) and state the engine's share of it")
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
+    b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is one, else cpu")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=delegate("workers.bench"))
 

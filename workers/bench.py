@@ -86,8 +86,8 @@ def hf_generate(model, batch, streamer=None) -> None:
     """One static batch of (prompt, output length): left-padded, run for its longest output; `streamer`
     (transformers' BaseStreamer) is handed every step's tokens."""
     width = max(len(p) for p, _ in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=model.device)
     n = max(n for _, n in batch)
     model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                    eos_token_id=None, pad_token_id=0, streamer=streamer)
@@ -100,14 +100,15 @@ def main(args) -> None:
     model_dir = resolve(args.model or "tiny")
     model_cfg = ModelConfig.load(model_dir)
     requests = workload(args, model_cfg.vocab_size)
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, dtype=args.dtype, device=args.device)
     engine = LLMEngine(model_dir, config)
     run_engine(engine, requests[:4])  # warm-up
     hf = None
     if not args.skip_hf:
         from workers.models.reference import hf_model
 
-        hf = hf_model(model_dir)
+        device = engine.runner.device   # on a GPU, HF in the engine's dtype there; on the CPU in float32
+        hf = hf_model(model_dir, engine.dtype if device.type == "cuda" else torch.float32).to(device)
         hf_generate(hf, requests[:4])
     engine_runs, hf_runs = [], []
     for _ in range(args.repeat):  # alternating, so the machine's changing load hits both sides alike
@@ -116,7 +117,8 @@ def main(args) -> None:
             hf_runs.append(timed_hf_run(hf, requests, args.hf_batch_size))
     output_tokens = sum(n for _, n in requests)
     flops = sum(model_cfg.request_flops(len(p), n) for p, n in requests)
-    result = {"model": model_dir, "num_requests": len(requests), "threads": torch.get_num_threads(),
+    result = {"model": model_dir, "device": str(engine.runner.device), "num_requests": len(requests),
+              "threads": torch.get_num_threads(),
               "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, output_tokens, flops)}
     if args.peak:
         result["peak_flops_per_s"] = {name: peak_flops(getattr(torch, name)) for name in ("float32", "bfloat16")}

@@ -1,5 +1,6 @@
 """The Triton kernels equal their PyTorch references (kernels.reference), run on CPU by Triton's
-interpreter: random shuffled block tables, mixed query lengths, lengths off the block size, GQA,
+interpreter or natively on a CUDA device (tests/kernels/device.py):
+random shuffled block tables, mixed query lengths, lengths off the block size, GQA,
 several head dims, block ids past 32k, and the split-KV path."""
 import random
 
@@ -10,6 +11,7 @@ pytest.importorskip("triton")
 
 import kernels.reference as ref
 import kernels.triton as tri
+from tests.kernels.device import DEVICE, on_device
 
 
 def batch(q_lens, seq_lens, hq, hkv, d, block_size, num_blocks, seed=0, dtype=torch.float32, high_blocks=False):
@@ -37,7 +39,7 @@ def check(args, scale=0.125, atol=2e-5, rtol=1e-4, **plan):
     p = tri.plan_attention(cu, lens, tables, k.shape[1], q.shape[1])
     for name, value in plan.items():
         setattr(p, name, value)
-    got = tri.unified_attention(q, k, v, cu, lens, tables, scale, p)
+    got = on_device(tri.unified_attention, q, k, v, cu, lens, tables, scale, p.to(DEVICE))
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
@@ -94,5 +96,6 @@ def test_store_kv_writes_each_token_to_its_slot_and_skips_padding():
     slots = torch.tensor([3, -1, 79_999, 10, -1])
     want_k, want_v = k_cache.clone(), v_cache.clone()
     ref.store_kv(key, value, want_k, want_v, slots)
-    tri.store_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    caches = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    on_device(tri.store_kv, key, value, *caches, slots)
+    assert torch.equal(caches[0].cpu(), want_k) and torch.equal(caches[1].cpu(), want_v)

@@ -1,5 +1,5 @@
 """The engine's greedy outputs do not change when its attention runs on the Triton kernels (under
-the interpreter on CPU: a small model and a few tokens keep it fast)."""
+the interpreter on CPU: a small model and a few tokens keep it fast; natively on a CUDA device)."""
 import pytest
 
 pytest.importorskip("triton")
@@ -7,13 +7,15 @@ pytest.importorskip("triton")
 import kernels.reference
 import kernels.triton
 from schemas.sampling import SamplingParams
+from tests.kernels.device import DEVICE
 from workers.engine.engine import EngineConfig, LLMEngine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32], list(range(100, 140))]
 
 
 def greedy(model: str, backend) -> list[list[int]]:
-    engine = LLMEngine(model, EngineConfig(device="cpu", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32))
+    engine = LLMEngine(model, EngineConfig(device=DEVICE.type, dtype="float32", block_size=8, num_kv_blocks=64,
+                                           max_num_batched_tokens=32))
     engine.runner.kernels = backend
     for attn in engine.runner.model.attention_layers():
         attn.kernels = backend

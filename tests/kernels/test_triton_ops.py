@@ -1,5 +1,5 @@
-"""The fused Triton ops equal their references under the interpreter, and the references equal the
-model's own layers (so either backend computes the same model)."""
+"""The fused Triton ops equal their references (under the interpreter on CPU, natively on CUDA), and
+the references equal the model's own layers (so either backend computes the same model)."""
 import pytest
 import torch
 
@@ -7,6 +7,7 @@ pytest.importorskip("triton")
 
 import kernels.reference as ref
 import kernels.triton as tri
+from tests.kernels.device import on_device
 from workers.layers.activation import silu_and_mul as layer_silu_and_mul
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rotate
@@ -27,7 +28,7 @@ def test_rms_norm_matches_the_reference_and_the_layer(hidden, with_residual):
     layer.weight.data.copy_(weight)
     args = (x, weight, 1e-5, residual) if with_residual else (x, weight, 1e-5)
     want = ref.rms_norm(*args)
-    got = tri.rms_norm(*args)
+    got = on_device(tri.rms_norm, *args)
     by_layer = layer(x, residual) if with_residual else layer(x)
     for w, g, lay in zip(*(v if with_residual else (v,) for v in (want, got, by_layer))):
         torch.testing.assert_close(g, w)
@@ -36,7 +37,7 @@ def test_rms_norm_matches_the_reference_and_the_layer(hidden, with_residual):
 
 def test_rms_norm_in_half_precision():
     x, residual, weight = randn(5, 96, dtype=torch.float16), randn(5, 96, dtype=torch.float16, seed=1), randn(96)
-    want, got = ref.rms_norm(x, weight, 1e-6, residual), tri.rms_norm(x, weight, 1e-6, residual)
+    want, got = ref.rms_norm(x, weight, 1e-6, residual), on_device(tri.rms_norm, x, weight, 1e-6, residual)
     torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got[1], want[1])
 
@@ -50,7 +51,7 @@ def test_rotary_matches_the_reference_and_the_layer_at_scattered_positions(scali
     cos, sin = full[0][..., :d // 2], full[1][..., d // 2:]  # the kernels' half tables
     x = randn(len(positions), heads, d, seed=d)
     want = ref.rotary(x, cos, sin)
-    torch.testing.assert_close(tri.rotary(x, cos, sin), want)
+    torch.testing.assert_close(on_device(tri.rotary, x, cos, sin), want)
     torch.testing.assert_close(want, rotate(x, *full))
 
 
@@ -58,7 +59,7 @@ def test_rotary_matches_the_reference_and_the_layer_at_scattered_positions(scali
 def test_silu_and_mul_matches_the_reference_and_the_layer(inter):
     x = randn(5, 2 * inter)
     want = ref.silu_and_mul(x)
-    torch.testing.assert_close(tri.silu_and_mul(x), want)
+    torch.testing.assert_close(on_device(tri.silu_and_mul, x), want)
     torch.testing.assert_close(want, layer_silu_and_mul(x))
 
 
@@ -66,5 +67,5 @@ def test_the_kernel_benchmark_says_it_needs_cuda_and_exits_cleanly_without(capsy
     from kernels.bench import main, peak
 
     main([])
-    assert "no CUDA device" in capsys.readouterr().out
+    assert "no CUDA device" in capsys.readouterr().out or torch.cuda.is_available()
     assert peak("NVIDIA H100 80GB HBM3") == 3350 and peak("NVIDIA H200") == 4800 and peak("unknown") is None

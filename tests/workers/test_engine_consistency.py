@@ -13,7 +13,7 @@ MAX_TOKENS = 20
 
 
 def generate(model_dir: str, prompts, params: SamplingParams, **config) -> tuple[list[list[int]], dict]:
-    engine = LLMEngine(model_dir, EngineConfig(device="cpu", **config))
+    engine = LLMEngine(model_dir, EngineConfig(**{"device": "cpu", **config}))
     reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
