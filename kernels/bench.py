@@ -53,7 +53,7 @@ def bench_attention(name: str, hq: int, hkv: int, d: int, batch: int, context: i
 
     q, k, v, cu, lens, tables = decode_case(batch, context, hq, hkv, d)
     scale = d ** -0.5
-    plan = tri.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE, hq).to(q.device)
+    plan = tri.plan_attention(cu.cpu(), lens.cpu(), tables.cpu(), BLOCK_SIZE, hq, hkv).to(q.device)
     t_ms = triton.testing.do_bench(lambda: tri.unified_attention(q, k, v, cu, lens, tables, scale, plan))
     r_ms = None
     if batch * context <= REFERENCE_TOKENS:   # the reference gathers every sequence's KV in float32
@@ -181,25 +181,28 @@ def shard_steps(path: str, device: str, batch: int, context: int, prefill: int) 
     blocks = batch * -(-(context + steps + 1) // BLOCK_SIZE) + -(-prefill // BLOCK_SIZE) + 8
     engine = LLMEngine(path, EngineConfig(device=device, dtype="bfloat16", max_num_seqs=batch, num_kv_blocks=blocks,
                                           max_num_batched_tokens=max(prefill, 2048), block_size=BLOCK_SIZE))
+    def run(requests: list) -> None:
+        while engine.has_unfinished():
+            engine.step()
+        failed = [r for r in requests if r.finish_reason == "error"]
+        if failed:      # the engine fails a request that breaks a step, and goes on: say why
+            raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed: {failed[0].error}")
+
     warm = SamplingParams(max_tokens=2, ignore_eos=True)
-    engine.add_request("warm", prompt(prefill), warm)      # compiles the kernels' variants
-    while engine.has_unfinished():
-        engine.step()
+    run([engine.add_request("warm", prompt(prefill), warm)])      # compiles the kernels' variants
     engine.trace = []
-    engine.add_request("prefill", prompt(prefill), SamplingParams(max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    run([engine.add_request("prefill", prompt(prefill), SamplingParams(max_tokens=1, ignore_eos=True))])
     first = engine.trace[0]
     # the first requests decode while the last are still prefilled: each runs long enough that all
     # decode together for `steps` steps
     budget = engine.config.max_num_batched_tokens
     params = SamplingParams(max_tokens=-(-batch * context // budget) + steps + 2, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{i}", prompt(context), params)
     engine.trace = []
-    while engine.has_unfinished():
-        engine.step()
+    run([engine.add_request(f"d{i}", prompt(context), params) for i in range(batch)])
     decode = [t for t in engine.trace if t.num_tokens == t.num_requests == batch]
+    if not decode:
+        shapes = sorted({(t.num_requests, t.num_tokens) for t in engine.trace})
+        raise RuntimeError(f"no step decoded all {batch} requests at once; (requests, tokens) of the steps: {shapes}")
     mean = lambda key: sum(getattr(t, key) for t in decode) / len(decode)  # noqa: E731
     return {"prefill_s": first.seconds, "prefill_forward_s": first.forward_seconds,
             "decode_s": mean("seconds"), "decode_forward_s": mean("forward_seconds"), "decode_steps": len(decode),

@@ -50,9 +50,9 @@ class Plan:
 
 
 def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int) -> Plan:
-    """Work items: every sequence's queries in tiles of QUERY_TILE, the longest KV first, so that
-    the threads taking them in turn end together."""
+                   block_size: int, num_heads: int = 1, num_kv_heads: int = 1) -> Plan:
+    """Work items: every sequence's queries in tiles of QUERY_TILE, the longest KV first, so that the
+    threads taking them in turn end together. The head counts are the Triton plan's, unused here."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     items = []
     for b, end in enumerate(lens):

@@ -64,10 +64,10 @@ class Plan:
 
 
 def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int) -> Plan:
-    """Splits a batch once per step, for all layers. Decodes run in groups of similar length,
-    small enough that a group's gathered KV stays in cache; prefill chunks run one tile of one
-    sequence at a time."""
+                   block_size: int, num_heads: int = 1, num_kv_heads: int = 1) -> Plan:
+    """Splits a batch once per step, for all layers. Decodes run in groups of similar length, small enough
+    that a group's gathered KV stays in cache; prefill chunks run one tile of one sequence at a time.
+    The head counts are the Triton plan's, unused here."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
     decodes = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lens.__getitem__)

@@ -1,12 +1,18 @@
 """Triton kernels with the signatures of kernels.reference: the engine's CUDA backend.
 
-unified_attention: one launch for a whole varlen batch (prefill, chunked prefill, decode). The
-batch's queries are cut into tiles of BLOCK_M rows of one sequence (plan_attention does it once per
-step, on the host); program (tile, query head) runs flash attention's online softmax over that
-sequence's KV, BLOCK_N positions at a time, each position's address looked up in the block table,
-and stops at the tile's last causal position. Split-KV (flash decoding): when every query is a
-decode and there are few (sequence, head) pairs for a long context, each program takes one slice
-of the KV range and a second kernel merges the slices' (max, sum, accumulator).
+unified_attention: one launch for a whole varlen batch (prefill, chunked prefill, decode). Program
+(tile, KV head) computes the query heads that share that KV head (GQA's group) for a few query
+tokens of one sequence at once: its BLOCK_M rows are (token, head of the group) pairs, so each KV
+position it loads serves the whole group. plan_attention cuts the queries into those tiles once
+per step, on the host. Each program runs flash attention's online softmax over its sequence's KV,
+BLOCK_N positions at a time, each position's address looked up in the block table, and stops at
+the tile's last causal position. Split-KV (flash decoding): when every query is a decode and there
+are few (sequence, KV head) programs for a long context, each program takes one slice of the KV
+range and a second kernel merges the slices' (max, sum, accumulator).
+
+Measured on an H200 (docs/gpu.md) before the grouping, with one program per query head: decode
+attention moved 11-12% of peak bandwidth for 8 query heads over 1 KV head and 20-24% for 4 over
+1, i.e. the KV read once per query head at near peak. Grouped, the KV is read once per KV head.
 """
 from dataclasses import dataclass
 
@@ -14,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16                 # query rows per tile
+BLOCK_M = 16                 # query rows per tile, (token, head) pairs; more when a group is larger
 BLOCK_N = 32                 # KV positions per inner step
 SPLIT_MIN_CONTEXT = 2048     # split-KV only for decodes at least this long...
-SPLIT_TARGET = 128           # ...when (sequences x heads) is below this many programs
-SPLIT_SIZE = 1024            # KV positions per split
+SPLIT_TARGET = 256           # ...when (sequences x KV heads) is below this many programs (2 per SM of an H100)
+SPLIT_MIN_SIZE = 512         # KV positions per split at least
 
 
 @triton.jit
@@ -47,33 +53,44 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
                               vc.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
+def tile_rows(group: int) -> tuple[int, int]:
+    """(rows of a tile, query tokens in it) for `group` query heads per KV head."""
+    rows = max(BLOCK_M, triton.next_power_of_2(group))
+    return rows, rows // group
+
+
 @dataclass(slots=True)
 class Plan:
     tile_seq: torch.Tensor       # int32 [tiles]: the sequence of each query tile
-    tile_start: torch.Tensor     # int32 [tiles]: its first query row within the sequence
+    tile_start: torch.Tensor     # int32 [tiles]: its first query token within the sequence
     num_splits: int              # 1, or the KV splits of an all-decode batch
     max_seq_len: int
+    group: int                   # query heads per KV head that the tiles are cut for
 
     def to(self, device: torch.device) -> "Plan":
         return Plan(self.tile_seq.to(device, non_blocking=True), self.tile_start.to(device, non_blocking=True),
-                    self.num_splits, self.max_seq_len)
+                    self.num_splits, self.max_seq_len, self.group)
 
 
 def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int, num_heads: int = 8) -> Plan:
+                   block_size: int, num_heads: int = 1, num_kv_heads: int = 1) -> Plan:
     """The query tiles of the batch and whether to split the KV: once per step, for all layers."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    group = num_heads // num_kv_heads
+    tokens = tile_rows(group)[1]
     seqs, starts = [], []
     for b in range(len(lens)):
-        for start in range(0, cu[b + 1] - cu[b], BLOCK_M):
+        for start in range(0, cu[b + 1] - cu[b], tokens):
             seqs.append(b)
             starts.append(start)
     longest = max(lens, default=0)
     all_decode = all(cu[b + 1] - cu[b] == 1 for b in range(len(lens)))
     splits = 1
-    if all_decode and longest >= SPLIT_MIN_CONTEXT and len(lens) * num_heads < SPLIT_TARGET:
-        splits = triton.cdiv(longest, SPLIT_SIZE)
-    return Plan(torch.tensor(seqs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), splits, longest)
+    programs = len(lens) * num_kv_heads
+    if all_decode and longest >= SPLIT_MIN_CONTEXT and programs < SPLIT_TARGET:
+        splits = min(triton.cdiv(longest, SPLIT_MIN_SIZE), triton.cdiv(SPLIT_TARGET, programs))
+    return Plan(torch.tensor(seqs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), splits, longest,
+                group)
 
 
 @triton.jit
@@ -82,20 +99,22 @@ def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, t
                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                stride_ot, stride_oh, stride_bt, split_size,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
-    tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kv_head = head // GROUP
+               BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+               IEEE: tl.constexpr):
+    tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = tl.load(tile_seq + tile)
     q_first = tl.load(cu_seqlens_q + b)
     q_len = tl.load(cu_seqlens_q + b + 1) - q_first
     seq_len = tl.load(seq_lens + b)
-    rows = tl.load(tile_start + tile) + tl.arange(0, BLOCK_M)       # query index within the sequence
-    row_ok = rows < q_len
-    pos = seq_len - q_len + rows                                     # each query's position
+    r = tl.arange(0, BLOCK_M)
+    token = tl.load(tile_start + tile) + r // GROUP                  # each row's query token within the sequence
+    head = kv_head * GROUP + r % GROUP                               # and its query head
+    row_ok = (r < BLOCK_Q * GROUP) & (token < q_len)
+    pos = seq_len - q_len + token                                    # each row's position
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_rows = (q_first + rows).to(tl.int64)
-    qv = tl.load(q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+    q_rows = (q_first + token).to(tl.int64)
+    qv = tl.load(q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                  mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -134,12 +153,12 @@ def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, t
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    out_ptrs = out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
-    if SPLIT:   # a decode: one row; its slice's partial result waits for the merge
-        part = (b * tl.num_programs(1) + head) * tl.num_programs(2) + split
-        tl.store(part_max + part + tl.arange(0, BLOCK_M), m, mask=rows == 0)
-        tl.store(part_sum + part + tl.arange(0, BLOCK_M), s, mask=rows == 0)
-        tl.store(out_ptrs + split * BLOCK_D, acc, mask=(rows == 0)[:, None] & d_ok[None, :])
+    out_ptrs = out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLIT:   # decodes: a row per query head; its slice's partial result waits for the merge
+        part = (b * (tl.num_programs(1) * GROUP) + head) * tl.num_programs(2) + split
+        tl.store(part_max + part, m, mask=row_ok)
+        tl.store(part_sum + part, s, mask=row_ok)
+        tl.store(out_ptrs + split * BLOCK_D, acc, mask=row_ok[:, None] & d_ok[None, :])
     else:
         o = acc / tl.where(s == 0, 1.0, s)[:, None]
         tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -166,33 +185,38 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, plan: Plan | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's paged KV: [T, Hq, D] (see kernels.reference)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     if plan is None:
-        plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], num_heads)
+        plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], num_heads, num_kv_heads)
+    if plan.group != group:
+        raise ValueError(f"the attention plan's tiles are cut for {plan.group} query heads per KV head; "
+                         f"this call has {group} ({num_heads} over {num_kv_heads})")
     out = torch.empty_like(q)
     tiles = plan.tile_seq.numel()
     if tiles == 0:
         return out
     block_d = triton.next_power_of_2(max(head_dim, 16))
+    block_m, block_q = tile_rows(group)
     split = plan.num_splits > 1
     num_seqs = seq_lens.numel()
+    split_size = triton.cdiv(triton.cdiv(plan.max_seq_len, plan.num_splits), BLOCK_N) * BLOCK_N
     if split:   # partial results: max and sum per (sequence, head, split), the accumulator in fp32
         parts = num_seqs * num_heads * plan.num_splits
-        part_max = torch.empty(parts + BLOCK_M, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(parts, block_d, dtype=torch.float32, device=q.device)
         target, stride_t, stride_h = part_acc, num_heads * plan.num_splits * block_d, plan.num_splits * block_d
     else:
         part_max = part_sum = out
         target, stride_t, stride_h = out, out.stride(0), out.stride(1)
-    _attention[(tiles, num_heads, plan.num_splits)](
+    _attention[(tiles, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, target, cu_seqlens_q, seq_lens, block_tables, plan.tile_seq, plan.tile_start,
         part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_t, stride_h, block_tables.stride(0),
-        SPLIT_SIZE, GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
-        IEEE=q.dtype == torch.float32)
+        split_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32)
     if split:
         _merge[(num_seqs, num_heads)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
                                       NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,

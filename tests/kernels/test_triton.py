@@ -36,7 +36,7 @@ def batch(q_lens, seq_lens, hq, hkv, d, block_size, num_blocks, seed=0, dtype=to
 def check(args, scale=0.125, atol=2e-5, rtol=1e-4, **plan):
     q, k, v, cu, lens, tables = args
     want = ref.unified_attention(q.float(), k.float(), v.float(), cu, lens, tables, scale)
-    p = tri.plan_attention(cu, lens, tables, k.shape[1], q.shape[1])
+    p = tri.plan_attention(cu, lens, tables, k.shape[1], q.shape[1], k.shape[2])
     for name, value in plan.items():
         setattr(p, name, value)
     got = on_device(tri.unified_attention, q, k, v, cu, lens, tables, scale, p.to(DEVICE))
@@ -66,22 +66,35 @@ def test_block_ids_beyond_32k_use_64_bit_addresses():
 def test_split_kv_decodes_match_the_reference():
     args = batch([1, 1, 1], [100, 37, 64], 4, 2, 32, block_size=8, num_blocks=40, seed=6)
     check(args, num_splits=3)
-    old = tri.SPLIT_SIZE
-    tri.SPLIT_SIZE = 16                      # many small slices, some empty for the shorter sequences
-    try:
-        check(args, num_splits=7)
-    finally:
-        tri.SPLIT_SIZE = old
+    check(args, num_splits=7)      # slices of 32 positions: the last ones empty for every sequence
 
 
-def test_the_plan_splits_only_long_decodes_with_few_sequences():
+def test_the_plan_splits_only_long_decodes_with_few_programs():
     cu, lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([8192, 100], dtype=torch.int32)
     tables = torch.zeros(2, 512, dtype=torch.int32)
-    assert tri.plan_attention(cu, lens, tables, 16, num_heads=8).num_splits == 8
+    # 2 sequences x 1 KV head: as many splits of at least SPLIT_MIN_SIZE positions as the context has
+    assert tri.plan_attention(cu, lens, tables, 16, num_heads=8, num_kv_heads=1).num_splits == 8192 // 512
+    # 2 x 64 KV heads: enough splits for SPLIT_TARGET programs
+    assert tri.plan_attention(cu, lens, tables, 16, num_heads=64, num_kv_heads=64).num_splits == 2
+    assert tri.plan_attention(cu, lens, tables, 16, num_heads=256, num_kv_heads=128).num_splits == 1
     assert tri.plan_attention(cu, torch.tensor([500, 100], dtype=torch.int32), tables, 16).num_splits == 1
     prefill = torch.tensor([0, 1, 9], dtype=torch.int32)
     assert tri.plan_attention(prefill, lens, tables, 16).num_splits == 1
-    assert tri.plan_attention(cu, lens, tables, 16).to(torch.device("cpu")).num_splits == 8
+    assert tri.plan_attention(cu, lens, tables, 16).to(torch.device("cpu")).num_splits == 16
+
+
+@pytest.mark.parametrize("hq, hkv", [(9, 3), (7, 1), (16, 1), (32, 1)])
+def test_query_heads_grouped_over_their_kv_head_in_one_tile_match_the_reference(hq, hkv):
+    # groups of 3 and 7 fill 15 and 14 of a tile's 16 rows; 16 fill it with one token; 32 need 32 rows
+    check(batch([1, 7, 20, 1], [33, 7, 45, 90], hq, hkv, 32, block_size=8, num_blocks=60, seed=hq))
+    check(batch([1, 1], [70, 33], hq, hkv, 32, block_size=8, num_blocks=60, seed=hq + 1), num_splits=3)
+
+
+def test_a_plan_cut_for_another_group_is_refused():
+    q, k, v, cu, lens, tables = batch([1, 3], [9, 5], 4, 2, 32, block_size=8, num_blocks=8)
+    plan = tri.plan_attention(cu, lens, tables, 8, num_heads=4, num_kv_heads=1)
+    with pytest.raises(ValueError, match="4 query heads per KV head; this call has 2"):
+        tri.unified_attention(q, k, v, cu, lens, tables, 0.125, plan)
 
 
 def test_half_precision_inputs():

@@ -52,6 +52,8 @@ class ModelRunner:
         if device.type == "cpu":
             prepack_for_cpu(self.model)
         self.kernels = attention_kernels(device)
+        attn = self.model.attention_layers()[0]
+        self.heads = attn.num_heads, attn.num_kv_heads    # this rank's: the attention plan's tiles follow them
         self.sampler = Sampler()
         self.kv_pool = torch.empty(0)
         self.num_blocks = 0
@@ -133,7 +135,8 @@ class ModelRunner:
         """Every rank: the model over one step's inputs. Returns the sampling rows' logits on rank 0
         (None when no request samples, and on the other ranks)."""
         to = self.device
-        plan = self.kernels.plan_attention(inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables, self.block_size)
+        plan = self.kernels.plan_attention(inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables, self.block_size,
+                                           *self.heads)
         meta = AttentionMetadata(inputs.slot_mapping, inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables,
                                  plan).to(to)
         start = time.perf_counter()
