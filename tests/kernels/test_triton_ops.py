@@ -63,9 +63,10 @@ def test_silu_and_mul_matches_the_reference_and_the_layer(inter):
     torch.testing.assert_close(want, layer_silu_and_mul(x))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, main() runs the whole benchmark")
 def test_the_kernel_benchmark_says_it_needs_cuda_and_exits_cleanly_without(capsys):
     from kernels.bench import main, peak
 
     main([])
-    assert "no CUDA device" in capsys.readouterr().out or torch.cuda.is_available()
+    assert "no CUDA device" in capsys.readouterr().out
     assert peak("NVIDIA H100 80GB HBM3") == 3350 and peak("NVIDIA H200") == 4800 and peak("unknown") is None
