@@ -5,6 +5,10 @@ the kernel must move / time) against the card's peak; decode attention at contex
 1-256 for a Llama-70B shard at TP 8 (Hq 8, Hkv 1, D 128) and an 8B model (Hq 32, Hkv 8, D 128);
 and the engine's decode tokens/s with the Triton kernels vs the reference. Goal on H100: decode
 attention at long context above 70% of peak HBM bandwidth. Without CUDA it says so and exits 0.
+With --shard: one decoder layer of a Llama-70B TP-8 shard through the engine (the step time of a
+10-layer model minus a 2-layer one, over 8) for a 2048-token prefill and for decode at batch 1, 64
+and 256 at a context of ~3200, against the roofline floor that `tokenbus plan` scales by its
+efficiency factors.
 
 With --cpu: the native CPU attention (kernels.cpu) against the reference on this machine, with
 SmolLM2-135M's heads (9 query heads over 3 KV heads of 64), in float32 and bfloat16: 64 decodes of
@@ -181,6 +185,7 @@ def shard_steps(path: str, device: str, batch: int, context: int, prefill: int) 
     blocks = batch * -(-(context + steps + 1) // BLOCK_SIZE) + -(-prefill // BLOCK_SIZE) + 8
     engine = LLMEngine(path, EngineConfig(device=device, dtype="bfloat16", max_num_seqs=batch, num_kv_blocks=blocks,
                                           max_num_batched_tokens=max(prefill, 2048), block_size=BLOCK_SIZE))
+
     def run(requests: list) -> None:
         while engine.has_unfinished():
             engine.step()
