@@ -134,9 +134,7 @@ def engine_decode(size: str = "small", num_requests: int = 64, output: int = 128
         blocks = num_requests * -(-(32 + output) // 16)
         for name, backend in (("triton", kernels.triton), ("reference", kernels.reference)):
             engine = LLMEngine(model, EngineConfig(device="cuda", max_num_seqs=num_requests, num_kv_blocks=blocks))
-            engine.runner.kernels = backend
-            for attn in engine.runner.model.attention_layers():
-                attn.kernels = backend
+            use_kernels(engine, backend)
             for i in range(num_requests):
                 params = SamplingParams(max_tokens=output, ignore_eos=True)
                 engine.add_request(f"{name}{i}", list(range(16, 48)), params)
@@ -155,15 +153,20 @@ def engine_decode(size: str = "small", num_requests: int = 64, output: int = 128
 SHARD = {"hidden": 8192, "intermediate": 28672 // 8, "heads": 64 // 8, "kv_heads": 8 // 8, "head_dim": 128}
 
 
+def shard_config(layers: int, dims: dict) -> dict:
+    """The HF config.json of such a shard model."""
+    from ops.plan import hf
+
+    return hf(4096, dims["hidden"], dims["intermediate"], layers, dims["heads"], dims["kv_heads"], 8192, False) | \
+        {"head_dim": dims["head_dim"]}
+
+
 def shard_checkpoint(root: str, layers: int, dims: dict, device: str) -> str:
     """A random Llama of `layers` decoder layers with one TP rank's share of each weight (Llama-3-70B
     at TP 8 by default: 8 query heads, 1 KV head, intermediate 3584) and a small vocabulary."""
     import transformers
 
-    from ops.plan import hf
-
-    cfg = hf(4096, dims["hidden"], dims["intermediate"], layers, dims["heads"], dims["kv_heads"], 8192, False)
-    config = transformers.LlamaConfig(**cfg, head_dim=dims["head_dim"])
+    config = transformers.LlamaConfig(**shard_config(layers, dims))
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     path = f"{root}/layers{layers}"
@@ -224,8 +227,10 @@ def shard_layers(device: str = "cuda", dims: dict = SHARD, depths: tuple = (2, 1
     are not in it (one GPU)."""
     import tempfile
 
-    h, inter, hq, hkv, d = (dims[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
-    params = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inter       # q, k, v, o; gate, up, down
+    from workers.models.config import ModelConfig
+
+    hq, hkv, d = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    params = ModelConfig.from_hf(shard_config(1, dims)).matmul_params()
     kv_per_token = 2 * hkv * d * 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

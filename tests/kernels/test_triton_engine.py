@@ -6,6 +6,7 @@ pytest.importorskip("triton")
 
 import kernels.reference
 import kernels.triton
+from kernels.bench import use_kernels
 from schemas.sampling import SamplingParams
 from tests.kernels.device import DEVICE
 from workers.engine.engine import EngineConfig, LLMEngine
@@ -16,9 +17,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30,
 def greedy(model: str, backend) -> list[list[int]]:
     engine = LLMEngine(model, EngineConfig(device=DEVICE.type, dtype="float32", block_size=8, num_kv_blocks=64,
                                            max_num_batched_tokens=32))
-    engine.runner.kernels = backend
-    for attn in engine.runner.model.attention_layers():
-        attn.kernels = backend
+    use_kernels(engine, backend)
     reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
             for i, p in enumerate(PROMPTS)]
     while engine.has_unfinished():      # a 32-token budget: chunked prefill, then mixed prefill and decode steps
