@@ -212,6 +212,7 @@ class StandIn:
 
     def __init__(self, step_ms: float, max_num_seqs: int, vocab: int, block_size: int = 16):
         self.step_s, self.vocab, self.rng = step_ms / 1e3, vocab, random.Random(0)
+        self.device = torch.device("cpu")
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy="fcfs")
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
                                   num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None)

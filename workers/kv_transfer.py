@@ -121,8 +121,9 @@ class NatsKvTransport:
     and a pull's messages land, while a step runs: fetches are answered from pinned blocks, and a
     pull writes into reserved ones, which no step reads or writes."""
 
-    def __init__(self, nc, worker: str, engine: LLMEngine, log):
+    def __init__(self, nc, worker: str, engine: LLMEngine, log, engine_lock: asyncio.Lock | None = None):
         self.nc, self.worker, self.engine, self.log = nc, worker, engine, log
+        self.engine_lock = engine_lock or asyncio.Lock()   # the worker's: pins and blocks change between steps
         self.kv = engine.kv
         self.leases: dict[str, Lease] = {}
         self.stats = KvTransfer()
@@ -189,9 +190,14 @@ class NatsKvTransport:
         return request_id, held
 
     def release(self, lease: str) -> None:
+        """(no step under way)"""
         held = self.leases.pop(lease, None)
         if held is not None:
             self.kv.unpin(held.owner)
+
+    async def released(self, lease: str) -> None:
+        async with self.engine_lock:
+            self.release(lease)
 
     def expire(self, now: float) -> None:
         """Ends the leases no fetch renewed within KV_LEASE_SECONDS."""
@@ -207,7 +213,7 @@ class NatsKvTransport:
             self.log.error("bad kv fetch dropped", error=str(e))
             return
         if ask.release:
-            self.main.call_soon_threadsafe(self.release, ask.lease)
+            asyncio.run_coroutine_threadsafe(self.released(ask.lease), self.main)
             return
         if not msg.reply:
             return
@@ -258,14 +264,17 @@ class NatsKvTransport:
             if h not in offered:
                 break
             chain.append(h)
-        out.cached = len(self.kv.pin(request_id, [h for h in chain if h in self.kv.cached]))
-        want = [h for h in chain if h not in self.kv.cached]
-        reserved = dict(zip(want, self.kv.reserve(request_id, len(want))))
+        async with self.engine_lock:
+            out.cached = len(self.kv.pin(request_id, [h for h in chain if h in self.kv.cached]))
+            want = [h for h in chain if h not in self.kv.cached]
+            reserved = dict(zip(want, self.kv.reserve(request_id, len(want))))
         want = want[:len(reserved)]
         if want:
             ids = {h: block.block_id for h, block in reserved.items()}
-            for h in await self.on_side(self.pull(prefilled, want, ids, out)):
-                out.blocks += self.kv.register(reserved[h], h)
+            pulled = await self.on_side(self.pull(prefilled, want, ids, out))
+            async with self.engine_lock:
+                for h in pulled:
+                    out.blocks += self.kv.register(reserved[h], h)
         out.seconds = time.perf_counter() - start
         self.count(out, bool(want))
         return out

@@ -1,11 +1,11 @@
-"""The worker process: one asyncio loop that alternates engine steps with NATS work.
+"""The worker process: an asyncio loop that alternates engine steps with publishing their tokens.
 
-Each turn of the step loop runs one engine step, publishes every request's new tokens (core NATS
-writes are buffered: publishing never waits on the network), then yields once so that fetched
-work items, cancels, acks and heartbeats are handled between steps. One thread, on purpose: a
-second Python thread for I/O fights the step for the GIL at every torch call (measured: 30% of
-throughput on CPU; docs/decisions.md). The exceptions are rare and short, on a side thread
-(workers/sideline.py): the heartbeat while a step holds the loop for seconds, and KV transfer bytes."""
+Each turn of the step loop runs one engine step on the step thread (workers/stepper.py), publishes
+every request's new tokens (core NATS writes are buffered: publishing never waits on the network),
+then yields so that what the loop took from the bus during the step (work items whose checks are
+done, cancels) reaches the engine before the next one. The engine lock keeps every other use of the
+engine (adds, aborts, pins, stats) out of a step. A side thread (workers/sideline.py) sends the
+heartbeat while a step runs for seconds, and serves KV transfer bytes."""
 import argparse
 import asyncio
 import contextlib
@@ -61,6 +61,7 @@ from workers.engine.request import Request
 from workers.kv_transfer import NatsKvTransport
 from workers.models import catalogue
 from workers.sideline import MAX_STEP_SECONDS, Sideline
+from workers.stepper import Stepper
 
 LEAVE_WAIT = 2.0               # seconds a stopping worker waits for the ends it is storing
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
@@ -105,7 +106,8 @@ class Running:
 class WorkerService:
     def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
                  chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
-                 kv_load_failure_policy: str = "recompute", nats_url: str | None = None, revision: str = ""):
+                 kv_load_failure_policy: str = "recompute", nats_url: str | None = None, revision: str = "",
+                 stepper: Stepper | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
         self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
@@ -126,7 +128,9 @@ class WorkerService:
         self.spec_k: int | None = None               # k at the last look where some request could draft
         self.drops = drops()                         # test hook only: chunks not published
         self.role, self.kv_load_failure_policy = role, kv_load_failure_policy
-        self.transport = NatsKvTransport(nc, self.id, engine, log)
+        self.engine_lock = asyncio.Lock()           # held for each step; taken by whatever else touches the engine
+        self.stepper = stepper                       # the step thread (run() starts one if none is given)
+        self.transport = NatsKvTransport(nc, self.id, engine, log, self.engine_lock)
         self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
         self.nats_url = nats_url                     # for the side thread's connection (default: nc's servers)
         self.side: Sideline | None = None
@@ -156,11 +160,16 @@ class WorkerService:
         self.side.spawn(self.stand_in_beats())
         self.log.info("worker ready", model=self.model_name, revision=self.revision,
                       kv_blocks=self.engine.kv.num_blocks, role=self.role)
+        own = self.stepper is None               # a stepper given is its giver's to close (after the engine)
+        self.stepper = self.stepper or Stepper(self.engine)
         loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
                                                      self.progress_loop)]
         await self.stop.wait()
         for t in loops:
             t.cancel()
+        await self.stepper.finish(LEAVE_WAIT)   # the engine is closed after this: no step may be under way
+        if own:
+            self.stepper.close()
         await self.leave()
 
     async def leave(self) -> None:
@@ -183,13 +192,14 @@ class WorkerService:
             if not self.engine.has_unfinished():
                 self.wake.clear()
                 await self.wake.wait()
-            await self.announce_suspect()
-            started = time.monotonic()
-            try:
-                updated = self.engine.step()
-            except Exception as e:               # a failure no request could be blamed for: stop
-                self.fail(e)
-                return
+            async with self.engine_lock:         # behind the adds and cancels that came during the last step
+                await self.announce_suspect()
+                started = time.monotonic()
+                try:
+                    updated = await self.stepper.step()
+                except Exception as e:           # a failure no request could be blamed for: stop
+                    self.fail(e)
+                    return
             seconds = time.monotonic() - started
             now, interval = time.time(), self.chunk_interval()
             for req in updated:
@@ -376,8 +386,10 @@ class WorkerService:
         run = self.running.get(ask.id)
         if run is None or not msg.reply:
             return
-        r, req = run.item.request, self.engine.requests.get(ask.id)
-        out = req.output_token_ids[:run.sent] if req is not None else []
+        async with self.engine_lock:
+            req = self.engine.requests.get(ask.id)
+            out = req.output_token_ids[:run.sent] if req is not None else []
+        r = run.item.request
         chunk = TokenChunk(ask.id, -1, ask.offset, out[ask.offset:], len(r.prompt_token_ids),
                            r.prompt_token_ids[-PROMPT_CONTEXT:])
         await self.nc.publish(msg.reply, encode(chunk))
@@ -409,7 +421,7 @@ class WorkerService:
                                    subjects.msg_id(rid, f"{rid}.pd"), self.log)
             await run.msg.ack()
         except (nats.errors.Error, asyncio.TimeoutError, subjects.NotStored) as e:
-            self.transport.release(rid)
+            await self.transport.released(rid)
             self.log.error("handoff not stored; the prefill will run again", request_id=rid,
                            error=str(e) or type(e).__name__)
 
@@ -431,7 +443,8 @@ class WorkerService:
             self.log.info("kv pulled", **fields)
             return True
         if self.kv_load_failure_policy == "fail":
-            self.engine.kv.unpin(r.id)
+            async with self.engine_lock:
+                self.engine.kv.unpin(r.id)
             self.log.error("kv pull failed; the request fails (--kv-load-failure-policy fail)", error=pulled.error,
                            **fields)
             await self.give_up(item, msg, "kv_transfer_failed", f"the KV of the prompt could not be pulled from "
@@ -508,7 +521,9 @@ class WorkerService:
     async def on_snapshot(self, msg) -> None:
         """Every hash held now, labelled with the last event's seq: changes not yet published are in the
         snapshot and come again in the next event, which applies twice without harm."""
-        hashes, part = list(self.engine.kv.cached), subjects.KV_SNAPSHOT_PART
+        async with self.engine_lock:
+            hashes = list(self.engine.kv.cached)
+        part = subjects.KV_SNAPSHOT_PART
         parts = max(1, -(-len(hashes) // part))
         for i in range(parts):
             snap = KvSnapshot(self.id, self.kv_seq, i, parts, hashes[i * part:(i + 1) * part])
@@ -570,23 +585,28 @@ class WorkerService:
             self.done_checking(msg)              # a pull takes many steps; the loop does not wait for it
             if r.id in self.pulling or not await self.pull(item, msg):
                 return
-        if self.holds(item, msg):                # taken meanwhile, from another delivery of the same burst
-            self.engine.kv.unpin(r.id)
-            return
-        try:
-            output = self.add(r, output, strikes)
-        except ValueError as e:
-            self.engine.kv.unpin(r.id)
-            self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(e))
-            await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(e))))
+        async with self.engine_lock:             # after the step under way: the item joins the next one
+            if self.holds(item, msg):            # taken meanwhile, from another delivery of the same burst
+                self.engine.kv.unpin(r.id)
+                return
+            try:
+                output = self.add(r, output, strikes)
+            except ValueError as e:
+                self.engine.kv.unpin(r.id)
+                refused = e
+            else:
+                refused = None
+                run = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id), strikes=strikes,
+                              stored=stored_at(msg) if delivered == 1 and p is None else 0.0)
+                if p is not None:                # its timing and prefix hit are the prefill worker's
+                    run.received, run.first_token, run.seq, run.cached_tokens = p.received, p.first_token, \
+                        max(p.chunks, 1), p.cached_tokens
+                self.running[r.id] = run
+        if refused is not None:
+            self.log.info("request rejected", request_id=r.id, tenant=r.tenant, error=str(refused))
+            await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, "invalid_request", str(refused))))
             await msg.term()
             return
-        run = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id), strikes=strikes,
-                      stored=stored_at(msg) if delivered == 1 and p is None else 0.0)
-        if p is not None:                        # its timing and prefix hit are the prefill worker's
-            run.received, run.first_token, run.seq, run.cached_tokens = p.received, p.first_token, max(p.chunks, 1), \
-                p.cached_tokens
-        self.running[r.id] = run
         self.prompt_tokens += len(r.prompt_token_ids)
         self.log.info("request started", request_id=r.id, tenant=r.tenant, weight=r.weight, priority=r.priority,
                       attempt=item.attempt, strikes=strikes, prompt_tokens=len(r.prompt_token_ids), resumed=len(output))
@@ -650,8 +670,9 @@ class WorkerService:
 
     async def abort(self, rid: str) -> None:
         """Ends the request now and frees its KV; it ends like any other (final chunk, record, ack)."""
-        req = self.engine.abort(rid)
-        if req is not None:
+        async with self.engine_lock:
+            req = self.engine.abort(rid)
+        if req is not None:                      # out of the engine: no step touches it any more
             await self.emit(req, time.time())
 
     # -- liveness -------------------------------------------------------------------------------
@@ -659,14 +680,16 @@ class WorkerService:
     async def heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
+            async with self.engine_lock:         # after the step under way: a hung one stops the beats
+                try:
+                    self.engine.check_alive()    # a dead tensor-parallel rank: no heartbeat, leave
+                except WorkerFailure as e:
+                    self.fail(e)
+                    return
+                self.transport.expire(time.monotonic())
+                self.build_beat()
             try:
-                self.engine.check_alive()        # a dead tensor-parallel rank: no heartbeat, leave
-            except WorkerFailure as e:
-                self.fail(e)
-                return
-            self.transport.expire(time.monotonic())
-            try:
-                await self.heartbeat()
+                await self.put_beat()
             except nats.js.errors.NoStreamResponseError:     # the bucket is gone (a wiped store): make it again
                 self.log.warning("registry bucket missing; creating it")
                 with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
@@ -675,8 +698,18 @@ class WorkerService:
                 self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
 
     async def heartbeat(self) -> None:
-        """Writes this worker's heartbeat; one not acknowledged within two heartbeat periods (a cluster
+        """Writes this worker's heartbeat (no step may be under way: the engine lock is held, or no step
+        runs yet)."""
+        self.build_beat()
+        await self.put_beat()
+
+    async def put_beat(self) -> None:
+        """Writes the last heartbeat built; one not acknowledged within two heartbeat periods (a cluster
         electing the bucket's leader) is given up for the next, which carries a fresh time."""
+        await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
+
+    def build_beat(self) -> None:
+        """The heartbeat from the engine's counts now, kept for the side thread's stand-in beats."""
         s = self.engine.stats()
         spec = speculation_of(s)
         if spec is not None:
@@ -689,7 +722,6 @@ class WorkerService:
             self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy,
             self.revision), \
             time.monotonic()
-        await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
 
     async def stand_in_beats(self) -> None:
         """(side thread) While a step holds the loop for longer than a heartbeat period (a long prefill
@@ -863,16 +895,17 @@ async def serve(args) -> None:
     blamed = await last_suspect(nc, args.id)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(model, engine_config(args))
+    stepper = Stepper()                          # the engine is built, warmed up and stepped on its thread
+    engine = await stepper.build(LLMEngine, model, engine_config(args))
     try:
-        warm_up(engine)
+        await stepper.call(warm_up, engine)
         if args.test_hook_fault_token is not None:
             engine.inject_fault(args.test_hook_fault_token, args.test_hook_fault_action)
             log.warning("TEST HOOK: fault injected", token=args.test_hook_fault_token,
                         action=args.test_hook_fault_action)
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
         service = WorkerService(nc, engine, args.id, name, log, args.chunk_rate, args.role,
-                                args.kv_load_failure_policy, args.nats_url, revision_of(model))
+                                args.kv_load_failure_policy, args.nats_url, revision_of(model), stepper)
         service.blamed = blamed
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -880,6 +913,7 @@ async def serve(args) -> None:
         await service.run()
     finally:
         engine.close()
+        stepper.close()                          # after: the followers of a tensor-parallel engine die with its thread
     if service.failed:
         sys.exit(1)
 
