@@ -11,7 +11,7 @@ between steps as before. During a step the loop only wakes for the few messages 
 items, their replies, cancels, acks), so the two threads rarely want the GIL at once. An earlier
 version ran the engine on a thread and all the NATS work, the chunks' publishing included, on the
 loop at the same time; the two fought for the GIL at every torch call and it cost 30% of throughput
-(docs/decisions.md). This is not that design: measured in docs/decisions.md.
+(docs/decisions.md). Where the engine was built may have been the cause (`Stepper`).
 
 The service's engine lock (an asyncio.Lock) is held for each step; a coroutine that touches the engine
 (adds, aborts, pins, stats) takes it first, so it never runs beside a step.
@@ -26,11 +26,12 @@ import torch
 
 class Stepper:
     """A daemon thread that runs the engine's work, one call at a time, for the event loop to await:
-    its steps, and best also its construction and warm-up. The CPU's OpenMP keeps a team of threads
-    per thread that runs torch work, and once there are more of those threads than cores its workers
-    stop spinning between parallel regions: an engine built on the main thread and stepped on this
-    one took 9.3 ms a decode step of the tiny model on 2 cores, against 6.0 ms built and stepped on
-    one thread, either one (/tmp-free repro in docs/decisions.md)."""
+    its steps, and best also its construction and warm-up. On a CPU, torch work from a second thread
+    gets an OpenMP team of its own beside the first thread's, and the steps slow down (our reading,
+    not verified: libgomp stops spin-waiting once its threads outnumber the cores). An engine built
+    on the main thread and stepped on this one took 13.4 ms a one-row decode step of the tiny model
+    on 2 cores against 6.1 ms all on one thread, and 6.8 ms built and stepped here
+    (`python -m workers.stepper`; docs/decisions.md)."""
 
     def __init__(self, engine=None, name: str = "engine-steps"):
         self.engine = engine

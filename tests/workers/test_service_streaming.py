@@ -1,5 +1,6 @@
 """The worker service's stream, on a real nats-server with the tiny model, in-process: a burst of work
-items enters the engine together, not one per engine step; under load a chunk carries several steps'
+items enters the engine together, not one per engine step; an item whose checks on the bus outlast the
+loop's wait between steps still joins the step after the one under way; under load a chunk carries several steps'
 tokens, and the chunks still carry every token once, in order, at the right offsets, the first token
 at once; without a chunk rate every step of a stream is a chunk."""
 import asyncio
@@ -33,13 +34,13 @@ def offline(engine: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def slow_steps(engine: LLMEngine, monkeypatch):
-    """Each engine step takes STEP_PAUSE longer (blocking the loop, as a real step does); yields the step
-    count at each add_request."""
+def slow_steps(engine: LLMEngine, monkeypatch, pause: float = STEP_PAUSE):
+    """Each engine step takes `pause` seconds longer (on the step thread, as a real step's work); yields
+    the step count at each add_request."""
     step, add, added = engine.step, engine.add_request, []
 
     def slow():
-        time.sleep(STEP_PAUSE)
+        time.sleep(pause)
         return step()
 
     def counted(*args, **kwargs):
@@ -50,8 +51,8 @@ def slow_steps(engine: LLMEngine, monkeypatch):
     yield added
 
 
-async def submit(js, rid: str, prompt: list[int]) -> None:
-    item = WorkItem(TokenizedRequest(rid, "t", PARAMS, prompt), "w0", time.time())
+async def submit(js, rid: str, prompt: list[int], params: SamplingParams = PARAMS) -> None:
+    item = WorkItem(TokenizedRequest(rid, "t", params, prompt), "w0", time.time())
     await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
 
 
@@ -88,6 +89,40 @@ def test_a_burst_of_work_items_enters_the_engine_together_not_a_step_apart(nats_
         burst = added[1:]
         assert len(burst) == len(rids)
         assert max(burst) - min(burst) <= 2, f"the burst entered over steps {burst}"   # one at a time: 12+ steps
+        await nc.close()
+    asyncio.run(main())
+
+
+def test_an_item_whose_checks_outlast_the_wait_between_steps_joins_the_next_step(nats_url, engine, monkeypatch):
+    """Its checks (its Outcome looked up on the bus) take 0.1 s, longer than the loop waits between steps
+    of 0.3 s (10% of the step): they must run during the step under way, not after it. Stepping on the
+    event loop's thread, they started after that step and the item joined the step after next."""
+    pause, check = 0.3, 0.1
+
+    async def main():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await subjects.ensure_streams(js)
+        queues = await chunks(nc, ["long", "late"])
+        with slow_steps(engine, monkeypatch, pause) as added:
+            async with worker(nats_url, engine, 0) as service:
+                ended = service.already_ended
+
+                async def slow_check(item, msg):
+                    await asyncio.sleep(check)
+                    return await ended(item, msg)
+                monkeypatch.setattr(service, "already_ended", slow_check)
+                short = SamplingParams(max_tokens=6, ignore_eos=True)
+                await submit(js, "long", [3, 4, 5], short)
+                await queues["long"].get()                  # its first token: the engine is stepping
+                seen = engine.num_steps
+                while engine.num_steps == seen:             # a step has just begun: `pause` s to go
+                    await asyncio.sleep(0.005)
+                under_way = engine.num_steps + 1
+                await submit(js, "late", [6, 7, 8], short)
+                for q in queues.values():
+                    assert type((await until_end(q))[-1]) is FinalChunk
+        assert added[1] == under_way, f"added after step {added[1]}, the step under way was {under_way}"
         await nc.close()
     asyncio.run(main())
 
