@@ -190,7 +190,7 @@ class NatsKvTransport:
         return request_id, held
 
     def release(self, lease: str) -> None:
-        """(no step under way)"""
+        """Ends a lease; called with no step under way (the step loop's, or under the engine lock)."""
         held = self.leases.pop(lease, None)
         if held is not None:
             self.kv.unpin(held.owner)

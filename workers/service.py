@@ -724,7 +724,7 @@ class WorkerService:
             time.monotonic()
 
     async def stand_in_beats(self) -> None:
-        """(side thread) While a step holds the loop for longer than a heartbeat period (a long prefill
+        """(side thread) While a step holds the engine for longer than a heartbeat period (a long prefill
         on a CPU), the last heartbeat goes out again with a fresh time: a long step is not a departure.
         Not once the loop has been silent MAX_STEP_SECONDS: a hung engine lapses, and its work moves."""
         registry = await subjects.registry(self.side.nc.jetstream())

@@ -1,9 +1,9 @@
 """The worker's side thread: an event loop and a NATS connection of its own, for what must not wait
 for an engine step.
 
-The worker runs its engine steps and its NATS work on one thread, one asyncio loop, on purpose (a
-second thread doing the I/O fights every step for the GIL: docs/decisions.md). A step blocks that
-loop. On a GPU that is milliseconds; on a CPU, a step full of a long prompt's chunks takes seconds.
+The worker's engine steps on a thread of its own (workers/stepper.py), and whatever reads the
+engine on the event loop, the heartbeat's counts among it, waits for the step under way (the engine
+lock). On a GPU that is milliseconds; on a CPU, a step full of a long prompt's chunks takes seconds.
 Two things cannot wait that long. The heartbeat: one older than WORKER_TTL and the router takes the
 worker's work away. And a KV fetch a decode worker sent (disaggregated serving): answered only
 between steps, a transfer moves one window per step. Both run here; they are rare and short, so
