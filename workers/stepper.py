@@ -17,6 +17,7 @@ The service's engine lock (an asyncio.Lock) is held for each step; a coroutine t
 (adds, aborts, pins, stats) takes it first, so it never runs beside a step.
 """
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -49,7 +50,8 @@ class Stepper:
                 result, error = fn(*args), None
             except BaseException as e:           # handed to the awaiting coroutine, which decides
                 result, error = None, e
-            loop.call_soon_threadsafe(settle, future, result, error)
+            with contextlib.suppress(RuntimeError):      # the caller's loop closed (it stopped waiting)
+                loop.call_soon_threadsafe(settle, future, result, error)
 
     async def call(self, fn, *args):
         """fn(*args) on the thread. A cancelled caller leaves the call to finish there (`finish`)."""
