@@ -121,9 +121,9 @@ class NatsKvTransport:
     and a pull's messages land, while a step runs: fetches are answered from pinned blocks, and a
     pull writes into reserved ones, which no step reads or writes."""
 
-    def __init__(self, nc, worker: str, engine: LLMEngine, log, engine_lock: asyncio.Lock | None = None):
+    def __init__(self, nc, worker: str, engine: LLMEngine, log, engine_lock: asyncio.Lock):
         self.nc, self.worker, self.engine, self.log = nc, worker, engine, log
-        self.engine_lock = engine_lock or asyncio.Lock()   # the worker's: pins and blocks change between steps
+        self.engine_lock = engine_lock           # the worker's: pins and blocks change between steps only
         self.kv = engine.kv
         self.leases: dict[str, Lease] = {}
         self.stats = KvTransfer()

@@ -222,14 +222,11 @@ class WorkerService:
         self.engine.trace.clear()
 
     async def intake(self, step_seconds: float) -> None:
-        """Between steps: what came during the step reaches its handler (fetches, cancels, acks, heartbeats),
-        and the work items being taken get up to INTAKE_WAIT × the step's time to finish their checks (a
-        round trip to the bus each). Without the wait an item's reply lands during the next step, is read
-        after it, and the item joins the step after that, or later. Measured on SmolLM2, 3 workers on 2
-        cores (steps of 0.1-3 s): from the work stream to the engine (the records' intake_ms) took 474 ms
-        at the median before the wait (149 ms to be read, 325 ms of checks: a one-off instrumentation),
-        231-430 ms over four runs with it (checks: 3 ms at the median, 12 ms at the p99). The wait is
-        bounded: a slow bus costs each step at most INTAKE_WAIT of its time."""
+        """Between steps: the work items whose checks finished during the step, and the cancels, take the
+        engine lock before the next step does; the items whose checks are still on the bus (a reply that
+        lands as the step ends) get up to INTAKE_WAIT × the step's time to finish. Since the engine steps
+        on its own thread this rarely applies (docs/decisions.md). The wait is bounded: a slow bus costs
+        each step at most INTAKE_WAIT of its time."""
         for _ in range(INTAKE_TURNS):
             await asyncio.sleep(0)
         if self.checking:

@@ -2,9 +2,9 @@
 
 A step on a CPU takes from 50 ms to seconds. Run on the event loop's thread, it held every reply that
 came during it: a new work item's checks (a round trip to the bus each) finished only after the step,
-often too late for the next one, and the item joined a step or more later (docs/capacity.md: 344 ms in
-the mean with 3 workers on 2 cores). On this thread the checks finish while the step runs, and the item
-joins the next step.
+often too late for the next one, and the item joined a step or more later than the simulator has it
+(docs/capacity.md). On this thread the checks finish while the step runs, and the item joins the next
+step (tests/workers/test_service_streaming.py).
 
 What stays on the event loop's thread is everything else, the token chunks among it, published
 between steps as before. During a step the loop only wakes for the few messages that come (work
@@ -38,8 +38,10 @@ class Stepper:
         self.engine = engine
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.current: asyncio.Future | None = None
-        self.thread = threading.Thread(target=self.serve, name=name, daemon=True)   # a hung step must not
-        self.thread.start()                                                        # keep the process alive
+        # Not a ThreadPoolExecutor: its threads are joined at exit, and a hung step must not keep the
+        # process alive.
+        self.thread = threading.Thread(target=self.serve, name=name, daemon=True)
+        self.thread.start()
 
     def serve(self) -> None:
         if self.engine is not None and self.engine.device.type == "cuda":    # one built elsewhere: the current
@@ -106,8 +108,8 @@ def time_steps(mode: str, model: str, rows: int, rounds: int = 5, tokens: int = 
 
     async def run() -> float:
         stepper = Stepper() if mode != "main" else None
-        make = (LLMEngine, catalogue.resolve(model), EngineConfig())
-        engine = await stepper.build(*make) if mode == "thread" else make[0](*make[1:])
+        args = (catalogue.resolve(model), EngineConfig())
+        engine = await stepper.build(LLMEngine, *args) if mode == "thread" else LLMEngine(*args)
 
         async def step():
             return await stepper.call(engine.step) if stepper is not None else engine.step()

@@ -12,7 +12,7 @@ from workers.stepper import Stepper
 def test_calls_run_on_the_thread_one_at_a_time_with_their_results_and_errors():
     async def main():
         stepper = Stepper(name="test-steps")
-        inside, peak = [], [0]
+        inside, done, peak = [], [], [0]
 
         def work(x):
             inside.append(threading.current_thread())
@@ -20,7 +20,6 @@ def test_calls_run_on_the_thread_one_at_a_time_with_their_results_and_errors():
             time.sleep(0.02)
             done.append(x)
             return x * 2
-        done = []
         assert await asyncio.gather(*(stepper.call(work, i) for i in range(4))) == [0, 2, 4, 6]
         assert set(inside) == {stepper.thread} and peak[0] == 1     # its own thread, never two at once
 
