@@ -105,11 +105,7 @@ class SimConfig:
     stream_s: float = 0.0        # a sampled token -> the client
     step_overhead_s: float = 0.0 # per step, outside the engine's step (publishing tokens)
     cores: float = 0.0           # CPU cores the workers share, each busy one an equal share (0: a device each)
-    # the other processes on those cores (the bus, the services, the client): CPU seconds per second, per
-    # request (at its arrival) and per output token (as its step ends); their work left is one more contender
-    background_cores: float = 0.0
-    background_per_request: float = 0.0
-    background_per_token: float = 0.0
+    background_cores: float = 0.0  # of those, what the other processes take (the bus, the services, the client)
     intake_steps: int = 0        # a request reaching a busy worker joins its queue after this many of its steps
                                  # (a real worker takes work between steps, and its checks wait on the bus)
     # the workload: Poisson chats (unless arrivals are given)
@@ -223,8 +219,6 @@ class Cell:
         self.seq = 0
         self.now = 0.0
         self.shared_at = 0.0                            # CPU workers: when the steps' work left was last counted
-        self.background = 0.0                           # CPU workers: the other processes' work left (seconds)
-        self.background_token = 0
         self.tracks: dict[str, Track] = {}
         self.unfinished = 0
         self.idle: deque[Conversation] = deque()
@@ -316,7 +310,6 @@ class Cell:
         req = Request(rid, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0,
                       cfg.block_size, block_hashes=hashes[:len(prompt) // cfg.block_size], priority=tenant.priority,
                       tenant=tenant.name, weight=tenant.weight)
-        self.add_background(cfg.background_per_request)
         self.at(self.now + cfg.dispatch_s, self.route, req)
 
     def route(self, req: Request, handoff: bool = False) -> Choice | None:
@@ -378,46 +371,27 @@ class Cell:
     # -- CPU workers sharing the cores (cfg.cores) ---------------------------------------------------
     # Processor sharing: while n workers step, each runs at min(1, cores / n) of a core, so a step's
     # end moves whenever another worker starts or ends one. The other processes take background_cores
-    # all the time, and their work for requests and tokens (cfg.background_per_*) is one more contender
-    # while any is left: it slows the steps only while the workers already fill the cores.
+    # of them: that slows the steps only while the workers fill the rest.
 
     def share(self) -> float:
-        contenders = sum(w.busy for w in self.workers.values()) + (self.background > 0)
-        return min(1.0, (self.cfg.cores - self.cfg.background_cores) / max(1, contenders))
+        busy = sum(w.busy for w in self.workers.values())
+        return min(1.0, (self.cfg.cores - self.cfg.background_cores) / max(1, busy))
 
     def advance(self) -> None:
-        """Counts the work the steps under way (and the other processes) did since the last count, at the
-        share they had."""
+        """Counts the work the steps under way did since the last count, at the share they had."""
         done = (self.now - self.shared_at) * self.share()
         for w in self.workers.values():
             if w.busy:
                 w.left -= done
-        self.background = max(0.0, self.background - done)
         self.shared_at = self.now
 
     def reschedule(self) -> None:
-        """Each step under way, and the other processes' work, ends when its work left is done at today's
-        share (earlier ends are void)."""
+        """Each step under way ends when its work left is done at today's share (earlier ends are void)."""
         rate = self.share()
         for w in self.workers.values():
             if w.busy:
                 w.token = self.seq + 1
                 self.at(self.now + max(w.left, 0.0) / rate, self.shared_end, (w, w.token))
-        if self.background > 0:
-            self.background_token = self.seq + 1
-            self.at(self.now + self.background / rate, self.background_end, self.background_token)
-
-    def add_background(self, seconds: float) -> None:
-        if self.cfg.cores and seconds > 0:
-            self.advance()
-            self.background += seconds
-            self.reschedule()
-
-    def background_end(self, token: int) -> None:
-        if token == self.background_token:
-            self.advance()
-            self.background = 0.0
-            self.reschedule()
 
     def shared_end(self, arg) -> None:
         w, token = arg
@@ -462,7 +436,6 @@ class Cell:
             elif w.role == "prefill":
                 self.hand_off(w, req)
         w.generation_tokens += sum(map(len, tokens))
-        self.add_background(self.cfg.background_per_token * sum(map(len, tokens)))
         stored, removed = w.kv.take_changes()
         if stored or removed:
             w.seq += 1

@@ -30,11 +30,10 @@ Figures as `tokenbus bench` defines them, per request on the client: TTFT (send 
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
 Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
 simulated workers share the machine's cores by processor sharing (3 workers on 2 cores: each step 1.5×
-as long while all step) with the stack's other processes (nats-server, tokenizer, router, gateway and
-this client): their CPU is metered (`Meter`, from /proc) over idle windows before and after the probes
-and over the probes, and fitted as cores taken all the time plus CPU seconds per request and per
-output token, which the simulator spends beside the steps (SimConfig.background_*). With 3 workers
-on 2 cores the workers fill the cores, and these processes' 0.06-0.09 cores lengthen every step.
+as long while all step), less what the stack's other processes take (nats-server, tokenizer, router,
+gateway and this client; `Meter`, from /proc) while every worker is busy in the intake probe
+(SimConfig.background_cores): 3 workers on 2 cores fill them, and those processes' 0.07 cores
+lengthen every step by about 4%.
 `--steps` shows the real and simulated steps side by side (`steps_report`).
 """
 import asyncio
@@ -48,7 +47,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import orjson
 import websockets
 
@@ -290,9 +288,6 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
 
 # -- the other processes ----------------------------------------------------------------------------
 
-IDLE_WINDOW = 3.0             # seconds the idle stack's other processes are metered
-
-
 def cpu_seconds(pid: int) -> float:
     """A process's user + system CPU seconds so far, all its threads (/proc/PID/stat: Linux); 0 if gone."""
     try:
@@ -304,61 +299,29 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass(slots=True)
 class Meter:
-    """The CPU of the stack's processes other than the workers (nats-server, tokenizer, router, gateway) and
-    of this client: what the workers' steps share the cores with. A worker's own work between its steps is
-    the probed step overhead. Each phase is (seconds, requests, output tokens, CPU seconds)."""
+    """The cores the stack's processes other than the workers (nats-server, tokenizer, router, gateway) and
+    this client take over a span: what the workers' steps share the cores with. A worker's own work between
+    its steps is the probed step overhead."""
     pids: list[int]
-    phases: list[tuple[float, int, int, float]] = field(default_factory=list)
+    spans: list[tuple[float, float]] = field(default_factory=list)    # (seconds, CPU seconds)
 
     @classmethod
     def of(cls, stack: Stack) -> "Meter":
         return cls([p.pid for name, p in stack.children.items() if name not in stack.worker_plan] + [os.getpid()])
 
+    @contextlib.contextmanager
+    def span(self):
+        cpu, t = self.read(), time.monotonic()
+        yield
+        self.spans.append((time.monotonic() - t, self.read() - cpu))
+
     def read(self) -> float:
         return sum(cpu_seconds(pid) for pid in self.pids)
 
-    @contextlib.contextmanager
-    def phase(self, requests: int, tokens: int, into: list | None = None):
-        cpu, t = self.read(), time.monotonic()
-        yield
-        (self.phases if into is None else into).append((time.monotonic() - t, requests, tokens, self.read() - cpu))
 
-    def idle(self) -> None:
-        with self.phase(0, 0):
-            time.sleep(IDLE_WINDOW)
-
-    def fit(self) -> dict:
-        """The simulator's background (SimConfig.background_*): the idle phases' cores, then the CPU seconds
-        per request and per output token beyond them that fit the other phases best."""
-        idle = [p for p in self.phases if not p[1]]
-        cores = sum(p[3] for p in idle) / sum(p[0] for p in idle)
-        busy = [p for p in self.phases if p[1]]
-        per = nonnegative(np.array([p[1:3] for p in busy], dtype=float), np.array([p[3] - cores * p[0] for p in busy]))
-        return {"background_cores": cores, "background_per_request": float(per[0]),
-                "background_per_token": float(per[1])}
-
-
-def nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of y on x's two columns, neither coefficient negative: both if they come out so, else
-    whichever one alone fits better (none: zeros)."""
-    fits = []
-    for cols in ([0, 1], [0], [1]):
-        coef = np.zeros(2)
-        coef[cols] = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
-        if coef.min() >= 0:
-            if len(cols) == 2:
-                return coef
-            fits.append(coef)
-    return min(fits, key=lambda c: ((x @ c - y) ** 2).sum(), default=np.zeros(2))
-
-
-def background(consts: dict, windows: list[tuple[float, int, int, float]]) -> dict:
-    """The other processes' mean cores over the workload's runs: metered, and as the fitted background puts
-    them (the same requests and output tokens over the same time)."""
-    seconds = sum(w[0] for w in windows)
-    model = (consts["background_cores"] * seconds + consts["background_per_request"] * sum(w[1] for w in windows)
-             + consts["background_per_token"] * sum(w[2] for w in windows))
-    return {"real": sum(w[3] for w in windows) / seconds, "model": model / seconds}
+def cores(spans: list[tuple[float, float]]) -> float:
+    """The mean cores over metered spans."""
+    return sum(c for _, c in spans) / sum(t for t, _ in spans)
 
 
 # -- one configuration ----------------------------------------------------------------------------
@@ -480,31 +443,26 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
     for k, name in enumerate(args.workloads):
         stack = start(model, workers, args, data_dir / f"{name}-{workers}")
         meter = Meter.of(stack)
-        probed = (2 * PROBES, PROBES * (PROBE_OUTPUT + 2))            # requests, output tokens
-        runs, loads = [], []
+        runs = []
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
-            meter.idle()
-            with meter.phase(*probed):
-                probes = [probe(stack, cost, vocab)]
-            with meter.phase(workers * (1 + PROBES), workers * (BUSY_OUTPUT + PROBES)):
+            probes = [probe(stack, cost, vocab)]
+            with meter.span():                  # every worker busy: the other processes' cores beside them
                 intake_steps = intake(stack, *probes[0], workers, vocab)
             windows = []
             for rep in range(args.repeat):
-                after, began, cpu = asyncio.run(results_seq(stack.nats_url)), time.monotonic(), meter.read()
-                sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k, rep * SHIFT))
+                after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
+                with meter.span():
+                    sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k,
+                                             rep * SHIFT))
                 windows.append((began, time.monotonic()))
-                loads.append((windows[-1][1] - began, len(sent), sum(len(s.output) for s in sent), meter.read() - cpu))
                 runs.append((sent, asyncio.run(records(stack.nats_url, after, len(sent)))))
-            with meter.phase(*probed):
-                probes.append(probe(stack, cost, vocab, "probe after"))
-            meter.idle()
+            probes.append(probe(stack, cost, vocab, "probe after"))
         finally:
             stack.stop()
         scaled, consts = averaged(probes)
         consts["intake_steps"], consts["cores"] = intake_steps, os.cpu_count() or 1
-        consts |= meter.fit()
-        others = background(consts, loads)
+        consts["background_cores"], metered = cores(meter.spans[:1]), cores(meter.spans[1:])
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
@@ -523,12 +481,12 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
                "probes": [{"step_scale": round(p.scale, 3), "decode_scale": round(p.decode_scale, 3)}
                           for p, _ in probes],
                "constants": {k: round(v, 6) for k, v in consts.items()},
-               "background_cores": {k: round(v, 4) for k, v in others.items()}}
+               "background_cores": {"probed": round(consts["background_cores"], 4), "runs": round(metered, 4)}}
         if len(runs) > 1:
             row["real_runs"], row["real_spread"] = reals, spread(reals)
         if args.steps:
             row["steps"] = steps_report(traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows), sim_steps,
-                                        scaled, consts["step_overhead_s"], consts["cores"] - others["real"])
+                                        scaled, consts["step_overhead_s"], consts["cores"] - metered)
             row["requests"] = [paired(sent, recs, simr, consts["stream_s"])
                                for (sent, recs), simr in zip(runs, sim_requests)]
         rows.append(row)
@@ -611,10 +569,8 @@ def table(r: dict) -> str:
                      f"probed before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, decode "
                      f"{before['decode_scale']:.2f}/{after['decode_scale']:.2f})")
         bg = row["background_cores"]
-        lines.append(f"other processes: {bg['real']:.3f} cores metered over the runs, {bg['model']:.3f} as the "
-                     f"simulator puts them ({c['background_cores']:.3f} cores idle + "
-                     f"{c['background_per_request'] * 1e3:.1f} ms a request + {c['background_per_token'] * 1e3:.2f} "
-                     "ms a token)")
+        lines.append(f"other processes: {bg['probed']:.3f} cores beside the busy workers (the intake probe's; "
+                     f"the simulator's), {bg['runs']:.3f} metered over the runs")
         lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}" + (f"{'real spread':>13}" if spreads else ""))
         for m, q in METRICS:
             key = m[:-2] + "_" + q

@@ -181,19 +181,16 @@ def test_a_step_slows_while_another_worker_steps_beside_it_and_speeds_up_when_it
 
 
 def test_the_other_processes_slow_the_steps_only_while_the_workers_fill_the_cores():
-    """One worker, steps of one second of a core. The other processes' 0.5 s for a request shares the one
-    core with its step, which ends at 1.5 s; with two cores they take the other and it ends at 1.0 s; a
-    steady half core of theirs leaves the step half a core (2.0 s). Their 0.5 s for a token sampled at
-    1.0 s shares the core with the next step, which ends at 2.5 s (TPOT 1.5 s)."""
-    base = small(Second(), workers=1, dispatch_s=0.0, stream_s=0.0)
-
-    def run(n: int, **kw) -> dict:
-        return simulate(dataclasses.replace(base, **kw), [Arrival(0.0, [16] * 32, n)])
-    assert run(1, cores=1.0, background_per_request=0.5)["samples"]["ttft"] == pytest.approx([1.5])
-    assert run(1, cores=2.0, background_per_request=0.5)["samples"]["ttft"] == pytest.approx([1.0])
-    assert run(1, cores=1.0, background_cores=0.5)["samples"]["ttft"] == pytest.approx([2.0])
-    r = run(2, cores=1.0, background_per_token=0.5)
-    assert r["samples"]["ttft"] == pytest.approx([1.0]) and r["tpot_s"]["p50"] == pytest.approx(1.5)
+    """Steps of one second of a core: the other processes' half core leaves one worker on one core half of
+    it (2 s a step) and two workers on two cores 0.75 of one each (1.33 s); one worker on two cores steps in
+    1 s (they take the other)."""
+    def ttft(workers: int, cores: float) -> list[float]:
+        cfg = small(Second(), workers=workers, policy="round-robin", dispatch_s=0.0, stream_s=0.0, cores=cores,
+                    background_cores=0.5)
+        return simulate(cfg, [Arrival(0.0, [16 + i] * 32, 1) for i in range(workers)])["samples"]["ttft"]
+    assert ttft(1, 1.0) == pytest.approx([2.0])
+    assert ttft(2, 2.0) == pytest.approx([4 / 3, 4 / 3])
+    assert ttft(1, 2.0) == pytest.approx([1.0])
 
 
 def test_a_heartbeat_due_during_a_step_says_the_last_one_again_and_a_fresh_one_follows_the_step():

@@ -2,6 +2,7 @@
 here) run the same requests, and the simulator's TTFT, TPOT and throughput land near the real ones."""
 import os
 import random
+import time
 from argparse import Namespace
 
 import orjson
@@ -64,24 +65,16 @@ def test_runs_are_compared_by_their_means_and_the_real_runs_spread_is_reported()
                                       "throughput": round(4 / 42, 4)}
 
 
-def test_the_other_processes_cpu_is_fitted_as_idle_cores_plus_a_cost_per_request_and_per_token():
-    """Phases whose CPU is 0.04 cores + 16 ms a request + 0.15 ms a token give back those three; phases a
-    cost per token would only fit negatively give none (it is never negative)."""
-    def cpu(t: float, n: int, k: int) -> float:
-        return 0.04 * t + 0.016 * n + 0.00015 * k
-    meter = sim_check.Meter([], [(3.0, 0, 0, cpu(3, 0, 0)), (50.0, 24, 312, cpu(50, 24, 312)),
-                                 (20.0, 39, 804, cpu(20, 39, 804)), (2.5, 0, 0, cpu(2.5, 0, 0))])
-    fit = meter.fit()
-    assert fit["background_cores"] == pytest.approx(0.04)
-    assert fit["background_per_request"] == pytest.approx(0.016)
-    assert fit["background_per_token"] == pytest.approx(0.00015)
-    meter.phases[2] = (20.0, 39, 804, 0.04 * 20 + 0.016 * 39 - 0.001 * 804)
-    fit = meter.fit()
-    assert fit["background_per_token"] == 0.0 and fit["background_per_request"] > 0
-    windows = [(10.0, 20, 400, 1.0)]
-    assert sim_check.background({"background_cores": 0.04, "background_per_request": 0.016,
-                                 "background_per_token": 0.00015}, windows) == pytest.approx(
-        {"real": 0.1, "model": (0.4 + 0.32 + 0.06) / 10})
+def test_the_other_processes_are_metered_over_spans_of_the_stack_s_life():
+    """A span counts the CPU the metered processes took during it; cores are CPU seconds over seconds."""
+    meter = sim_check.Meter([os.getpid()])
+    with meter.span():
+        sum(i * i for i in range(2_000_000))
+    with meter.span():
+        time.sleep(0.3)
+    (busy, busy_cpu), (idle, idle_cpu) = meter.spans
+    assert busy_cpu > 0.5 * busy and idle_cpu < 0.5 * idle and idle >= 0.3
+    assert sim_check.cores([(10.0, 1.0), (30.0, 1.0)]) == 0.05
 
 
 def test_a_process_cpu_seconds_grow_with_its_work_and_a_gone_one_reads_zero():
