@@ -224,19 +224,19 @@ class Scaled:
 
 def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe") -> tuple[Scaled, dict]:
     """The stack's step cost and the constants outside the engine, from idle requests one at a time (see the
-    module's doc): short prompts that decode, then long ones whose first step is one prefill. A worker's
+    module's doc): short prompts that decode and long ones whose first step is one prefill, in turn. A worker's
     TPOT is scale × the decode step's cost + the overhead, its TTFT of a long prompt scale × the prefill's +
     the overhead."""
     rng = random.Random(seed)
     after = asyncio.run(results_seq(stack.nats_url))
-    asks = [(PROBE_PROMPT, PROBE_OUTPUT)] * PROBES + [(PROBE_LONG, 2)] * PROBES
+    asks = [(PROBE_PROMPT, PROBE_OUTPUT), (PROBE_LONG, 2)] * PROBES      # in turn: a drift moves both kinds alike
 
     async def serial() -> list[Sent]:
         async with connect(stack.url) as c:
             return [await c.send(tokens(rng, n, vocab), m) for n, m in asks]
     sent = asyncio.run(serial())
     recs = sorted(asyncio.run(records(stack.nats_url, after, len(asks))), key=lambda r: r.created)
-    short, long = recs[:PROBES], recs[PROBES:]
+    short, long = recs[0::2], recs[1::2]
     tpot = statistics.median((r.timing["e2e_ms"] - r.timing["ttft_ms"]) / 1e3 / (PROBE_OUTPUT - 1) for r in short)
     ttft = statistics.median(r.timing["ttft_ms"] / 1e3 for r in long)
     decode, prefill = sim_cost.StepShape(), sim_cost.StepShape()
