@@ -370,6 +370,8 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--threads", type=int, default=1, help="with --gpu cpu: torch threads of a worker (default 1)")
     sm.add_argument("--cores", type=float, default=0.0, help="with --gpu cpu: cores the workers share, each busy "
                     "worker an equal share (default 0: a core each)")
+    sm.add_argument("--background-cores", type=float, default=0.0, help="with --gpu cpu and --cores: of those, what "
+                    "the stack's other processes take (sim-check meters it; about 0.07 with 3 workers on 2 cores)")
     sm.add_argument("--tp", type=int, default=8, help="GPUs of one worker (tensor parallel; default 8)")
     sm.add_argument("--mfu", type=float, default=0.5, help="share of the peak FLOP/s a step reaches (default 0.5)")
     sm.add_argument("--mbu", type=float, default=0.7,

@@ -738,7 +738,7 @@ def cpu_config(args) -> SimConfig:
     model = ModelConfig.load(resolve(args.model))
     kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4     # float32, the CPU default
     cfg = config(args, sim_cost.load_or_fit(args.model, args.threads), args.kv_blocks or 2000, kv_per_token)
-    cfg.cores = args.cores
+    cfg.cores, cfg.background_cores = args.cores, args.background_cores
     return cfg
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ops import cli
+from ops import cli, sim_cost
 from ops.plan import GPUS, Efficiency, Plan, Workload, model_config
-from ops.sim import Arrival, Cell, SimConfig, SimTenant, parse_tenant, replayed, search, simulate
+from ops.sim import Arrival, Cell, SimConfig, SimTenant, cpu_config, parse_tenant, replayed, search, simulate
 from ops.sim_cost import RooflineCost, StepShape
 from workers.engine.scheduler import Scheduler
 
@@ -191,6 +191,14 @@ def test_the_other_processes_slow_the_steps_only_while_the_workers_fill_the_core
     assert ttft(1, 1.0) == pytest.approx([2.0])
     assert ttft(2, 2.0) == pytest.approx([4 / 3, 4 / 3])
     assert ttft(1, 2.0) == pytest.approx([1.0])
+
+
+def test_the_cpu_simulation_takes_the_cores_and_the_other_processes_share_from_the_command_line(monkeypatch):
+    monkeypatch.setattr(sim_cost, "load_or_fit", lambda model, threads: Second())
+    args = cli.parser().parse_args(["sim", "--gpu", "cpu", "--model", "tiny", "--cores", "2",
+                                    "--background-cores", "0.07"])
+    cfg = cpu_config(args)
+    assert (cfg.cores, cfg.background_cores) == (2.0, 0.07) and isinstance(cfg.cost, Second)
 
 
 def test_a_heartbeat_due_during_a_step_says_the_last_one_again_and_a_fresh_one_follows_the_step():
