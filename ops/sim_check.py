@@ -53,7 +53,7 @@ import websockets
 from ops import sim, sim_cost
 from ops.bench import Result
 from ops.bench_routing import records, results_seq
-from ops.procs import free_port
+from ops.procs import cpu_seconds, free_port
 from ops.up import Stack
 from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
@@ -288,32 +288,23 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
 
 # -- the other processes ----------------------------------------------------------------------------
 
-def cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU seconds so far, all its threads (/proc/PID/stat: Linux); 0 if gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass(slots=True)
 class Meter:
     """The cores the stack's processes other than the workers (nats-server, tokenizer, router, gateway) and
     this client take over a span: what the workers' steps share the cores with. A worker's own work between
     its steps is the probed step overhead."""
     pids: list[int]
-    spans: list[tuple[float, float]] = field(default_factory=list)    # (seconds, CPU seconds)
 
     @classmethod
     def of(cls, stack: Stack) -> "Meter":
         return cls([p.pid for name, p in stack.children.items() if name not in stack.worker_plan] + [os.getpid()])
 
     @contextlib.contextmanager
-    def span(self):
+    def span(self, into: list[tuple[float, float]]):
+        """Appends (seconds, CPU seconds) of what runs inside to `into`."""
         cpu, t = self.read(), time.monotonic()
         yield
-        self.spans.append((time.monotonic() - t, self.read() - cpu))
+        into.append((time.monotonic() - t, self.read() - cpu))
 
     def read(self) -> float:
         return sum(cpu_seconds(pid) for pid in self.pids)
@@ -443,16 +434,16 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
     for k, name in enumerate(args.workloads):
         stack = start(model, workers, args, data_dir / f"{name}-{workers}")
         meter = Meter.of(stack)
-        runs = []
+        runs, busy, loads = [], [], []               # busy, loads: metered spans of the other processes
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
             probes = [probe(stack, cost, vocab)]
-            with meter.span():                  # every worker busy: the other processes' cores beside them
+            with meter.span(busy):              # every worker busy: the other processes' cores beside them
                 intake_steps = intake(stack, *probes[0], workers, vocab)
             windows = []
             for rep in range(args.repeat):
                 after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
-                with meter.span():
+                with meter.span(loads):
                     sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k,
                                              rep * SHIFT))
                 windows.append((began, time.monotonic()))
@@ -462,7 +453,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
             stack.stop()
         scaled, consts = averaged(probes)
         consts["intake_steps"], consts["cores"] = intake_steps, os.cpu_count() or 1
-        consts["background_cores"], metered = cores(meter.spans[:1]), cores(meter.spans[1:])
+        consts["background_cores"], metered = cores(busy), cores(loads)
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]

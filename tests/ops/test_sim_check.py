@@ -10,6 +10,7 @@ import pytest
 
 from ops import sim_check
 from ops.cli import parser
+from ops.procs import cpu_seconds
 
 BOUND = 0.5                   # generous: a small run on a shared, noisy CPU
 
@@ -67,18 +68,20 @@ def test_runs_are_compared_by_their_means_and_the_real_runs_spread_is_reported()
 
 def test_the_other_processes_are_metered_over_spans_of_the_stack_s_life():
     """A span counts the CPU the metered processes took during it; cores are CPU seconds over seconds."""
-    meter = sim_check.Meter([os.getpid()])
-    with meter.span():
+    meter, spans = sim_check.Meter([os.getpid()]), []
+    with meter.span(spans):
         sum(i * i for i in range(2_000_000))
-    with meter.span():
+    with meter.span(spans):
         time.sleep(0.3)
-    (busy, busy_cpu), (idle, idle_cpu) = meter.spans
+    (busy, busy_cpu), (idle, idle_cpu) = spans
     assert busy_cpu > 0.5 * busy and idle_cpu < 0.5 * idle and idle >= 0.3
     assert sim_check.cores([(10.0, 1.0), (30.0, 1.0)]) == 0.05
 
 
-def test_a_process_cpu_seconds_grow_with_its_work_and_a_gone_one_reads_zero():
-    before = sim_check.cpu_seconds(os.getpid())
+def test_a_process_cpu_seconds_grow_with_its_work_and_a_gone_one_is_an_error():
+    """The meter reads ops.procs.cpu_seconds; a metered process gone mid-check fails it, not reads 0."""
+    before = cpu_seconds(os.getpid())
     sum(i * i for i in range(3_000_000))
-    assert sim_check.cpu_seconds(os.getpid()) > before > 0
-    assert sim_check.cpu_seconds(2 ** 22 + 1) == 0.0
+    assert cpu_seconds(os.getpid()) > before > 0
+    with pytest.raises(FileNotFoundError):
+        cpu_seconds(2 ** 22 + 1)
