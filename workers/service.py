@@ -115,6 +115,8 @@ class WorkerService:
         self.cancelled: dict[str, float] = {}        # cancels that came before their request
         self.finished = 0
         self.admitting = 0                           # work items being taken (their checks on the bus)
+        self.taken: dict[int, tuple[TokenizedRequest, list[int]]] = {}   # by id() of the message: the
+        #                   requests on their way into the engine and their block hashes, which a heartbeat counts
         self.checking: set[int] = set()              # id() of the work items whose checks are under way
         self.checked = asyncio.Event()               # set when none is
         self.prompt_tokens = self.generation_tokens = 0     # counters for the heartbeat (metrics)
@@ -549,6 +551,7 @@ class WorkerService:
             self.log.exception("work item handling failed", subject=msg.subject)
         finally:
             self.admitting -= 1
+            self.taken.pop(id(msg), None)
             self.done_checking(msg)
 
     def done_checking(self, msg) -> None:
@@ -574,8 +577,10 @@ class WorkerService:
             await self.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} workers "
                                    f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
             return
-        output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         p = r.prefilled
+        if p is None:                            # counted as waiting from here (build_beat)
+            self.taken[id(msg)] = r, prompt_hashes(r, self.engine.config.block_size)
+        output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         if p is not None:
             if len(output) < len(p.output_token_ids):    # what the prefill worker sent, unless its client has more
                 output = list(p.output_token_ids)
@@ -583,11 +588,12 @@ class WorkerService:
             if r.id in self.pulling or not await self.pull(item, msg):
                 return
         async with self.engine_lock:             # after the step under way: the item joins the next one
+            _, hashes = self.taken.pop(id(msg), (r, ()))     # in the engine (or refused) before a heartbeat counts it
             if self.holds(item, msg):            # taken meanwhile, from another delivery of the same burst
                 self.engine.kv.unpin(r.id)
                 return
             try:
-                output = self.add(r, output, strikes)
+                output = self.add(r, output, strikes, hashes)
             except ValueError as e:
                 self.engine.kv.unpin(r.id)
                 refused = e
@@ -626,13 +632,13 @@ class WorkerService:
             return 0
         return delivered - 1
 
-    def add(self, r: TokenizedRequest, output: list[int], strikes: int) -> list[int]:
+    def add(self, r: TokenizedRequest, output: list[int], strikes: int, hashes: list[int] = ()) -> list[int]:
         """Into the engine, continuing after `output` (a moved request); a request with a strike runs
         alone until its first token. Output it cannot continue from (e.g. already at max_tokens): the
         request starts over from its prompt, and the gateway drops what its client has. Returns the
-        output it continues after."""
+        output it continues after. `hashes`: its prompt's block hashes, if known."""
         seed = r.prefilled.seed if r.prefilled is not None else None
-        share = {"priority": r.priority, "tenant": r.tenant, "weight": r.weight}
+        share = {"priority": r.priority, "tenant": r.tenant, "weight": r.weight, "block_hashes": hashes}
         try:
             self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0, seed,
                                     **share)
@@ -713,12 +719,22 @@ class WorkerService:
             self.watch_k(spec)
         self.beat, self.beat_at = Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
-            s["running"], s["waiting"], s["kv_blocks_total"], s["kv_blocks_free"], s["prefix_cache_queries"],
-            s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens, self.generation_tokens,
-            self.engine.scheduler.queued_blocks(), self.suspect, spec, self.role,
+            s["running"], s["waiting"] + len(self.taken), s["kv_blocks_total"], s["kv_blocks_free"],
+            s["prefix_cache_queries"], s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens,
+            self.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec, self.role,
             self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy,
             self.revision), \
             time.monotonic()
+
+    def taken_blocks(self) -> int:
+        """The KV blocks the requests on their way into the engine will add, less their cached prefix: what
+        the scheduler counts for a waiting request. A heartbeat built between the router's pick and the
+        request's entry into the engine (it waits for the step under way) counts it so; without it the
+        router, which forgets what it routed at each fresh heartbeat, saw the worker without the request
+        for a whole step and sent it the next ones too (measured: docs/capacity.md, "The router's view")."""
+        kv = self.engine.kv
+        return sum(kv.num_blocks_for(len(r.prompt_token_ids)) - len(kv.cached_prefix(hashes, len(r.prompt_token_ids)))
+                   for r, hashes in self.taken.values())
 
     async def stand_in_beats(self) -> None:
         """(side thread) While a step holds the engine for longer than a heartbeat period (a long prefill
@@ -769,6 +785,15 @@ async def last_suspect(nc, worker: str) -> str:
         return rid
     except (nats.errors.Error, asyncio.TimeoutError, UnicodeDecodeError):
         return ""
+
+
+def prompt_hashes(r: TokenizedRequest, block_size: int) -> list[int]:
+    """The block hashes of the request's prompt; none for token ids that are not int64 (the engine refuses
+    the request when it is added)."""
+    try:
+        return hash_blocks(r.prompt_token_ids, block_size, r.cache_salt)
+    except (TypeError, OverflowError):
+        return []
 
 
 def speculation_of(stats: dict) -> Speculation | None:

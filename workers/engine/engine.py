@@ -155,14 +155,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False,
-                    seed: int | None = None, priority: int = 0, tenant: str = "", weight: float = 1.0) -> Request:
+                    seed: int | None = None, priority: int = 0, tenant: str = "", weight: float = 1.0,
+                    block_hashes: list[int] = ()) -> Request:
         """Queues a request. With output_token_ids (a request moved from another worker) it continues
         after them: prompt + those tokens are computed as one prefill, and positions, penalties,
         max_tokens and stop conditions go on as if it had never moved. `isolate`: its steps run
         alone until its first token (a request suspected of crashing a worker). `seed`: the seed
         another worker drew for it (a handed-off request), when its params bring none. `priority`:
         lower runs first under the priority and fair policies; the fcfs policy ignores it. `tenant` and
-        `weight`: the fair policy shares the engine between tenants in proportion to their weights."""
+        `weight`: the fair policy shares the engine between tenants in proportion to their weights.
+        `block_hashes`: those of the prompt's full blocks, if the caller has them (not hashed again)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         check_priority(priority)
@@ -174,7 +176,7 @@ class LLMEngine:
             else self.seeds.getrandbits(63)
         req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
                       self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids),
-                      priority=priority, tenant=tenant, weight=weight)
+                      priority=priority, tenant=tenant, weight=weight, block_hashes=list(block_hashes))
         self.requests[request_id] = req
         if params.constraint is None:
             self.scheduler.add(req)

@@ -90,10 +90,15 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """The longest cached prefix of req, in whole blocks, leaving at least its last token to
         compute (its logits are needed)."""
+        return self.cached_prefix(req.block_hashes, req.num_tokens)
+
+    def cached_prefix(self, hashes: list[int], num_tokens: int) -> list[Block]:
+        """The longest cached prefix of `num_tokens` tokens whose full blocks hash to `hashes`, as
+        get_computed_blocks counts it."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for h in req.block_hashes[:(req.num_tokens - 1) // self.block_size]:
+        for h in hashes[:(num_tokens - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break
