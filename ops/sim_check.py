@@ -178,10 +178,8 @@ def threads_for(workers: int) -> int:
 
 def start(model: str, workers: int, args, data_dir: Path) -> Stack:
     threads = threads_for(workers)
-    env = {"OMP_NUM_THREADS": str(threads)}
-    if args.steps:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        env[STEP_TRACE] = str(data_dir / "steps.jsonl")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {"OMP_NUM_THREADS": str(threads), STEP_TRACE: str(data_dir / "steps.jsonl")}     # for run_speed
     stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
                   worker_args=["--threads", str(threads), "--num-kv-blocks", str(args.kv_blocks),
                                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
@@ -371,22 +369,39 @@ def step_stats(steps: list[dict], seconds: str) -> dict:
     return out
 
 
+def shape_of(t: dict) -> sim_cost.StepShape:
+    return sim_cost.StepShape(t["tokens"], t["rows"], t["sampled"], t["attention"], t["kv_read"])
+
+
+def shared(real: list[dict], cores: float) -> dict[int, float]:
+    """How much longer each real step ran (by id()) than alone, as the simulator slows a step while more
+    workers step than there are `cores` (those the other processes left): the workers stepping at its
+    middle / cores, at least 1."""
+    spans = [(t["at"], t["at"] + t["loop_s"]) for t in real]
+    return {id(t): max(1.0, sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans) / cores) for t in real}
+
+
+def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float) -> "Scaled":
+    """The scale of the fitted cost that times the run's own steps, each kind's the median over its steps
+    of (loop time / the sharing − the overhead) / the fitted cost; a kind the run has no step of keeps
+    the probed scale. Only the steps' durations go in, no request's latency."""
+    slow, scales = shared(real, cores), {}
+    for kind, part in kinds(real):
+        if part:
+            scales[kind] = statistics.median((t["loop_s"] / slow[id(t)] - overhead) / cost.cost.seconds(shape_of(t))
+                                             for t in part)
+    return Scaled(cost.cost, scales.get("prefill", cost.scale), scales.get("decode", cost.decode_scale))
+
+
 def steps_report(real: list[dict], simd: list[dict], cost: "Scaled", overhead: float, cores: float) -> dict:
     """The real steps against the simulator's (counts, shapes, wall times), and the scaled cost (+ the step
-    overhead) on the real steps' own shapes against their loop times, slowed as the simulator slows a step
-    when more workers step than there are `cores` (those the other processes left, as metered over the
-    runs; counted at the step's middle): whether an error comes from the cost of a step or from what the
-    steps are."""
-    spans = [(t["at"], t["at"] + t["loop_s"]) for t in real]
-
-    def predicted(t: dict) -> float:
-        shape = sim_cost.StepShape(t["tokens"], t["rows"], t["sampled"], t["attention"], t["kv_read"])
-        mid = t["at"] + t["loop_s"] / 2
-        busy = sum(a <= mid < b for a, b in spans)
-        return (cost.seconds(shape) + overhead) * max(1.0, busy / cores)
+    overhead) on the real steps' own shapes against their loop times, slowed as the simulator slows them
+    (`shared`; cores: those the other processes left, as metered over the runs): whether an error comes
+    from the cost of a step or from what the steps are."""
+    slow = shared(real, cores)
     fit = {}
     for kind, part in kinds(real):
-        guess = [predicted(t) for t in part]
+        guess = [(cost.seconds(shape_of(t)) + overhead) * slow[id(t)] for t in part]
         fit[kind] = {"median_error": statistics.median(g / t["loop_s"] - 1 for g, t in zip(guess, part)) if part
                      else None,
                      "total_error": sum(guess) / sum(t["loop_s"] for t in part) - 1 if part else None}
@@ -456,6 +471,10 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         consts["background_cores"], metered = cores(busy), cores(loads)
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
+        real_steps = traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows)
+        at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"],
+                             consts["cores"] - consts["background_cores"])
+        speed_sims = [simulated(sent, at_speed, consts, workers, args) for sent, _ in runs]
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
         sim_requests = [simd.pop("tracks", ()) for simd in sims]
         recs = [r for _, rs in runs for r in rs]
@@ -464,6 +483,9 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         real["dispatch_s"] = sim.percentiles([r.timing["queue_ms"] / 1e3 for r in recs])
         real["worker_ttft_s"] = sim.percentiles([r.timing["ttft_ms"] / 1e3 for r in recs])
         real["intake_s"] = sim.percentiles([r.timing["intake_ms"] / 1e3 for r in recs if "intake_ms" in r.timing])
+        for x in speed_sims:
+            del x["ttft_samples"]
+        speed_simd = mean_figures(speed_sims)
         simd["dispatch_s"] = sim.percentiles([consts["dispatch_s"]])
         simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"] for t in samples])
         row = {"workload": name, "workers": workers, "threads": threads, "runs": len(runs), "real": real,
@@ -472,12 +494,14 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
                "probes": [{"step_scale": round(p.scale, 3), "decode_scale": round(p.decode_scale, 3)}
                           for p, _ in probes],
                "constants": {k: round(v, 6) for k, v in consts.items()},
-               "background_cores": {"probed": round(consts["background_cores"], 4), "runs": round(metered, 4)}}
+               "background_cores": {"probed": round(consts["background_cores"], 4), "runs": round(metered, 4)},
+               "run_speed": {"step_scale": round(at_speed.scale, 3), "decode_scale": round(at_speed.decode_scale, 3),
+                             "sim": speed_simd, "error": errors(real, speed_simd)}}
         if len(runs) > 1:
             row["real_runs"], row["real_spread"] = reals, spread(reals)
         if args.steps:
-            row["steps"] = steps_report(traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows), sim_steps,
-                                        scaled, consts["step_overhead_s"], consts["cores"] - metered)
+            row["steps"] = steps_report(real_steps, sim_steps, scaled, consts["step_overhead_s"],
+                                        consts["cores"] - metered)
             row["requests"] = [paired(sent, recs, simr, consts["stream_s"])
                                for (sent, recs), simr in zip(runs, sim_requests)]
         rows.append(row)
@@ -496,8 +520,9 @@ def main(args) -> int:
             report["fits"][f"{threads_for(workers)}t"] = {"name": cost.name, "const": cost.const, "coef": cost.coef,
                                                           "quality": cost.quality}
             report["results"] += check(model, workers, cost, args, cfg.vocab_size, data_dir)
-    worst = max(abs(v) for r in report["results"] for v in r["error"].values())
-    report["worst_error"] = round(worst, 4)
+    report["worst_error"] = round(max(abs(v) for r in report["results"] for v in r["error"].values()), 4)
+    report["worst_error_run_speed"] = round(max(abs(v) for r in report["results"]
+                                                for v in r["run_speed"]["error"].values()), 4)
     print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() if args.json else table(report))
     return 0
 
@@ -562,17 +587,23 @@ def table(r: dict) -> str:
         bg = row["background_cores"]
         lines.append(f"other processes: {bg['probed']:.3f} cores beside the busy workers (the intake probe's; "
                      f"the simulator's), {bg['runs']:.3f} metered over the runs")
-        lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}" + (f"{'real spread':>13}" if spreads else ""))
+        fast = row["run_speed"]
+        lines.append(f"at the run's speed: steps × {fast['step_scale']:.2f} (decode × {fast['decode_scale']:.2f}), "
+                     "from the real steps' own durations")
+        lines.append(f"{'':16}{'real':>12}{'sim':>12}{'error':>10}{'run speed':>12}{'error':>10}"
+                     + (f"{'real spread':>13}" if spreads else ""))
         for m, q in METRICS:
             key = m[:-2] + "_" + q
             lines.append(f"{m[:-2].upper() + ' ' + q + ' (ms)':16}{real[m][q] * 1e3:>12.1f}{simd[m][q] * 1e3:>12.1f}"
-                         f"{err[key]:>+10.1%}" + (f"{spreads[key]:>13.1%}" if spreads else ""))
+                         f"{err[key]:>+10.1%}{fast['sim'][m][q] * 1e3:>12.1f}{fast['error'][key]:>+10.1%}"
+                         + (f"{spreads[key]:>13.1%}" if spreads else ""))
         for m, name in (("dispatch_s", "dispatch"), ("intake_s", "of it intake"), ("worker_ttft_s", "worker TTFT")):
             lines.append(f"{'  ' + name + ' p50/p99':16}{fmt(real[m]):>12}{fmt(simd[m]) if m in simd else '-':>12}")
         lines.append(f"{'output tok/s':16}{real['output_tokens_per_s']:>12.1f}{simd['output_tokens_per_s']:>12.1f}"
-                     f"{err['throughput']:>+10.1%}" + (f"{spreads['throughput']:>13.1%}" if spreads else ""))
+                     f"{err['throughput']:>+10.1%}{fast['sim']['output_tokens_per_s']:>12.1f}"
+                     f"{fast['error']['throughput']:>+10.1%}" + (f"{spreads['throughput']:>13.1%}" if spreads else ""))
         if "steps" in row:
             lines += step_lines(row["steps"])
     lines.append("")
-    lines.append(f"worst error: {r['worst_error']:.1%}")
+    lines.append(f"worst error: {r['worst_error']:.1%} (at the run's speed: {r['worst_error_run_speed']:.1%})")
     return "\n".join(lines)

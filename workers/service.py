@@ -712,7 +712,8 @@ class WorkerService:
         await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
 
     def build_beat(self) -> None:
-        """The heartbeat from the engine's counts now, kept for the side thread's stand-in beats."""
+        """The heartbeat from the engine's counts now, the requests on their way into it counted as waiting
+        (`taken_blocks`), kept for the side thread's stand-in beats."""
         s = self.engine.stats()
         spec = speculation_of(s)
         if spec is not None:
@@ -721,9 +722,9 @@ class WorkerService:
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"] + len(self.taken), s["kv_blocks_total"], s["kv_blocks_free"],
             s["prefix_cache_queries"], s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens,
-            self.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec, self.role,
-            self.transport.snapshot() if self.role != "both" else None, self.engine.config.scheduling_policy,
-            self.revision), \
+            self.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec,
+            self.role, self.transport.snapshot() if self.role != "both" else None,
+            self.engine.config.scheduling_policy, self.revision), \
             time.monotonic()
 
     def taken_blocks(self) -> int:

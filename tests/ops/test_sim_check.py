@@ -8,7 +8,7 @@ from argparse import Namespace
 import orjson
 import pytest
 
-from ops import sim_check
+from ops import sim_check, sim_cost
 from ops.cli import parser
 from ops.procs import cpu_seconds
 
@@ -39,6 +39,8 @@ def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_mode
         assert r["real"]["requests"] == r["sim"]["requests"] == (16 if r["workload"] == "poisson" else 6)
         assert r["sim"]["output_tokens"] == pytest.approx(r["real"]["output_tokens"])   # EOS ignored: max_tokens each
         assert all(abs(e) < BOUND for e in r["error"].values()), r["error"]
+        assert all(abs(e) < BOUND for e in r["run_speed"]["error"].values()), r["run_speed"]
+        assert r["run_speed"]["step_scale"] > 0 and r["run_speed"]["decode_scale"] > 0
         assert r["constants"]["intake_steps"] >= 0                  # probed with the worker busy
         assert r["runs"] == 1 and len(r["probes"]) == 2 and "real_spread" not in r   # probed before and after
         assert min(p["step_scale"] for p in r["probes"]) <= r["step_scale"] <= max(p["step_scale"] for p in r["probes"])
@@ -64,6 +66,25 @@ def test_runs_are_compared_by_their_means_and_the_real_runs_spread_is_reported()
     assert mean["ttft_s"]["p50"] == 1.25 and mean["output_tokens_per_s"] == 42.0 and mean["requests"] == 30
     assert sim_check.spread(runs) == {"ttft_p50": 0.4, "ttft_p99": 0.0, "tpot_p50": 0.0, "tpot_p99": 0.0,
                                       "throughput": round(4 / 42, 4)}
+
+
+def test_the_run_s_speed_is_the_scale_that_times_its_own_steps_as_the_simulator_shares_the_cores():
+    """Steps 1.2× (prefill) and 0.9× (decode) the fit, plus the overhead, three workers at once on two
+    cores for a while: the scales come back, whatever the sharing did to the wall times."""
+    cost = sim_cost.FittedCost("fit", 0.01, {"tokens": 0.001, "rows": 0.002}, {})
+    scaled, overhead = sim_check.Scaled(cost, 1.0, 1.0), 0.005
+
+    def step(worker: str, at: float, tokens: int, rows: int, scale: float, slowdown: float) -> dict:
+        shape = sim_cost.StepShape(tokens, rows, rows, 0, 0)
+        return {"worker": worker, "at": at, "tokens": tokens, "rows": rows, "sampled": rows, "attention": 0,
+                "kv_read": 0, "loop_s": (scale * cost.seconds(shape) + overhead) * slowdown}
+    alone = [step("w0", 0.0, 200, 2, 1.2, 1.0), step("w0", 1.0, 3, 3, 0.9, 1.0)]
+    together = [step(w, 10.0, 100, 1, 1.2, 1.5) for w in ("w0", "w1", "w2")] + \
+        [step(w, 20.0, 4, 4, 0.9, 1.5) for w in ("w0", "w1", "w2")]
+    got = sim_check.run_speed(alone + together, scaled, overhead, 2.0)
+    assert (got.scale, got.decode_scale) == (pytest.approx(1.2), pytest.approx(0.9))
+    kept = sim_check.run_speed(alone[1:], sim_check.Scaled(cost, 1.1, 1.0), overhead, 2.0)
+    assert (kept.scale, kept.decode_scale) == (1.1, pytest.approx(0.9))     # no prefill step: the probed scale
 
 
 def test_the_other_processes_are_metered_over_spans_of_the_stack_s_life():
