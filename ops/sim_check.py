@@ -25,7 +25,12 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
    busy worker taking a request the probed number of its steps after it comes. With several runs the
    figures compared are the runs' means, and each real figure's spread ((largest − smallest) / mean)
-   says how far the real stack itself moves on the same workload: an error below it is noise.
+   says how far the real stack itself moves on the same workload: an error below it is noise;
+5. the same replay runs again at the run's own speed (`run_speed`): the scale of the fitted cost that
+   times the real workers' steps (each worker appends its steps' shapes and durations to the file
+   STEP_TRACE names), so that the machine's drift between the probes and the run (±10% over minutes on
+   a shared machine) is told apart from what the simulator models: queueing, batching, routing, the
+   sharing of the cores. Only the steps' durations go in, no request's latency.
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
 ((e2e − TTFT) / (output tokens − 1)); throughput: output tokens / (the last end − the first send).
 Each worker gets max(1, (cores − 1) // workers) torch threads; the cost is fitted at that count. The
@@ -382,14 +387,16 @@ def shared(real: list[dict], cores: float) -> dict[int, float]:
 
 
 def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float) -> "Scaled":
-    """The scale of the fitted cost that times the run's own steps, each kind's the median over its steps
-    of (loop time / the sharing − the overhead) / the fitted cost; a kind the run has no step of keeps
-    the probed scale. Only the steps' durations go in, no request's latency."""
+    """The scale of the fitted cost that times the run's own steps: for each kind, Σ (loop time / the
+    sharing − the overhead) / Σ the fitted cost over its steps, the mean speed, which the queue follows
+    (the median step's left out the occasional slow one and put Poisson's TTFT p50 at 1 worker 12% low).
+    A kind the run has no step of keeps the probed scale. Only the steps' durations go in, no request's
+    latency."""
     slow, scales = shared(real, cores), {}
     for kind, part in kinds(real):
         if part:
-            scales[kind] = statistics.median((t["loop_s"] / slow[id(t)] - overhead) / cost.cost.seconds(shape_of(t))
-                                             for t in part)
+            scales[kind] = sum(t["loop_s"] / slow[id(t)] - overhead for t in part) / \
+                sum(cost.cost.seconds(shape_of(t)) for t in part)
     return Scaled(cost.cost, scales.get("prefill", cost.scale), scales.get("decode", cost.decode_scale))
 
 
