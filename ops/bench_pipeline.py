@@ -215,14 +215,16 @@ class StandIn:
         self.device = torch.device("cpu")
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy="fcfs")
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
-                                  num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None)
+                                  num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None,
+                                  cached_prefix=lambda hashes, n: ())
         self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[], queued_blocks=lambda: 0)
         self.requests: dict[str, Request] = {}
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None = None,
                     output=(), isolate: bool = False, seed: int | None = None, priority: int = 0, tenant: str = "",
-                    weight: float = 1.0) -> Request:
-        req = Request(rid, [*prompt, *output], len(prompt), params, 0, self.config.block_size, salt)
+                    weight: float = 1.0, block_hashes: list[int] = ()) -> Request:
+        req = Request(rid, [*prompt, *output], len(prompt), params, 0, self.config.block_size, salt,
+                      block_hashes=list(block_hashes))
         req.num_resumed_tokens = req.num_cached_tokens = 0
         self.requests[rid] = req
         return req
