@@ -216,7 +216,7 @@ class StandIn:
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy="fcfs")
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
                                   num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None,
-                                  cached_prefix=lambda hashes, n: ())
+                                  new_blocks=lambda hashes, n: -(-n // block_size))
         self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[], queued_blocks=lambda: 0)
         self.requests: dict[str, Request] = {}
 

@@ -481,7 +481,8 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         real_steps = traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows)
         at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"],
                              consts["cores"] - consts["background_cores"])
-        speed_sims = [simulated(sent, at_speed, consts, workers, args) for sent, _ in runs]
+        speed_simd = mean_figures([{k: v for k, v in simulated(sent, at_speed, consts, workers, args).items()
+                                    if k != "ttft_samples"} for sent, _ in runs])
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
         sim_requests = [simd.pop("tracks", ()) for simd in sims]
         recs = [r for _, rs in runs for r in rs]
@@ -490,9 +491,6 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         real["dispatch_s"] = sim.percentiles([r.timing["queue_ms"] / 1e3 for r in recs])
         real["worker_ttft_s"] = sim.percentiles([r.timing["ttft_ms"] / 1e3 for r in recs])
         real["intake_s"] = sim.percentiles([r.timing["intake_ms"] / 1e3 for r in recs if "intake_ms" in r.timing])
-        for x in speed_sims:
-            del x["ttft_samples"]
-        speed_simd = mean_figures(speed_sims)
         simd["dispatch_s"] = sim.percentiles([consts["dispatch_s"]])
         simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"] for t in samples])
         row = {"workload": name, "workers": workers, "threads": threads, "runs": len(runs), "real": real,

@@ -115,8 +115,8 @@ class WorkerService:
         self.cancelled: dict[str, float] = {}        # cancels that came before their request
         self.finished = 0
         self.admitting = 0                           # work items being taken (their checks on the bus)
-        self.taken: dict[int, tuple[TokenizedRequest, list[int]]] = {}   # by id() of the message: the
-        #                   requests on their way into the engine and their block hashes, which a heartbeat counts
+        self.taken: dict[int, tuple[int, list[int]]] = {}   # by id() of the message: the requests on their
+        #                   way into the engine, (prompt tokens, their block hashes), which a heartbeat counts
         self.checking: set[int] = set()              # id() of the work items whose checks are under way
         self.checked = asyncio.Event()               # set when none is
         self.prompt_tokens = self.generation_tokens = 0     # counters for the heartbeat (metrics)
@@ -579,7 +579,7 @@ class WorkerService:
             return
         p = r.prefilled
         if p is None:                            # counted as waiting from here (build_beat)
-            self.taken[id(msg)] = r, prompt_hashes(r, self.engine.config.block_size)
+            self.taken[id(msg)] = len(r.prompt_token_ids), prompt_hashes(r, self.engine.config.block_size)
         output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         if p is not None:
             if len(output) < len(p.output_token_ids):    # what the prefill worker sent, unless its client has more
@@ -588,7 +588,7 @@ class WorkerService:
             if r.id in self.pulling or not await self.pull(item, msg):
                 return
         async with self.engine_lock:             # after the step under way: the item joins the next one
-            _, hashes = self.taken.pop(id(msg), (r, ()))     # in the engine (or refused) before a heartbeat counts it
+            _, hashes = self.taken.pop(id(msg), (0, ()))     # in the engine (or refused) before a heartbeat counts it
             if self.holds(item, msg):            # taken meanwhile, from another delivery of the same burst
                 self.engine.kv.unpin(r.id)
                 return
@@ -733,9 +733,7 @@ class WorkerService:
         request's entry into the engine (it waits for the step under way) counts it so; without it the
         router, which forgets what it routed at each fresh heartbeat, saw the worker without the request
         for a whole step and sent it the next ones too (measured: docs/capacity.md, "The router's view")."""
-        kv = self.engine.kv
-        return sum(kv.num_blocks_for(len(r.prompt_token_ids)) - len(kv.cached_prefix(hashes, len(r.prompt_token_ids)))
-                   for r, hashes in self.taken.values())
+        return sum(self.engine.kv.new_blocks(hashes, n) for n, hashes in self.taken.values())
 
     async def stand_in_beats(self) -> None:
         """(side thread) While a step holds the engine for longer than a heartbeat period (a long prefill

@@ -105,6 +105,11 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def new_blocks(self, hashes: list[int], num_tokens: int) -> int:
+        """The blocks a request of `num_tokens` tokens whose full blocks hash to `hashes` will add: all of
+        its blocks less its cached prefix."""
+        return self.num_blocks_for(num_tokens) - len(self.cached_prefix(hashes, num_tokens))
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens

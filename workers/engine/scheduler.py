@@ -139,7 +139,7 @@ class Scheduler:
         for req in self.waiting:
             seen = self.counted.get(req.request_id)
             if seen is None or seen[0] != req.num_tokens:
-                seen = req.num_tokens, kv.num_blocks_for(req.num_tokens) - len(kv.get_computed_blocks(req))
+                seen = req.num_tokens, kv.new_blocks(req.block_hashes, req.num_tokens)
             counted[req.request_id] = seen
         self.counted = counted
         return sum(n for _, n in counted.values())
