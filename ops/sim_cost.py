@@ -8,12 +8,13 @@ here maps a shape to seconds:
 - `RooflineCost`: a GPU node from `ops.plan.Plan` — the longer of the step's FLOPs at the card's peak
   × MFU and its bytes (the weights once, every request's KV) at its bandwidth × MBU, plus the
   tensor-parallel all-reduces. The same arithmetic as `tokenbus plan`'s steps, for any batch.
-- `FittedCost`: this machine's CPU — a constant plus nonnegative seconds per unit of each field, fitted
-  to the real engine's steps of many shapes (`fit`), cached under $TOKENBUS_HOME/sim (`load_or_fit`).
+- `FittedCost`: this machine's CPU — a constant plus nonnegative seconds per unit of each field, and
+  seconds of their own for steps of few tokens, fitted to the real engine's steps of many shapes (`fit`),
+  cached under $TOKENBUS_HOME/sim (`load_or_fit`).
 """
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -22,7 +23,8 @@ import numpy as np
 FEATURES = ("tokens", "rows", "sampled", "attention", "kv_read")
 HELD_OUT = 0.25                  # of the measured steps, kept out of the fit to judge it
 SPIKE = 1.5                      # a step this many times slower than the first fit says was slowed by a neighbour
-SCENARIOS = 2                    # the version of `scenarios`: a cached fit of other steps is measured again
+SMALL = 16                       # steps of up to this many tokens get seconds of their own (`FittedCost.small_s`)
+SCENARIOS = 3                    # the version of `scenarios` and `fit`: a cached fit of another is measured again
 
 
 @dataclass(slots=True)
@@ -71,15 +73,20 @@ class RooflineCost:
 
 @dataclass(slots=True)
 class FittedCost:
-    """Seconds = const + Σ coef[f] × shape.f over FEATURES, every coefficient ≥ 0 (a step never gets
-    cheaper with more work). `quality`: R², median and p90 relative error on held-out steps."""
+    """Seconds = const + Σ coef[f] × shape.f over FEATURES + small_s[tokens − 1] for a step of up to SMALL
+    tokens, every coefficient ≥ 0 (a step never gets cheaper with more work). small_s, of either sign, are
+    the CPU's matrix kernels, which change with the rows they multiply: on one machine (MKL, AVX-512, 1
+    thread) SmolLM2's decode of 1 or 2 requests took 55 ms and of 3 to 6 requests 40-45 ms, which no sum
+    of the fields can say. `quality`: R², median and p90 relative error on held-out steps."""
     name: str
     const: float
     coef: dict[str, float]
     quality: dict
+    small_s: list[float] = field(default_factory=list)
 
     def seconds(self, s: StepShape) -> float:
-        return self.const + sum(c * getattr(s, f) for f, c in self.coef.items())
+        own = self.small_s[s.tokens - 1] if 0 < s.tokens <= len(self.small_s) else 0.0
+        return self.const + sum(c * getattr(s, f) for f, c in self.coef.items()) + own
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -89,20 +96,21 @@ def features(shapes: list[StepShape]) -> np.ndarray:
     return np.array([[1.0, *(float(getattr(s, f)) for f in FEATURES)] for s in shapes])
 
 
-def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of relative error (rows weighted 1/y) with coefficients ≥ 0: the most negative
-    coefficient is dropped and the rest solved again until none is negative."""
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, free: int = 0) -> np.ndarray:
+    """Least squares of relative error (rows weighted 1/y) with coefficients ≥ 0 but the last `free`: the
+    most negative of the others is dropped and the rest solved again until none of them is negative."""
     w = x / y[:, None]
     scale = np.abs(w).max(axis=0)
     scale[scale == 0] = 1.0
-    active = list(range(x.shape[1]))
+    active, bound = list(range(x.shape[1])), x.shape[1] - free
     while True:
         sol = np.linalg.lstsq(w[:, active] / scale[active], np.ones(len(y)), rcond=None)[0] / scale[active]
-        if sol.min() >= 0:
+        signed = [v if i < bound else 0.0 for i, v in zip(active, sol)]
+        if min(signed) >= 0:
             coef = np.zeros(x.shape[1])
             coef[active] = sol
             return coef
-        active.pop(int(sol.argmin()))
+        active.pop(int(np.argmin(signed)))
 
 
 def quality(predicted: np.ndarray, actual: np.ndarray) -> dict:
@@ -113,17 +121,26 @@ def quality(predicted: np.ndarray, actual: np.ndarray) -> dict:
 
 
 def fit(name: str, steps: list[tuple[StepShape, float]], seed: int = 0) -> FittedCost:
-    """The cost fitted to (shape, seconds) of measured steps, judged on a random HELD_OUT share of them."""
+    """The cost fitted to (shape, seconds) of measured steps, judged on a random HELD_OUT share of them. Each
+    size of step up to SMALL tokens with 3 fitted steps at least gets seconds of its own, solved with the
+    rest; a size between two such gets theirs linearly, one past the largest towards 0 at SMALL + 1."""
     rng = random.Random(seed)
     held = set(rng.sample(range(len(steps)), round(len(steps) * HELD_OUT)))
-    x, y = features([s for s, _ in steps]), np.array([t for _, t in steps])
+    tokens = np.array([s.tokens for s, _ in steps])
     train = np.array([i not in held for i in range(len(steps))])
-    c = nonnegative_lstsq(x[train], y[train])
+    sizes = [m for m in range(1, SMALL + 1) if (train & (tokens == m)).sum() >= 3]
+    x = np.hstack([features([s for s, _ in steps]), (tokens[:, None] == np.array(sizes)[None, :]).astype(float)])
+    y = np.array([t for _, t in steps])
+    c = nonnegative_lstsq(x[train], y[train], len(sizes))
     calm = train & (y < SPIKE * (x @ c))        # noise on a shared machine only ever slows a step
-    c = nonnegative_lstsq(x[calm], y[calm])
-    return FittedCost(name, float(c[0]), {f: float(v) for f, v in zip(FEATURES, c[1:])},
-                      {**quality(x[~train] @ c, y[~train]), "steps": len(steps),
-                       "spikes_dropped": int(train.sum() - calm.sum())})
+    c = nonnegative_lstsq(x[calm], y[calm], len(sizes))
+    linear = c[:len(FEATURES) + 1]
+    small = [round(float(np.interp(m, [*sizes, SMALL + 1], [*c[len(linear):], 0.0])), 6)
+             for m in range(1, SMALL + 1)] if sizes else []
+    cost = FittedCost(name, float(linear[0]), {f: float(v) for f, v in zip(FEATURES, linear[1:])}, {}, small)
+    cost.quality = {**quality(np.array([cost.seconds(s) for s, _ in steps])[~train], y[~train]),
+                    "steps": len(steps), "spikes_dropped": int(train.sum() - calm.sum())}
+    return cost
 
 
 # -- measuring the engine ---------------------------------------------------------------------------------

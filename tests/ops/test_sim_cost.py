@@ -51,6 +51,22 @@ def test_the_fit_recovers_a_linear_cost_and_ignores_a_step_a_neighbour_slowed():
     assert min(cost.coef.values()) >= 0 and cost.quality["median_rel_error"] < 1e-3
 
 
+def test_the_fit_gives_steps_of_few_tokens_seconds_of_their_own():
+    """A CPU's matrix kernels change with the rows they multiply: here 1- and 2-token steps take 20 and 15 ms
+    more than the sums say and 4- to 6-token ones 7 ms less (as SmolLM2's decode did on one machine)."""
+    own = [0.02, 0.015, 0.0, -0.007, -0.007, -0.007]
+    truth = FittedCost("truth", 0.035, {"tokens": 2e-3, "rows": 0.0, "sampled": 0.0, "attention": 1.5e-6,
+                                        "kv_read": 3e-6}, {}, own + [0.0] * 10)
+    shapes = [StepShape(rows, rows, rows, rows * context, rows * context)
+              for rows in (1, 2, 3, 4, 5, 6, 8, 12, 16, 48) for context in (32, 256, 1024)]
+    shapes += [StepShape(tokens, 1, 1, tokens * (tokens + 1) / 2, tokens) for tokens in (8, 32, 128, 512, 2048)]
+    cost = sim_cost.fit("fit", [(s, truth.seconds(s)) for s in shapes * 4])
+    assert cost.small_s[:6] == pytest.approx(own, abs=1e-4) and cost.const == pytest.approx(0.035, rel=1e-3)
+    assert cost.small_s[6] == pytest.approx(-0.0035, abs=1e-4)      # 7 tokens, not measured: halfway from 6 to 8
+    assert all(cost.seconds(s) == pytest.approx(truth.seconds(s), rel=1e-3) for s in shapes)
+    assert cost.quality["median_rel_error"] < 1e-3
+
+
 def test_the_cpu_fit_predicts_held_out_engine_steps_and_round_trips_its_cache(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBUS_HOME", str(tmp_path))
     cost = sim_cost.load_or_fit(tiny_model, threads=1)
