@@ -74,10 +74,10 @@ class RooflineCost:
 @dataclass(slots=True)
 class FittedCost:
     """Seconds = const + Σ coef[f] × shape.f over FEATURES + small_s[tokens − 1] for a step of up to SMALL
-    tokens, every coefficient ≥ 0 (a step never gets cheaper with more work). small_s, of either sign, are
-    the CPU's matrix kernels, which change with the rows they multiply: on one machine (MKL, AVX-512, 1
-    thread) SmolLM2's decode of 1 or 2 requests took 55 ms and of 3 to 6 requests 40-45 ms, which no sum
-    of the fields can say. `quality`: R², median and p90 relative error on held-out steps."""
+    tokens. Every coefficient is ≥ 0 (more work of one kind never makes a step cheaper); small_s, of either
+    sign, are the CPU's matrix kernels, which change with the rows they multiply: on one machine (MKL,
+    AVX-512, 1 thread) SmolLM2's decode of 1 or 2 requests took 54-59 ms and of 3 to 6 requests 39-48 ms,
+    which no sum of the fields can say. `quality`: R², median and p90 relative error on held-out steps."""
     name: str
     const: float
     coef: dict[str, float]
