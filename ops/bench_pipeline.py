@@ -214,9 +214,10 @@ class StandIn:
         self.step_s, self.vocab, self.rng = step_ms / 1e3, vocab, random.Random(0)
         self.device = torch.device("cpu")
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy="fcfs")
+        blocks = lambda n: -(-n // block_size)  # noqa: E731
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
-                                  num_blocks_for=lambda n: -(-n // block_size), unpin=lambda owner: None,
-                                  new_blocks=lambda hashes, n: -(-n // block_size))
+                                  num_blocks_for=blocks, unpin=lambda owner: None,
+                                  new_blocks=lambda hashes, n: blocks(n))     # nothing is cached here
         self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[], queued_blocks=lambda: 0)
         self.requests: dict[str, Request] = {}
 

@@ -522,8 +522,7 @@ def main(args) -> int:
         data_dir = Path(args.data_dir or tmp)
         for workers in args.workers:
             cost = sim_cost.load_or_fit(model, threads_for(workers))
-            report["fits"][f"{threads_for(workers)}t"] = {"name": cost.name, "const": cost.const, "coef": cost.coef,
-                                                          "quality": cost.quality}
+            report["fits"][f"{threads_for(workers)}t"] = cost.to_json()
             report["results"] += check(model, workers, cost, args, cfg.vocab_size, data_dir)
     report["worst_error"] = round(max(abs(v) for r in report["results"] for v in r["error"].values()), 4)
     report["worst_error_run_speed"] = round(max(abs(v) for r in report["results"]
