@@ -372,6 +372,10 @@ def parser() -> argparse.ArgumentParser:
                     "worker an equal share (default 0: a core each)")
     sm.add_argument("--background-cores", type=float, default=0.0, help="with --gpu cpu and --cores: of those, what "
                     "the stack's other processes take (sim-check meters it; about 0.07 with 3 workers on 2 cores)")
+    sm.add_argument("--contention", type=float, nargs=2, default=[0.0, 0.0], metavar=("DECODE", "PREFILL"),
+                    help="with --gpu cpu and --cores: how much longer a step runs per other core in use by a "
+                    "worker stepping beside it, for decode-only steps and steps that prefill (sim-check "
+                    "probes it; default 0 0)")
     sm.add_argument("--tp", type=int, default=8, help="GPUs of one worker (tensor parallel; default 8)")
     sm.add_argument("--mfu", type=float, default=0.5, help="share of the peak FLOP/s a step reaches (default 0.5)")
     sm.add_argument("--mbu", type=float, default=0.7,

@@ -106,6 +106,9 @@ class SimConfig:
     step_overhead_s: float = 0.0 # per step, outside the engine's step (publishing tokens)
     cores: float = 0.0           # CPU cores the workers share, each busy one an equal share (0: a device each)
     background_cores: float = 0.0  # of those, what the other processes take (the bus, the services, the client)
+    contention: tuple[float, float] = (0.0, 0.0)   # CPU workers: how much longer a step runs per other worker
+                                 # stepping beside it on the cores (memory bandwidth, caches), beyond the share
+                                 # of the cores: (decode-only steps, steps that prefill)
     intake_steps: int = 0        # a request reaching a busy worker joins its queue after this many of its steps
                                  # (a real worker takes work between steps, and its checks wait on the bus)
     # the workload: Poisson chats (unless arrivals are given)
@@ -136,7 +139,8 @@ class SimConfig:
     scheduling_policy: str = "fcfs"   # the workers' (SchedulerConfig.policy): fcfs, priority or fair
     tenants: tuple[SimTenant, ...] = (SimTenant("default"),)
     trace: bool = False          # the result's "steps" (every step's worker, start, end, seconds and shape) and
-                                 # "tracks" (each request's worker, arrival, first token, end, cached tokens)
+                                 # "tracks" (each request's worker, arrival, first step, first token, end,
+                                 # cached tokens)
 
     @property
     def cell_workers(self) -> int:
@@ -161,6 +165,7 @@ class Track:
     conversation: Conversation | None = None
     measured: bool = True
     cached: int = -1             # prefix-cache hit where it was prefilled
+    began: float = -1.0          # when its first step began (traced only)
     first: float = -1.0          # when its first token was sampled
     end: float = -1.0
     tokens: int = 0
@@ -182,6 +187,7 @@ class Worker:
         self.busy = False
         self.batch = None
         self.left = 0.0                                 # CPU workers: seconds of the step's work left, at one core
+        self.prefilling = False                         # the step under way prefills
         self.started = 0.0                              # when the step under way started
         self.token = 0                                  # CPU workers: the valid end event of the step under way
         self.hb: Heartbeat | None = None                # the last heartbeat built (between steps; set by run)
@@ -359,9 +365,12 @@ class Cell:
         if cfg.trace:                                   # "seconds" at a whole core; "end" when it ended
             self.steps.append(step := {"worker": w.name, "at": self.now, "seconds": seconds, **asdict(shape)})
             self.stepping[w.name] = step
+            for req in batch.requests:
+                if (track := self.tracks[req.request_id]).began < 0:
+                    track.began = self.now
         if cfg.cores:                                   # CPU workers beyond the cores time-share them
             self.advance()                              # at the share before this worker joins
-        w.busy, w.batch, w.started = True, batch, self.now
+        w.busy, w.batch, w.started, w.prefilling = True, batch, self.now, shape.tokens > shape.rows
         if cfg.cores:
             w.left = seconds
             self.reschedule()
@@ -371,27 +380,30 @@ class Cell:
     # -- CPU workers sharing the cores (cfg.cores) ---------------------------------------------------
     # Processor sharing: while n workers step, each runs at min(1, cores / n) of a core, so a step's
     # end moves whenever another worker starts or ends one. The other processes take background_cores
-    # of them: that slows the steps only while the workers fill the rest.
+    # of them: that slows the steps only while the workers fill the rest. Steps running side by side
+    # also slow each other beyond that (they share the memory's bandwidth and the caches): by
+    # cfg.contention of their kind per other core in use, min(n, cores) − 1.
 
-    def share(self) -> float:
-        busy = sum(w.busy for w in self.workers.values())
-        return min(1.0, (self.cfg.cores - self.cfg.background_cores) / max(1, busy))
+    def rates(self) -> dict[str, float]:
+        """Each stepping worker's speed: its share of the cores, less the contention."""
+        busy = [w for w in self.workers.values() if w.busy]
+        cores = self.cfg.cores - self.cfg.background_cores
+        share, beside = min(1.0, cores / max(1, len(busy))), max(0.0, min(len(busy), cores) - 1)
+        return {w.name: share / (1 + self.cfg.contention[w.prefilling] * beside) for w in busy}
 
     def advance(self) -> None:
-        """Counts the work the steps under way did since the last count, at the share they had."""
-        done = (self.now - self.shared_at) * self.share()
-        for w in self.workers.values():
-            if w.busy:
-                w.left -= done
+        """Counts the work the steps under way did since the last count, at the speeds they had."""
+        dt = self.now - self.shared_at
+        for name, rate in self.rates().items():
+            self.workers[name].left -= dt * rate
         self.shared_at = self.now
 
     def reschedule(self) -> None:
-        """Each step under way ends when its work left is done at today's share (earlier ends are void)."""
-        rate = self.share()
-        for w in self.workers.values():
-            if w.busy:
-                w.token = self.seq + 1
-                self.at(self.now + max(w.left, 0.0) / rate, self.shared_end, (w, w.token))
+        """Each step under way ends when its work left is done at today's speeds (earlier ends are void)."""
+        for name, rate in self.rates().items():
+            w = self.workers[name]
+            w.token = self.seq + 1
+            self.at(self.now + max(w.left, 0.0) / rate, self.shared_end, (w, w.token))
 
     def shared_end(self, arg) -> None:
         w, token = arg
@@ -544,8 +556,8 @@ class Cell:
                             "load_mean": sum(w.load) / max(len(w.load), 1), "preemptions": w.sched.num_preemptions})
         return {"rows": rows, "workers": workers, "sim_seconds": self.now, "wall_seconds": wall_s,
                 "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs, "steps": self.steps,
-                "tracks": [{"worker": t.worker, "arrival": t.arrival, "first": t.first, "end": t.end,
-                              "cached": t.cached} for t in self.tracks.values()] if cfg.trace else []}
+                "tracks": [{"worker": t.worker, "arrival": t.arrival, "began": t.began, "first": t.first,
+                            "end": t.end, "cached": t.cached} for t in self.tracks.values()] if cfg.trace else []}
 
 
 def run_cell(args) -> dict:
@@ -738,7 +750,7 @@ def cpu_config(args) -> SimConfig:
     model = ModelConfig.load(resolve(args.model))
     kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4     # float32, the CPU default
     cfg = config(args, sim_cost.load_or_fit(args.model, args.threads), args.kv_blocks or 2000, kv_per_token)
-    cfg.cores, cfg.background_cores = args.cores, args.background_cores
+    cfg.cores, cfg.background_cores, cfg.contention = args.cores, args.background_cores, tuple(args.contention)
     return cfg
 
 

@@ -10,7 +10,10 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    engine's steps are in the stack than alone (the scale of the fitted cost) and each step's work
    outside the engine (the overhead); then, with every worker decoding a long request, how many of a
    busy worker's steps a new request waits before it joins the engine (the intake: the worker reads
-   its work between steps, and the item's checks take replies from the bus);
+   its work between steps, and the item's checks take replies from the bus), and how much slower the
+   steps run beside each other than alone, beyond the share of the cores (the contention: workers
+   stepping at once share the memory's bandwidth and the caches; from the workers' traced steps, the
+   busy probes' against the idle ones', for decodes and for long prefills beside the others' decodes);
 2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
    output has its max_tokens (`--repeat N`: N times from the same seed, in other token ids so each run
    starts with a cold prefix cache; Poisson's requests are then the same, a chat's draws interleave as
@@ -60,6 +63,7 @@ from ops.bench import Result
 from ops.bench_routing import records, results_seq
 from ops.procs import cpu_seconds, free_port
 from ops.up import Stack
+from schemas import subjects
 from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
 from workers.service import STEP_TRACE
@@ -259,9 +263,11 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
     long request while short ones (one output token) come one at a time. A short request's TTFT is the
     dispatch and the stream, the rest of the step under way (half a step on average), the intake's steps,
     and the step that prefills it; each is timed by the long request's token gaps on the short one's
-    worker (the completion records say which), and short requests that found an idle worker are left out."""
+    worker (the completion records say which), and short requests that found an idle worker are left out.
+    Then long prompts come one at a time, each prefilled beside the others' decodes (`contention`)."""
     rng = random.Random("intake")
     after = asyncio.run(results_seq(stack.nats_url))
+    time.sleep(2 * subjects.HEARTBEAT_SECONDS)   # the router sees every worker idle: one long request each
 
     async def run() -> tuple[list[Sent], list[Sent]]:
         async with connect(stack.url) as c:
@@ -270,10 +276,12 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
             while not all(s.result.chunks for s in c.sent):
                 await asyncio.sleep(0.01)
             probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
-            return list(await asyncio.gather(*busy)), probes
+            long = [await c.send(tokens(rng, PROBE_LONG, vocab), 1) for _ in range(PROBES // 2 * workers)]
+            return list(await asyncio.gather(*busy)), probes + long
     busy, probes = asyncio.run(run())
     worker = {tuple(r.prompt_token_ids): r.worker
               for r in asyncio.run(records(stack.nats_url, after, len(busy) + len(probes)))}
+    probes = probes[:PROBES * workers]
     start, end = min(p.result.start for p in probes), max(p.result.end for p in probes)
     gaps: dict[str, list[float]] = {}
     for s in busy:
@@ -334,10 +342,12 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: b
     t0 = min(s.at for s in sent)
     arrivals = sorted((sim.Arrival(s.at - t0, s.prompt, s.max_tokens, output=s.output) for s in sent),
                       key=lambda a: a.at)
+    consts = dict(consts)
+    beside = (consts.pop("contention_decode", 0.0), consts.pop("contention_prefill", 0.0))
     cfg = sim.SimConfig(workers=workers, cost=cost, block_size=args.block_size, num_blocks=args.kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, rate=0.0, drain=REQUEST_TIMEOUT,
-                        trace=trace, **consts)
+                        trace=trace, contention=beside, **consts)
     r = sim.simulate(cfg, arrivals)
     out = r["output_tokens_per_s"] * r["sim_seconds"]
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
@@ -378,21 +388,55 @@ def shape_of(t: dict) -> sim_cost.StepShape:
     return sim_cost.StepShape(t["tokens"], t["rows"], t["sampled"], t["attention"], t["kv_read"])
 
 
-def shared(real: list[dict], cores: float) -> dict[int, float]:
-    """How much longer each real step ran (by id()) than alone, as the simulator slows a step while more
-    workers step than there are `cores` (those the other processes left): the workers stepping at its
-    middle / cores, at least 1."""
+def shared(real: list[dict], cores: float, contention: tuple[float, float] = (0.0, 0.0)) -> dict[int, float]:
+    """How much longer each real step ran (by id()) than alone, as the simulator slows it (`ops.sim`'s
+    rates): n workers stepping at its middle, on `cores` (those the other processes left), each get
+    min(1, cores / n) of a core, and run 1 + contention (of its kind) × (min(n, cores) − 1) slower."""
     spans = [(t["at"], t["at"] + t["loop_s"]) for t in real]
-    return {id(t): max(1.0, sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans) / cores) for t in real}
+    out = {}
+    for t in real:
+        n = sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans)
+        out[id(t)] = max(1.0, n / cores) * (1 + contention[t["tokens"] > t["rows"]] * max(0.0, min(n, cores) - 1))
+    return out
 
 
-def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float) -> "Scaled":
+def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, overhead: float,
+               cores: float) -> tuple[float, float]:
+    """How much longer a step runs per other core in use by a worker stepping beside it, beyond the share
+    of the cores (`shared`), for decode-only steps and for steps that prefill: the probes' steps with
+    every worker busy (`intake`: the long requests' decodes, the long prompts' prefills) against the idle
+    probes' (`probe`: one request at a time), each as Σ (loop time / the share − the overhead) / Σ the
+    fitted cost. 0 where no step ran beside another (one worker)."""
+    def picked(steps: list[dict], prefill: bool) -> list[dict]:
+        return [t for t in steps if (t["tokens"] >= PROBE_LONG if prefill else t["tokens"] == t["rows"])]
+
+    def speed(steps: list[dict], slow: dict[int, float]) -> float:
+        return sum(t["loop_s"] / slow[id(t)] - overhead for t in steps) / \
+            sum(cost.seconds(shape_of(t)) for t in steps)
+    spans = [(t["at"], t["at"] + t["loop_s"]) for t in busy]
+    beside = {id(t): max(0.0, min(sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans), cores) - 1)
+              for t in busy}
+    out = []
+    for prefill in (False, True):
+        alone, together = picked(idle, prefill), [t for t in picked(busy, prefill) if beside[id(t)] > 0]
+        if not alone or not together:
+            out.append(0.0)
+            continue
+        weight = [cost.seconds(shape_of(t)) for t in together]
+        k = sum(w * beside[id(t)] for w, t in zip(weight, together)) / sum(weight)
+        ratio = speed(together, shared(busy, cores)) / speed(alone, shared(idle, cores))
+        out.append(max(0.0, (ratio - 1) / k))
+    return out[0], out[1]
+
+
+def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float,
+              contention: tuple[float, float] = (0.0, 0.0)) -> "Scaled":
     """The scale of the fitted cost that times the run's own steps: for each kind, Σ (loop time / the
     sharing − the overhead) / Σ the fitted cost over its steps, the mean speed, which the queue follows
     (the median step's left out the occasional slow one and put Poisson's TTFT p50 at 1 worker 12% low).
     A kind the run has no step of keeps the probed scale. Only the steps' durations go in, no request's
     latency."""
-    slow, scales = shared(real, cores), {}
+    slow, scales = shared(real, cores, contention), {}
     for kind, part in kinds(real):
         if part:
             scales[kind] = sum(t["loop_s"] / slow[id(t)] - overhead for t in part) / \
@@ -400,12 +444,13 @@ def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float) -
     return Scaled(cost.cost, scales.get("prefill", cost.scale), scales.get("decode", cost.decode_scale))
 
 
-def steps_report(real: list[dict], simd: list[dict], cost: "Scaled", overhead: float, cores: float) -> dict:
+def steps_report(real: list[dict], simd: list[dict], cost: "Scaled", overhead: float, cores: float,
+                 contention: tuple[float, float] = (0.0, 0.0)) -> dict:
     """The real steps against the simulator's (counts, shapes, wall times), and the scaled cost (+ the step
     overhead) on the real steps' own shapes against their loop times, slowed as the simulator slows them
     (`shared`; cores: those the other processes left, as metered over the runs): whether an error comes
     from the cost of a step or from what the steps are."""
-    slow = shared(real, cores)
+    slow = shared(real, cores, contention)
     fit = {}
     for kind, part in kinds(real):
         guess = [(cost.seconds(shape_of(t)) + overhead) * slow[id(t)] for t in part]
@@ -459,9 +504,12 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         runs, busy, loads = [], [], []               # busy, loads: metered spans of the other processes
         try:
             asyncio.run(warm(stack.url, args, workers, vocab))
+            marks = [time.monotonic()]          # the idle probes' and the busy ones' windows in the step trace
             probes = [probe(stack, cost, vocab)]
+            marks.append(time.monotonic())
             with meter.span(busy):              # every worker busy: the other processes' cores beside them
                 intake_steps = intake(stack, *probes[0], workers, vocab)
+            marks.append(time.monotonic())
             windows = []
             for rep in range(args.repeat):
                 after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
@@ -476,11 +524,15 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         scaled, consts = averaged(probes)
         consts["intake_steps"], consts["cores"] = intake_steps, os.cpu_count() or 1
         consts["background_cores"], metered = cores(busy), cores(loads)
+        trace = data_dir / f"{name}-{workers}" / "steps.jsonl"
+        free = consts["cores"] - consts["background_cores"]
+        consts["contention_decode"], consts["contention_prefill"] = contention(
+            traced(trace, [marks[:2]]), traced(trace, [marks[1:]]), cost, consts["step_overhead_s"], free)
+        beside = (consts["contention_decode"], consts["contention_prefill"])
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
-        real_steps = traced(data_dir / f"{name}-{workers}" / "steps.jsonl", windows)
-        at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"],
-                             consts["cores"] - consts["background_cores"])
+        real_steps = traced(trace, windows)
+        at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"], free, beside)
         speed_simd = mean_figures([{k: v for k, v in simulated(sent, at_speed, consts, workers, args).items()
                                     if k != "ttft_samples"} for sent, _ in runs])
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
@@ -506,7 +558,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
             row["real_runs"], row["real_spread"] = reals, spread(reals)
         if args.steps:
             row["steps"] = steps_report(real_steps, sim_steps, scaled, consts["step_overhead_s"],
-                                        consts["cores"] - metered)
+                                        consts["cores"] - metered, beside)
             row["requests"] = [paired(sent, recs, simr, consts["stream_s"])
                                for (sent, recs), simr in zip(runs, sim_requests)]
         rows.append(row)
@@ -533,18 +585,25 @@ def main(args) -> int:
 
 def paired(sent: list[Sent], recs: list, simd: list[dict], stream_s: float) -> list[dict]:
     """Each request of a run as the client saw it on the real stack and in the simulator, in arrival order:
-    its arrival, prompt and output tokens, prefix-cache hit, worker, TTFT and TPOT."""
+    its arrival, prompt and output tokens, prefix-cache hit, worker, TTFT and TPOT, and where its TTFT went:
+    `queue`, from the gateway into the engine (real: the record's queue_ms, of it `intake` from the work
+    stream; sim: from its arrival to its first step), and `engine`, from there to its first token."""
     real = {tuple(r.prompt_token_ids): r for r in recs}
     out = []
     for s, m in zip(sorted(sent, key=lambda s: s.at), simd):
         r = real.get(tuple(s.prompt))
         n = s.result.output_tokens
+        timing = {k: round(r.timing[k + "_ms"] / 1e3, 4) if r and r.timing.get(k + "_ms") is not None else None
+                  for k in ("queue", "intake", "ttft")}
         out.append({"at": round(s.at, 4), "prompt": len(s.prompt), "output": n,
                     "real": {"worker": r.worker if r else "", "cached": r.usage.get("cached_tokens") if r else None,
-                             "ttft": round(s.result.ttft, 4), "tpot": s.result.tpot and round(s.result.tpot, 4)},
+                             "ttft": round(s.result.ttft, 4), "tpot": s.result.tpot and round(s.result.tpot, 4),
+                             "queue": timing["queue"], "intake": timing["intake"], "engine": timing["ttft"]},
                     "sim": {"worker": m["worker"], "cached": m["cached"],
                             "ttft": round(m["first"] + stream_s - m["arrival"], 4) if m["first"] >= 0 else None,
-                            "tpot": round((m["end"] - m["first"]) / (n - 1), 4) if m["end"] >= 0 and n > 1 else None}})
+                            "tpot": round((m["end"] - m["first"]) / (n - 1), 4) if m["end"] >= 0 and n > 1 else None,
+                            "queue": round(m["began"] - m["arrival"], 4) if m["began"] >= 0 else None,
+                            "engine": round(m["first"] - m["began"], 4) if m["first"] >= 0 else None}})
     return out
 
 
@@ -585,7 +644,9 @@ def table(r: dict) -> str:
                      f"on {c['cores']:g} cores: "
                      f"{real['requests']} requests × {row['runs']} run(s); dispatch {c['dispatch_s'] * 1e3:.1f} ms, "
                      f"stream {c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
-                     f"{c['intake_steps']} steps, steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}; "
+                     f"{c['intake_steps']} steps, contention per other core decode {c['contention_decode']:.1%}, "
+                     f"prefill {c['contention_prefill']:.1%}, steps × {row['step_scale']:.2f} (decode × "
+                     f"{row['decode_scale']:.2f}; "
                      f"probed before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, decode "
                      f"{before['decode_scale']:.2f}/{after['decode_scale']:.2f})")
         bg = row["background_cores"]

@@ -193,12 +193,27 @@ def test_the_other_processes_slow_the_steps_only_while_the_workers_fill_the_core
     assert ttft(1, 2.0) == pytest.approx([1.0])
 
 
-def test_the_cpu_simulation_takes_the_cores_and_the_other_processes_share_from_the_command_line(monkeypatch):
+def test_steps_side_by_side_slow_each_other_by_the_contention_of_their_kind():
+    """Steps of one second of a core, two workers on two cores: each has a core, yet beside each other their
+    prefills take 1.25 s and their decodes 1.5 s (contention 0.25 and 0.5 per other core in use); one
+    worker alone on the two cores steps in 1 s."""
+    def run(workers: int) -> dict:
+        cfg = small(Second(), workers=workers, policy="round-robin", dispatch_s=0.0, stream_s=0.0, cores=2.0,
+                    contention=(0.5, 0.25))
+        return simulate(cfg, [Arrival(0.0, [16 + i] * 32, 2) for i in range(workers)])
+    two, one = run(2), run(1)
+    assert [w["requests"] for w in two["workers"]] == [1, 1]
+    assert two["samples"]["ttft"] == pytest.approx([1.25, 1.25]) and two["tpot_s"]["p50"] == pytest.approx(1.5)
+    assert one["samples"]["ttft"] == pytest.approx([1.0]) and one["tpot_s"]["p50"] == pytest.approx(1.0)
+
+
+def test_the_cpu_simulation_takes_the_cores_the_other_processes_share_and_the_contention_from_the_command_line(monkeypatch):
     monkeypatch.setattr(sim_cost, "load_or_fit", lambda model, threads: Second())
     args = cli.parser().parse_args(["sim", "--gpu", "cpu", "--model", "tiny", "--cores", "2",
-                                    "--background-cores", "0.07"])
+                                    "--background-cores", "0.07", "--contention", "0.15", "0.05"])
     cfg = cpu_config(args)
-    assert (cfg.cores, cfg.background_cores) == (2.0, 0.07) and isinstance(cfg.cost, Second)
+    assert (cfg.cores, cfg.background_cores, cfg.contention) == (2.0, 0.07, (0.15, 0.05))
+    assert isinstance(cfg.cost, Second)
 
 
 def test_a_heartbeat_due_during_a_step_says_the_last_one_again_and_a_fresh_one_follows_the_step():

@@ -87,6 +87,29 @@ def test_the_run_s_speed_is_the_scale_that_times_its_own_steps_as_the_simulator_
     assert (kept.scale, kept.decode_scale) == (1.1, pytest.approx(0.9))     # no prefill step: the probed scale
 
 
+def test_contention_is_how_much_slower_the_busy_probes_steps_ran_than_the_idle_ones_per_other_core():
+    """Idle probes at 1.1× the fit; busy ones, two workers on two cores at once, decode at 1.1 × 1.2 and
+    prefill a long prompt at 1.1 × 1.1: contention 0.2 and 0.1 per other core. On three workers at once the
+    share of the cores (1.5) is left out first, and a step that runs alone is not counted."""
+    cost = sim_cost.FittedCost("fit", 0.01, {"tokens": 0.001, "rows": 0.002}, {})
+    overhead, long = 0.002, sim_check.PROBE_LONG
+
+    def step(worker: str, at: float, tokens: int, rows: int, scale: float) -> dict:
+        shape = sim_cost.StepShape(tokens, rows, rows, 0, 0)
+        return {"worker": worker, "at": at, "tokens": tokens, "rows": rows, "sampled": rows, "attention": 0,
+                "kv_read": 0, "loop_s": 1.1 * scale * cost.seconds(shape) + overhead}
+    idle = [step("w0", 0.0, 1, 1, 1.0), step("w0", 1.0, long, 1, 1.0)]
+    decode = step("w1", 20.0, 1, 1, 1.2)["loop_s"]
+    busy = [step(w, 10.0, 1, 1, 1.2) for w in ("w0", "w1")] + [step("w0", 20.0, long + 1, 2, 1.1)] + \
+        [step("w1", 20.0 + i * decode, 1, 1, 1.2) for i in range(40)]     # w1 decodes all through w0's prefill
+    assert sim_check.contention(idle, busy, cost, overhead, 2.0) == (pytest.approx(0.2), pytest.approx(0.1))
+    three = [dict(t, loop_s=1.1 * 1.2 * 1.5 * cost.seconds(sim_cost.StepShape(1, 1, 1, 0, 0)) + 1.5 * overhead,
+                  worker=w) for t, w in zip([step("w", 30.0, 1, 1, 1.0)] * 3, ("w0", "w1", "w2"))]
+    lone = [step("w0", 40.0, 1, 1, 3.0)]
+    assert sim_check.contention(idle, three + lone, cost, overhead, 2.0) == (pytest.approx(0.2), 0.0)
+    assert sim_check.contention(idle, [step("w0", 40.0, 1, 1, 1.5)], cost, overhead, 2.0) == (0.0, 0.0)
+
+
 def test_the_other_processes_are_metered_over_spans_of_the_stack_s_life():
     """A span counts the CPU the metered processes took during it; cores are CPU seconds over seconds."""
     meter, spans = sim_check.Meter([os.getpid()]), []
