@@ -258,13 +258,15 @@ def probe(stack: Stack, cost: sim_cost.StepCost, vocab: int, seed: str = "probe"
     return Scaled(cost, scale, decode_scale), consts
 
 
-def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -> int:
+def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int, meter: "Meter",
+           spans: list[tuple[float, float]]) -> int:
     """How many of a busy worker's steps a request waits before it joins the engine: each worker decodes a
     long request while short ones (one output token) come one at a time. A short request's TTFT is the
     dispatch and the stream, the rest of the step under way (half a step on average), the intake's steps,
     and the step that prefills it; each is timed by the long request's token gaps on the short one's
     worker (the completion records say which), and short requests that found an idle worker are left out.
-    Then long prompts come one at a time, each prefilled beside the others' decodes (`contention`)."""
+    While the short ones come, `meter` appends the other processes' cores beside the busy workers to
+    `spans`. Then long prompts come one at a time, each prefilled beside the others' decodes (`contention`)."""
     rng = random.Random("intake")
     after = asyncio.run(results_seq(stack.nats_url))
     time.sleep(2 * subjects.HEARTBEAT_SECONDS)   # the router sees every worker idle: one long request each
@@ -275,7 +277,8 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int) -
                     for _ in range(workers)]
             while not all(s.result.chunks for s in c.sent):
                 await asyncio.sleep(0.01)
-            probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
+            with meter.span(spans):
+                probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
             long = [await c.send(tokens(rng, PROBE_LONG, vocab), 1) for _ in range(PROBES // 2 * workers)]
             return list(await asyncio.gather(*busy)), probes + long
     busy, probes = asyncio.run(run())
@@ -507,8 +510,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
             marks = [time.monotonic()]          # the idle probes' and the busy ones' windows in the step trace
             probes = [probe(stack, cost, vocab)]
             marks.append(time.monotonic())
-            with meter.span(busy):              # every worker busy: the other processes' cores beside them
-                intake_steps = intake(stack, *probes[0], workers, vocab)
+            intake_steps = intake(stack, *probes[0], workers, vocab, meter, busy)
             marks.append(time.monotonic())
             windows = []
             for rep in range(args.repeat):

@@ -207,7 +207,7 @@ def test_steps_side_by_side_slow_each_other_by_the_contention_of_their_kind():
     assert one["samples"]["ttft"] == pytest.approx([1.0]) and one["tpot_s"]["p50"] == pytest.approx(1.0)
 
 
-def test_the_cpu_simulation_takes_the_cores_the_other_processes_share_and_the_contention_from_the_command_line(monkeypatch):
+def test_the_cpu_simulation_takes_the_cores_the_others_share_and_the_contention_from_the_command_line(monkeypatch):
     monkeypatch.setattr(sim_cost, "load_or_fit", lambda model, threads: Second())
     args = cli.parser().parse_args(["sim", "--gpu", "cpu", "--model", "tiny", "--cores", "2",
                                     "--background-cores", "0.07", "--contention", "0.15", "0.05"])
