@@ -87,6 +87,21 @@ def test_the_run_s_speed_is_the_scale_that_times_its_own_steps_as_the_simulator_
     assert (kept.scale, kept.decode_scale) == (1.1, pytest.approx(0.9))     # no prefill step: the probed scale
 
 
+def test_the_probed_scales_follow_the_machine_below_the_fit_too():
+    """A stack 10% faster than when the cost was fitted probes 0.9, not 1; a decode slower than the prefill's
+    scale leaves its excess to the step overhead."""
+    cost = sim_cost.FittedCost("fit", 0.01, {"tokens": 0.001, "rows": 0.002}, {})
+    decode, prefill = sim_cost.StepShape(), sim_cost.StepShape()
+    decode.add(1, sim_check.PROBE_PROMPT + sim_check.PROBE_OUTPUT // 2, 1)
+    prefill.add(sim_check.PROBE_LONG, sim_check.PROBE_LONG, 1)
+    fast, overhead = sim_check.scales(cost, 0.9 * cost.seconds(decode), 0.9 * cost.seconds(prefill))
+    assert (fast.scale, fast.decode_scale, overhead) == (pytest.approx(0.9), pytest.approx(0.9), pytest.approx(0))
+    slow, overhead = sim_check.scales(cost, 1.2 * cost.seconds(decode) + 0.003,
+                                      1.2 * cost.seconds(prefill) + 0.003)
+    assert (slow.scale, slow.decode_scale) == (pytest.approx(1.2), pytest.approx(1.2))
+    assert overhead == pytest.approx(0.003)
+
+
 def test_contention_is_how_much_slower_the_busy_probes_steps_ran_than_the_idle_ones_per_other_core():
     """Idle probes at 1.1× the fit; busy ones, two workers on two cores at once, decode at 1.1 × 1.2 and
     prefill a long prompt at 1.1 × 1.1: contention 0.2 and 0.1 per other core. On three workers at once the
