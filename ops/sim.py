@@ -106,9 +106,9 @@ class SimConfig:
     step_overhead_s: float = 0.0 # per step, outside the engine's step (publishing tokens)
     cores: float = 0.0           # CPU cores the workers share, each busy one an equal share (0: a device each)
     background_cores: float = 0.0  # of those, what the other processes take (the bus, the services, the client)
-    contention: tuple[float, float] = (0.0, 0.0)   # CPU workers: how much longer a step runs per other worker
-                                 # stepping beside it on the cores (memory bandwidth, caches), beyond the share
-                                 # of the cores: (decode-only steps, steps that prefill)
+    contention: tuple[float, float] = (0.0, 0.0)   # CPU workers: how much longer a step runs per other core
+                                 # in use by a worker stepping beside it (memory bandwidth, caches), beyond the
+                                 # share of the cores: (decode-only steps, steps that prefill)
     intake_steps: int = 0        # a request reaching a busy worker joins its queue after this many of its steps
                                  # (a real worker takes work between steps, and its checks wait on the bus)
     # the workload: Poisson chats (unless arrivals are given)

@@ -401,16 +401,19 @@ def shape_of(t: dict) -> sim_cost.StepShape:
     return sim_cost.StepShape(t["tokens"], t["rows"], t["sampled"], t["attention"], t["kv_read"])
 
 
+def stepping(real: list[dict]) -> dict[int, int]:
+    """How many workers were stepping at each real step's middle (by id()), its own worker included."""
+    spans = [(t["at"], t["at"] + t["loop_s"]) for t in real]
+    return {id(t): sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans) for t in real}
+
+
 def shared(real: list[dict], cores: float, contention: tuple[float, float] = (0.0, 0.0)) -> dict[int, float]:
     """How much longer each real step ran (by id()) than alone, as the simulator slows it (`ops.sim`'s
     rates): n workers stepping at its middle, on `cores` (those the other processes left), each get
     min(1, cores / n) of a core, and run 1 + contention (of its kind) × (min(n, cores) − 1) slower."""
-    spans = [(t["at"], t["at"] + t["loop_s"]) for t in real]
-    out = {}
-    for t in real:
-        n = sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans)
-        out[id(t)] = max(1.0, n / cores) * (1 + contention[t["tokens"] > t["rows"]] * max(0.0, min(n, cores) - 1))
-    return out
+    n = stepping(real)
+    return {id(t): max(1.0, n[id(t)] / cores) * (1 + contention[t["tokens"] > t["rows"]] *
+                                                 max(0.0, min(n[id(t)], cores) - 1)) for t in real}
 
 
 def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, overhead: float,
@@ -426,9 +429,7 @@ def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, over
     def speed(steps: list[dict], slow: dict[int, float]) -> float:
         return sum(t["loop_s"] / slow[id(t)] - overhead for t in steps) / \
             sum(cost.seconds(shape_of(t)) for t in steps)
-    spans = [(t["at"], t["at"] + t["loop_s"]) for t in busy]
-    beside = {id(t): max(0.0, min(sum(a <= t["at"] + t["loop_s"] / 2 < b for a, b in spans), cores) - 1)
-              for t in busy}
+    beside = {k: max(0.0, min(n, cores) - 1) for k, n in stepping(busy).items()}
     out = []
     for prefill in (False, True):
         alone, together = picked(idle, prefill), [t for t in picked(busy, prefill) if beside[id(t)] > 0]
