@@ -384,24 +384,22 @@ class Cell:
     # also slow each other beyond that (they share the memory's bandwidth and the caches): by
     # cfg.contention of their kind per other core in use, min(n, cores) − 1.
 
-    def rates(self) -> dict[str, float]:
-        """Each stepping worker's speed: its share of the cores, less the contention."""
+    def rates(self) -> list[tuple[Worker, float]]:
+        """Each stepping worker and its speed, in cores: 1 / its `slowdown`."""
         busy = [w for w in self.workers.values() if w.busy]
         cores = self.cfg.cores - self.cfg.background_cores
-        share, beside = min(1.0, cores / max(1, len(busy))), max(0.0, min(len(busy), cores) - 1)
-        return {w.name: share / (1 + self.cfg.contention[w.prefilling] * beside) for w in busy}
+        return [(w, 1 / slowdown(len(busy), cores, self.cfg.contention[w.prefilling])) for w in busy]
 
     def advance(self) -> None:
         """Counts the work the steps under way did since the last count, at the speeds they had."""
         dt = self.now - self.shared_at
-        for name, rate in self.rates().items():
-            self.workers[name].left -= dt * rate
+        for w, rate in self.rates():
+            w.left -= dt * rate
         self.shared_at = self.now
 
     def reschedule(self) -> None:
         """Each step under way ends when its work left is done at today's speeds (earlier ends are void)."""
-        for name, rate in self.rates().items():
-            w = self.workers[name]
+        for w, rate in self.rates():
             w.token = self.seq + 1
             self.at(self.now + max(w.left, 0.0) / rate, self.shared_end, (w, w.token))
 
@@ -558,6 +556,13 @@ class Cell:
                 "route_seconds": self.route_s, "routes": self.routes, "handoffs": self.handoffs, "steps": self.steps,
                 "tracks": [{"worker": t.worker, "arrival": t.arrival, "began": t.began, "first": t.first,
                             "end": t.end, "cached": t.cached} for t in self.tracks.values()] if cfg.trace else []}
+
+
+def slowdown(stepping: int, cores: float, contention: float) -> float:
+    """How much longer a CPU worker's step runs than on a core of its own while `stepping` workers step on
+    `cores` (itself included): processor sharing's max(1, stepping / cores), times 1 + the contention of the
+    step's kind per other core in use, min(stepping, cores) − 1."""
+    return max(1.0, stepping / cores) * (1 + contention * max(0.0, min(stepping, cores) - 1))
 
 
 def run_cell(args) -> dict:

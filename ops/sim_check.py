@@ -281,7 +281,7 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int, m
     after = asyncio.run(results_seq(stack.nats_url))
     time.sleep(2 * subjects.HEARTBEAT_SECONDS)   # the router sees every worker idle: one long request each
 
-    async def run() -> tuple[list[Sent], list[Sent]]:
+    async def run() -> tuple[list[Sent], list[Sent], list[Sent]]:
         async with connect(stack.url) as c:
             busy = [asyncio.ensure_future(c.send(tokens(rng, PROBE_PROMPT, vocab), BUSY_OUTPUT))
                     for _ in range(workers)]
@@ -290,11 +290,10 @@ def intake(stack: Stack, cost: Scaled, consts: dict, workers: int, vocab: int, m
             with meter.span(spans):
                 probes = [await c.send(tokens(rng, PROBE_PROMPT, vocab), 1) for _ in range(PROBES * workers)]
             long = [await c.send(tokens(rng, PROBE_LONG, vocab), 1) for _ in range(PROBES // 2 * workers)]
-            return list(await asyncio.gather(*busy)), probes + long
-    busy, probes = asyncio.run(run())
+            return list(await asyncio.gather(*busy)), probes, long
+    busy, probes, long = asyncio.run(run())
     worker = {tuple(r.prompt_token_ids): r.worker
-              for r in asyncio.run(records(stack.nats_url, after, len(busy) + len(probes)))}
-    probes = probes[:PROBES * workers]
+              for r in asyncio.run(records(stack.nats_url, after, len(busy) + len(probes) + len(long)))}
     start, end = min(p.result.start for p in probes), max(p.result.end for p in probes)
     gaps: dict[str, list[float]] = {}
     for s in busy:
@@ -412,8 +411,13 @@ def shared(real: list[dict], cores: float, contention: tuple[float, float] = (0.
     rates): n workers stepping at its middle, on `cores` (those the other processes left), each get
     min(1, cores / n) of a core, and run 1 + contention (of its kind) × (min(n, cores) − 1) slower."""
     n = stepping(real)
-    return {id(t): max(1.0, n[id(t)] / cores) * (1 + contention[t["tokens"] > t["rows"]] *
-                                                 max(0.0, min(n[id(t)], cores) - 1)) for t in real}
+    return {id(t): sim.slowdown(n[id(t)], cores, contention[t["tokens"] > t["rows"]]) for t in real}
+
+
+def speed(steps: list[dict], slow: dict[int, float], cost: sim_cost.StepCost, overhead: float) -> float:
+    """The scale of the fitted cost that times these steps: Σ (loop time / its slowdown − the overhead) / Σ the
+    fitted cost, the mean speed, which a queue follows."""
+    return sum(t["loop_s"] / slow[id(t)] - overhead for t in steps) / sum(cost.seconds(shape_of(t)) for t in steps)
 
 
 def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, overhead: float,
@@ -425,10 +429,6 @@ def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, over
     fitted cost. 0 where no step ran beside another (one worker)."""
     def picked(steps: list[dict], prefill: bool) -> list[dict]:
         return [t for t in steps if (t["tokens"] >= PROBE_LONG if prefill else t["tokens"] == t["rows"])]
-
-    def speed(steps: list[dict], slow: dict[int, float]) -> float:
-        return sum(t["loop_s"] / slow[id(t)] - overhead for t in steps) / \
-            sum(cost.seconds(shape_of(t)) for t in steps)
     beside = {k: max(0.0, min(n, cores) - 1) for k, n in stepping(busy).items()}
     out = []
     for prefill in (False, True):
@@ -438,23 +438,19 @@ def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, over
             continue
         weight = [cost.seconds(shape_of(t)) for t in together]
         k = sum(w * beside[id(t)] for w, t in zip(weight, together)) / sum(weight)
-        ratio = speed(together, shared(busy, cores)) / speed(alone, shared(idle, cores))
+        ratio = speed(together, shared(busy, cores), cost, overhead) / speed(alone, shared(idle, cores), cost, overhead)
         out.append(max(0.0, (ratio - 1) / k))
     return out[0], out[1]
 
 
 def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float,
               contention: tuple[float, float] = (0.0, 0.0)) -> "Scaled":
-    """The scale of the fitted cost that times the run's own steps: for each kind, Σ (loop time / the
-    sharing − the overhead) / Σ the fitted cost over its steps, the mean speed, which the queue follows
-    (the median step's left out the occasional slow one and put Poisson's TTFT p50 at 1 worker 12% low).
+    """The scale of the fitted cost that times the run's own steps, for each kind (`speed`: the mean, where
+    the median step's left out the occasional slow one and put Poisson's TTFT p50 at 1 worker 12% low).
     A kind the run has no step of keeps the probed scale. Only the steps' durations go in, no request's
     latency."""
-    slow, scales = shared(real, cores, contention), {}
-    for kind, part in kinds(real):
-        if part:
-            scales[kind] = sum(t["loop_s"] / slow[id(t)] - overhead for t in part) / \
-                sum(cost.cost.seconds(shape_of(t)) for t in part)
+    slow = shared(real, cores, contention)
+    scales = {kind: speed(part, slow, cost.cost, overhead) for kind, part in kinds(real) if part}
     return Scaled(cost.cost, scales.get("prefill", cost.scale), scales.get("decode", cost.decode_scale))
 
 
