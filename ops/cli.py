@@ -439,7 +439,11 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--tpot-slo-ms", type=float, default=40.0, help="time per output token, p99 (default 40)")
     sm.add_argument("--search", action="store_true", help="find the fewest colocated workers per cell that meet "
                     "the SLOs at --rate (default: off)")
-    sm.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the sampled tokens (default 0)")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the arrivals, the sampled tokens and the jitter "
+                    "(default 0)")
+    sm.add_argument("--jitter", type=float, default=0.0, help="each step's time × a random factor of mean 1 whose "
+                    "log has this standard deviation: a real step's spread around the cost model (sim-check "
+                    "measures about 0.1 on this CPU; default 0)")
     sm.add_argument("--json", action="store_true", help="the figures as JSON (default: a table)")
     sm.add_argument("--plot", metavar="FILE", help="TTFT and TPOT CDFs and per-worker load (.png or .svg; "
                     "default: none)")
@@ -474,6 +478,9 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--repeat", type=int, default=1, help="runs of each workload on its stack, from the same seed "
                     "in other token ids (a cold prefix cache): the figures are their means, and the real runs' "
                     "spread is how far the real stack moves from run to run (default 1)")
+    sc.add_argument("--replicas", type=int, default=8, help="replays of each run in the simulator, each drawing its "
+                    "steps' jitter (their spread around the fitted cost, probed) from a seed of its own: the "
+                    "simulated figures are their means (default 8)")
     sc.add_argument("--steps", action="store_true", help="also compare the steps: the real workers' (their "
                     "TB_STEP_TRACE) against the simulator's, and the scaled cost on the real steps' shapes")
     sc.add_argument("--data-dir", help="keep each stack's logs here (default: a temporary directory)")

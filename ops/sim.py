@@ -109,6 +109,8 @@ class SimConfig:
     contention: tuple[float, float] = (0.0, 0.0)   # CPU workers: how much longer a step runs per other core
                                  # in use by a worker stepping beside it (memory bandwidth, caches), beyond the
                                  # share of the cores: (decode-only steps, steps that prefill)
+    jitter: float = 0.0          # each step's time × e^(N(0, jitter) − jitter²/2), a factor of mean 1: a real
+                                 # step's spread around the cost model (sim-check measures it on steps alone)
     intake_steps: int = 0        # a request reaching a busy worker joins its queue after this many of its steps
                                  # (a real worker takes work between steps, and its checks wait on the bus)
     # the workload: Poisson chats (unless arrivals are given)
@@ -217,6 +219,7 @@ class Cell:
         self.rng = random.Random(cfg.seed * 1_000_003 + index)          # sampled tokens, drafts kept
         self.arrivals_rng = random.Random(cfg.seed * 1_000_003 + index + 500_000)  # prompts
         self.clock = random.Random(cfg.seed * 1_000_003 + index + 700_000)  # arrival times: the same under any policy
+        self.noise = random.Random(cfg.seed * 1_000_003 + index + 900_000)  # the steps' jitter
         self.registry = Registry(Options(policy=cfg.policy, **cfg.router))
         names = ([(f"w{i}", "both") for i in range(cfg.workers)] + [(f"p{i}", "prefill") for i in
                  range(cfg.prefill_workers)] + [(f"d{i}", "decode") for i in range(cfg.decode_workers)])
@@ -356,7 +359,10 @@ class Cell:
         for req, n, samples, drafts in zip(batch.requests, batch.num_new_tokens, batch.samples, batch.drafts):
             shape.add(n, req.num_computed_tokens + n, (1 + len(drafts)) if samples else 0)
             drafted += len(drafts)
-        seconds = cfg.cost.seconds(shape) + cfg.step_overhead_s
+        seconds = cfg.cost.seconds(shape)
+        if cfg.jitter:
+            seconds *= math.exp(self.noise.gauss(0.0, cfg.jitter) - cfg.jitter ** 2 / 2)
+        seconds += cfg.step_overhead_s
         if drafted and cfg.spec_draft_cost:
             seconds += cfg.spec_draft_cost * cfg.spec_k * cfg.cost.seconds(
                 StepShape(shape.rows, shape.rows, shape.rows, float(shape.kv_read), shape.kv_read))
@@ -588,6 +594,8 @@ def simulate(cfg: SimConfig, arrivals: list[Arrival] | None = None) -> dict:
         raise ValueError("SimConfig.cost: a step cost model is needed")
     if arrivals is not None and cfg.cells != 1:
         raise ValueError("a replayed log runs on one cell")
+    if cfg.jitter < 0:
+        raise ValueError(f"SimConfig.jitter: the spread of a step's time must be at least 0, not {cfg.jitter}")
     cells = min(cfg.sample_cells or cfg.cells, cfg.cells)
     jobs = [(cfg, i, arrivals) for i in range(cells)]
     started = time.perf_counter()
@@ -760,6 +768,8 @@ def cpu_config(args) -> SimConfig:
 
 
 def config(args, cost: StepCost, kv_blocks: int, kv_bytes_per_token: float) -> SimConfig:
+    if args.jitter < 0:
+        raise SystemExit(f"--jitter {args.jitter}: the spread of a step's time must be at least 0")
     router = {"alpha": args.alpha, "max_local_prefill": args.max_local_prefill,
               "max_prefill_queue": args.max_prefill_queue}
     return SimConfig(
@@ -773,7 +783,7 @@ def config(args, cost: StepCost, kv_blocks: int, kv_bytes_per_token: float) -> S
         spec_k=args.spec_k, spec_acceptance=args.spec_acceptance, spec_draft_cost=args.spec_draft_cost,
         spec_max_batch=args.spec_max_batch, kv_bandwidth=args.kv_gb_per_s * 1e9,
         kv_bytes_per_token=kv_bytes_per_token, ttft_slo=args.ttft_slo_ms / 1e3, tpot_slo=args.tpot_slo_ms / 1e3,
-        seed=args.seed, scheduling_policy=args.scheduling_policy, tenants=tenants(args.tenant))
+        seed=args.seed, scheduling_policy=args.scheduling_policy, tenants=tenants(args.tenant), jitter=args.jitter)
 
 
 def tenants(texts: list[str] | None) -> tuple[SimTenant, ...]:

@@ -47,6 +47,7 @@ lengthen every step by about 4%.
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import random
 import statistics
@@ -350,7 +351,7 @@ def real_figures(sent: list[Sent]) -> dict:
             "output_tokens": out}
 
 
-def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: bool = False) -> dict:
+def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: bool = False, seed: int = 0) -> dict:
     t0 = min(s.at for s in sent)
     arrivals = sorted((sim.Arrival(s.at - t0, s.prompt, s.max_tokens, output=s.output) for s in sent),
                       key=lambda a: a.at)
@@ -359,13 +360,26 @@ def simulated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: b
     cfg = sim.SimConfig(workers=workers, cost=cost, block_size=args.block_size, num_blocks=args.kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, rate=0.0, drain=REQUEST_TIMEOUT,
-                        trace=trace, contention=beside, **consts)
+                        trace=trace, contention=beside, seed=seed, **consts)
     r = sim.simulate(cfg, arrivals)
     out = r["output_tokens_per_s"] * r["sim_seconds"]
     return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "ttft_samples": r["samples"]["ttft"],
             "output_tokens_per_s": out / (r["sim_seconds"] + consts["stream_s"]), "requests": r["finished"],
             "output_tokens": out, "prefix_hit_rate": r["prefix_hit_rate"], "preemptions": r["preemptions"]} \
         | ({k: r[k] for k in ("steps", "tracks")} if trace else {})
+
+
+def replicated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: bool = False) -> dict:
+    """The simulator's figures for one run: the means over `args.replicas` replays, each drawing its steps'
+    jitter (consts["jitter"]) from a seed of its own. Where a few steps' timing decides which worker a turn
+    goes to, one replay is one draw of where the turns pile up, and a p99 of a hundred turns is its second
+    largest; the real run is one draw too, the mean of the replays what the simulator predicts for it. The
+    first replay's steps and requests (`trace`) stand for the rest; the TTFT samples are all of theirs."""
+    runs = [simulated(sent, cost, consts, workers, args, trace and seed == 0, seed)
+            for seed in range(args.replicas if consts.get("jitter") else 1)]
+    out = mean_figures(runs)
+    out["ttft_samples"] = [t for r in runs for t in r["ttft_samples"]]
+    return out
 
 
 # -- steps (--steps) ------------------------------------------------------------------------------
@@ -441,6 +455,24 @@ def contention(idle: list[dict], busy: list[dict], cost: sim_cost.StepCost, over
         ratio = speed(together, shared(busy, cores), cost, overhead) / speed(alone, shared(idle, cores), cost, overhead)
         out.append(max(0.0, (ratio - 1) / k))
     return out[0], out[1]
+
+
+def jitter(idle: list[dict], cost: sim_cost.StepCost, overhead: float) -> float:
+    """How far a step alone strays from the fitted cost, as the simulator draws it (SimConfig.jitter): the
+    standard deviation of log(loop time − the overhead) − log(the fitted cost) over the idle probes' steps
+    (one request at a time, so each ran alone), each kind about its own median (the scales differ), read
+    from the interquartile range (IQR / 1.349, a normal's) so that one stalled step does not set it."""
+    logs = []
+    for _, part in kinds(idle):
+        own = [math.log((t["loop_s"] - overhead) / cost.seconds(shape_of(t))) for t in part
+               if t["loop_s"] > overhead and cost.seconds(shape_of(t)) > 0]
+        if own:
+            mid = statistics.median(own)
+            logs += [x - mid for x in own]
+    if len(logs) < 4:
+        return 0.0
+    q = statistics.quantiles(logs, n=4)
+    return (q[2] - q[0]) / 1.349
 
 
 def run_speed(real: list[dict], cost: "Scaled", overhead: float, cores: float,
@@ -538,11 +570,12 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         consts["contention_decode"], consts["contention_prefill"] = contention(
             traced(trace, [marks[:2]]), traced(trace, [marks[1:]]), cost, consts["step_overhead_s"], free)
         beside = (consts["contention_decode"], consts["contention_prefill"])
+        consts["jitter"] = jitter(traced(trace, [marks[:2]]), cost, consts["step_overhead_s"])
         reals = [real_figures(sent) for sent, _ in runs]
-        sims = [simulated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
+        sims = [replicated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
         real_steps = traced(trace, windows)
         at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"], free, beside)
-        speed_simd = mean_figures([{k: v for k, v in simulated(sent, at_speed, consts, workers, args).items()
+        speed_simd = mean_figures([{k: v for k, v in replicated(sent, at_speed, consts, workers, args).items()
                                     if k != "ttft_samples"} for sent, _ in runs])
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
         sim_requests = [simd.pop("tracks", ()) for simd in sims]
@@ -575,6 +608,8 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
 
 
 def main(args) -> int:
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas {args.replicas}: at least 1 replay of each run")
     model = resolve(args.model or "tiny")
     cfg = ModelConfig.load(model)
     args.max_model_len = cfg.max_model_len
@@ -654,8 +689,8 @@ def table(r: dict) -> str:
                      f"{real['requests']} requests × {row['runs']} run(s); dispatch {c['dispatch_s'] * 1e3:.1f} ms, "
                      f"stream {c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
                      f"{c['intake_steps']} steps, contention per other core decode {c['contention_decode']:.1%}, "
-                     f"prefill {c['contention_prefill']:.1%}, steps × {row['step_scale']:.2f} (decode × "
-                     f"{row['decode_scale']:.2f}; "
+                     f"prefill {c['contention_prefill']:.1%}, jitter {c.get('jitter', 0):.1%}, "
+                     f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}; "
                      f"probed before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, decode "
                      f"{before['decode_scale']:.2f}/{after['decode_scale']:.2f})")
         bg = row["background_cores"]

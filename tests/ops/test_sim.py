@@ -1,6 +1,8 @@
 """tokenbus sim: it runs the real scheduler, KV manager and router, and its figures follow from the cost model."""
 import dataclasses
 import json
+import math
+import statistics
 
 import pytest
 
@@ -205,6 +207,22 @@ def test_steps_side_by_side_slow_each_other_by_the_contention_of_their_kind():
     assert [w["requests"] for w in two["workers"]] == [1, 1]
     assert two["samples"]["ttft"] == pytest.approx([1.25, 1.25]) and two["tpot_s"]["p50"] == pytest.approx(1.5)
     assert one["samples"]["ttft"] == pytest.approx([1.0]) and one["tpot_s"]["p50"] == pytest.approx(1.0)
+
+
+def test_a_step_s_jitter_spreads_its_time_about_the_cost_model_and_its_seed_repeats_it():
+    """Jitter 0.2 on steps of one second: 400 decode steps keep a mean of 1 s, their logs spread with a
+    standard deviation of 0.2; the same seed draws the same steps and another seed others. A negative
+    jitter is refused."""
+    def steps(seed: int, jitter: float) -> list[float]:
+        cfg = small(Second(), workers=1, dispatch_s=0.0, stream_s=0.0, drain=1000.0, trace=True, jitter=jitter,
+                    seed=seed)
+        return [s["seconds"] for s in simulate(cfg, [Arrival(0.0, [16] * 32, 401)])["steps"]]
+    drawn = steps(0, 0.2)
+    assert len(drawn) == 401 and statistics.fmean(drawn) == pytest.approx(1.0, rel=0.03)
+    assert statistics.pstdev(math.log(s) for s in drawn) == pytest.approx(0.2, rel=0.1)
+    assert steps(0, 0.2) == drawn and steps(1, 0.2) != drawn and steps(0, 0.0) == [1.0] * 401
+    with pytest.raises(ValueError, match="jitter"):
+        simulate(small(Second(), jitter=-0.1), [Arrival(0.0, [16] * 32, 2)])
 
 
 def test_the_cpu_simulation_takes_the_cores_the_others_share_and_the_contention_from_the_command_line(monkeypatch):

@@ -1,7 +1,9 @@
 """`tokenbus sim-check` on the tiny model, small: the real stack and the simulator (with the CPU cost fitted
 here) run the same requests, and the simulator's TTFT, TPOT and throughput land near the real ones."""
+import math
 import os
 import random
+import statistics
 import time
 from argparse import Namespace
 
@@ -9,6 +11,7 @@ import orjson
 import pytest
 
 from ops import sim_check, sim_cost
+from ops.bench import Result
 from ops.cli import parser
 from ops.procs import cpu_seconds
 
@@ -123,6 +126,41 @@ def test_contention_is_how_much_slower_the_busy_probes_steps_ran_than_the_idle_o
     lone = [step("w0", 40.0, 1, 1, 3.0)]
     assert sim_check.contention(idle, three + lone, cost, overhead, 2.0) == (pytest.approx(0.2), 0.0)
     assert sim_check.contention(idle, [step("w0", 40.0, 1, 1, 1.5)], cost, overhead, 2.0) == (0.0, 0.0)
+
+
+def test_the_jitter_is_the_spread_of_the_steps_alone_about_the_fit_each_kind_about_its_own_scale():
+    """Idle probes' decodes at 1.1× the fit and prefills at 0.9×, each × e^N(0, 0.1), and one step stalled
+    tenfold: the jitter is 0.1, the two scales and the stall left out. Too few steps say nothing (0)."""
+    cost = sim_cost.FittedCost("fit", 0.01, {"tokens": 0.001, "rows": 0.002}, {})
+    overhead, rng = 0.002, random.Random(5)
+
+    def step(at: float, tokens: int, scale: float) -> dict:
+        shape = sim_cost.StepShape(tokens, 1, 1, 0, 0)
+        return {"worker": "w0", "at": at, "tokens": tokens, "rows": 1, "sampled": 1, "attention": 0, "kv_read": 0,
+                "loop_s": scale * math.exp(rng.gauss(0, 0.1)) * cost.seconds(shape) + overhead}
+    idle = [step(i, 1, 1.1) for i in range(300)] + [step(300 + i, sim_check.PROBE_LONG, 0.9) for i in range(100)]
+    idle.append(step(400, 1, 11.0))
+    assert sim_check.jitter(idle, cost, overhead) == pytest.approx(0.1, rel=0.15)
+    assert sim_check.jitter(idle[:3], cost, overhead) == 0.0
+
+
+def test_the_simulated_figures_are_the_means_of_replays_each_drawing_its_own_jitter():
+    """Four replays of a run whose steps spread (jitter 0.2) move its TTFT and TPOT; the figures compared are
+    their means, and their TTFT samples all of theirs. Without jitter one replay is all there is."""
+    cost = sim_cost.FittedCost("fit", 0.01, {"tokens": 0.001, "rows": 0.002}, {})
+    sent = [sim_check.Sent(0.05 * i, [16 + i] * 64, 8, Result(0.0), [20] * 8) for i in range(12)]
+    args = check_args("tiny", replicas=4, max_model_len=2048)
+    consts = {"dispatch_s": 0.004, "stream_s": 0.002, "step_overhead_s": 0.001, "intake_steps": 0, "cores": 2,
+              "background_cores": 0.0, "contention_decode": 0.0, "contention_prefill": 0.0, "jitter": 0.2}
+    each = [sim_check.simulated(sent, cost, consts, 3, args, seed=k) for k in range(4)]
+    assert len({e["ttft_s"]["p99"] for e in each}) > 1                   # each replay a draw of its own
+    mean = sim_check.replicated(sent, cost, consts, 3, args)
+    for m in ("ttft_s", "tpot_s"):
+        assert mean[m]["p99"] == pytest.approx(statistics.fmean(e[m]["p99"] for e in each))
+    assert sorted(mean["ttft_samples"]) == sorted(t for e in each for t in e["ttft_samples"])
+    still = sim_check.replicated(sent, cost, consts | {"jitter": 0.0}, 3, args)
+    assert still["ttft_s"] == sim_check.simulated(sent, cost, consts | {"jitter": 0.0}, 3, args)["ttft_s"]
+    assert len(still["ttft_samples"]) == len(sent)
 
 
 def test_the_other_processes_are_metered_over_spans_of_the_stack_s_life():
