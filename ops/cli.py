@@ -475,9 +475,11 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in a step at most (default 512)")
     sc.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     sc.add_argument("--seed", type=int, default=0, help="seed of the random workloads (default 0)")
-    sc.add_argument("--repeat", type=int, default=1, help="runs of each workload on its stack, from the same seed "
-                    "in other token ids (a cold prefix cache): the figures are their means, and the real runs' "
-                    "spread is how far the real stack moves from run to run (default 1)")
+    sc.add_argument("--repeat", type=int, nargs="+", default=[1], metavar="N", help="runs of each workload on its "
+                    "stack, from the same seed in other token ids (a cold prefix cache): one count for every "
+                    "workload, or one each in --workloads' order (a chat run takes seconds, a Poisson one minutes); "
+                    "the figures are their means, and the real runs' spread is how far the real stack moves from "
+                    "run to run (default 1)")
     sc.add_argument("--replicas", type=int, default=8, help="replays of each run in the simulator, each drawing its "
                     "steps' jitter (their spread around the fitted cost, probed) from a seed of its own: the "
                     "simulated figures are their means (default 8)")

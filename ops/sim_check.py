@@ -17,7 +17,7 @@ router, the workers, the gateway) is warmed with prompts of every length the run
 2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
    output has its max_tokens (`--repeat N`: N times from the same seed, in other token ids so each run
    starts with a cold prefix cache; Poisson's requests are then the same, a chat's draws interleave as
-   its replies come):
+   its replies come; `--repeat N M`: N times the first of `--workloads`, M times the second):
    - poisson: one-turn requests of random prompts, Poisson arrivals;
    - chat: conversations of several turns behind a few shared system prompts, each turn the whole
      history (with the replies the model gave) plus a new user message, after a pause to type it;
@@ -26,9 +26,13 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    the two rounds;
 4. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
    in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
-   busy worker taking a request the probed number of its steps after it comes. With several runs the
-   figures compared are the runs' means, and each real figure's spread ((largest − smallest) / mean)
-   says how far the real stack itself moves on the same workload: an error below it is noise;
+   busy worker taking a request the probed number of its steps after it comes, each step's time drawn
+   about the cost with the spread the idle probes' steps had about the fit (the jitter). Each run is
+   replayed `--replicas` times, each replay drawing its own jitter, and the simulated figures are the
+   replays' means: which worker a few steps' timing puts a burst of a chat's turns on decides its
+   p99, so one replay is one draw of it, as the real run is. With several runs the figures compared
+   are the runs' means, and each real figure's spread ((largest − smallest) / mean) says how far the
+   real stack itself moves on the same workload: an error below it is noise;
 5. the same replay runs again at the run's own speed (`run_speed`): the scale of the fitted cost that
    times the real workers' steps (each worker appends its steps' shapes and durations to the file
    STEP_TRACE names), so that the machine's drift between the probes and the run (±10% over minutes on
@@ -552,7 +556,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
             intake_steps = intake(stack, *probes[0], workers, vocab, meter, busy)
             marks.append(time.monotonic())
             windows = []
-            for rep in range(args.repeat):
+            for rep in range(args.repeat[k] if len(args.repeat) > 1 else args.repeat[0]):
                 after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
                 with meter.span(loads):
                     sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k,
@@ -610,6 +614,9 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
 def main(args) -> int:
     if args.replicas < 1:
         raise SystemExit(f"--replicas {args.replicas}: at least 1 replay of each run")
+    if len(args.repeat) not in (1, len(args.workloads)) or min(args.repeat) < 1:
+        raise SystemExit(f"--repeat {' '.join(map(str, args.repeat))}: one count of at least 1 for every workload, "
+                         f"or one for each of --workloads {' '.join(args.workloads)}")
     model = resolve(args.model or "tiny")
     cfg = ModelConfig.load(model)
     args.max_model_len = cfg.max_model_len

@@ -60,6 +60,14 @@ def test_a_repeat_draws_the_same_lengths_in_other_token_ids():
     assert sim_check.tokens(random.Random(3), 50, 1000) == first
 
 
+def test_repeat_and_replicas_out_of_range_are_refused_by_name(tiny_model):
+    for kw, named in (({"repeat": [2, 6, 1]}, "--repeat 2 6 1"), ({"repeat": [0]}, "--repeat 0"),
+                      ({"replicas": 0}, "--replicas 0")):
+        with pytest.raises(SystemExit, match=named):
+            sim_check.main(check_args(tiny_model, **kw))
+    assert parser().parse_args(["sim-check", "--repeat", "2", "6"]).repeat == [2, 6]
+
+
 def test_runs_are_compared_by_their_means_and_the_real_runs_spread_is_reported():
     def figures(ttft_p50: float, tpot_p99: float, rate: float) -> dict:
         return {"ttft_s": {"p50": ttft_p50, "p99": 2.0}, "tpot_s": {"p50": 0.1, "p99": tpot_p99},
