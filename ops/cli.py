@@ -443,7 +443,7 @@ def parser() -> argparse.ArgumentParser:
                     "(default 0)")
     sm.add_argument("--jitter", type=float, default=0.0, help="each step's time × a random factor of mean 1 whose "
                     "log has this standard deviation: a real step's spread around the cost model (sim-check "
-                    "measures about 0.1 on this CPU; default 0)")
+                    "probes 0.04-0.11 on this CPU; default 0)")
     sm.add_argument("--json", action="store_true", help="the figures as JSON (default: a table)")
     sm.add_argument("--plot", metavar="FILE", help="TTFT and TPOT CDFs and per-worker load (.png or .svg; "
                     "default: none)")

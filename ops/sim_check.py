@@ -571,10 +571,11 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         consts["background_cores"], metered = cores(busy), cores(loads)
         trace = data_dir / f"{name}-{workers}" / "steps.jsonl"
         free = consts["cores"] - consts["background_cores"]
+        idle = traced(trace, [marks[:2]])
         consts["contention_decode"], consts["contention_prefill"] = contention(
-            traced(trace, [marks[:2]]), traced(trace, [marks[1:]]), cost, consts["step_overhead_s"], free)
+            idle, traced(trace, [marks[1:]]), cost, consts["step_overhead_s"], free)
         beside = (consts["contention_decode"], consts["contention_prefill"])
-        consts["jitter"] = jitter(traced(trace, [marks[:2]]), cost, consts["step_overhead_s"])
+        consts["jitter"] = jitter(idle, cost, consts["step_overhead_s"])
         reals = [real_figures(sent) for sent, _ in runs]
         sims = [replicated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
         real_steps = traced(trace, windows)
