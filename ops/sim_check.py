@@ -468,8 +468,8 @@ def jitter(idle: list[dict], cost: sim_cost.StepCost, overhead: float) -> float:
     from the interquartile range (IQR / 1.349, a normal's) so that one stalled step does not set it."""
     logs = []
     for _, part in kinds(idle):
-        own = [math.log((t["loop_s"] - overhead) / cost.seconds(shape_of(t))) for t in part
-               if t["loop_s"] > overhead and cost.seconds(shape_of(t)) > 0]
+        own = [math.log((t["loop_s"] - overhead) / fitted) for t in part
+               if t["loop_s"] > overhead and (fitted := cost.seconds(shape_of(t))) > 0]
         if own:
             mid = statistics.median(own)
             logs += [x - mid for x in own]
@@ -556,7 +556,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
             intake_steps = intake(stack, *probes[0], workers, vocab, meter, busy)
             marks.append(time.monotonic())
             windows = []
-            for rep in range(args.repeat[k] if len(args.repeat) > 1 else args.repeat[0]):
+            for rep in range(args.repeat[k]):
                 after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
                 with meter.span(loads):
                     sent = asyncio.run(drive(stack.url, WORKLOADS[name], args, workers, vocab, args.seed + k,
@@ -618,6 +618,7 @@ def main(args) -> int:
     if len(args.repeat) not in (1, len(args.workloads)) or min(args.repeat) < 1:
         raise SystemExit(f"--repeat {' '.join(map(str, args.repeat))}: one count of at least 1 for every workload, "
                          f"or one for each of --workloads {' '.join(args.workloads)}")
+    args.repeat = args.repeat * len(args.workloads) if len(args.repeat) == 1 else args.repeat   # one per workload
     model = resolve(args.model or "tiny")
     cfg = ModelConfig.load(model)
     args.max_model_len = cfg.max_model_len
