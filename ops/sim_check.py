@@ -14,26 +14,33 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    steps run beside each other than alone, beyond the share of the cores (the contention: workers
    stepping at once share the memory's bandwidth and the caches; from the workers' traced steps, the
    busy probes' against the idle ones', for decodes and for long prefills beside the others' decodes);
-2. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
+2. a pilot of the workload runs (`pilot_args`: the same rate and concurrency, a third of Poisson's requests,
+   half of each conversation's turns, drawn from another seed, so other prompts); it runs again after the
+   measured runs (step 3), from yet another seed;
+3. the workload runs through the gateway's websocket as token ids, greedy, EOS ignored, so every
    output has its max_tokens (`--repeat N`: N times from the same seed, in other token ids so each run
    starts with a cold prefix cache; Poisson's requests are then the same, a chat's draws interleave as
    its replies come; `--repeat N M`: N times the first of `--workloads`, M times the second):
    - poisson: one-turn requests of random prompts, Poisson arrivals;
    - chat: conversations of several turns behind a few shared system prompts, each turn the whole
      history (with the replies the model gave) plus a new user message, after a pause to type it;
-3. the idle probes run again (on prompts the stack has not seen): an idle stack's steps move by ±10%
+4. the idle probes run again (on prompts the stack has not seen): an idle stack's steps move by ±10%
    between one probe and the next on a shared machine, so the scale and constants are the means of
    the two rounds;
-4. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
+5. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
    in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
-   busy worker taking a request the probed number of its steps after it comes, each step's time drawn
-   about the cost with the spread the idle probes' steps had about the fit (the jitter). Each run is
+   busy worker taking a request the probed number of its steps after it comes, each step's time the
+   fitted cost at the pilots' speed (`run_speed` on the pilots' steps, both pilots together) drawn about
+   with the spread the idle probes' steps had about the fit (the jitter). The pilots time the workload's
+   own kind of steps, which one scale probed on a lone long prefill does not: the fit puts a lone
+   prefill of 128-512 tokens 7-12% short and a chat's small prefills beside decodes about right, so the
+   idle probes' scale ran 5.5% long on the chat's steps on average (`probed_speed`, kept beside). Each run is
    replayed `--replicas` times, each replay drawing its own jitter, and the simulated figures are the
    replays' means: which worker a few steps' timing puts a burst of a chat's turns on decides its
    p99, so one replay is one draw of it, as the real run is. With several runs the figures compared
    are the runs' means, and each real figure's spread ((largest − smallest) / mean) says how far the
    real stack itself moves on the same workload: an error below it is noise;
-5. the same replay runs again at the run's own speed (`run_speed`): the scale of the fitted cost that
+6. the same replay runs again at the run's own speed (`run_speed`): the scale of the fitted cost that
    times the real workers' steps (each worker appends its steps' shapes and durations to the file
    STEP_TRACE names), so that the machine's drift between the probes and the run (±10% over minutes on
    a shared machine) is told apart from what the simulator models: queueing, batching, routing, the
@@ -48,6 +55,7 @@ gateway and this client; `Meter`, from /proc) while every worker is busy in the 
 lengthen every step by about 4%.
 `--steps` shows the real and simulated steps side by side (`steps_report`).
 """
+import argparse
 import asyncio
 import contextlib
 import itertools
@@ -539,6 +547,28 @@ def spread(runs: list[dict]) -> dict:
 
 
 SHIFT = 7919                  # a repeat's token ids move by this many: the same draws, a cold prefix cache
+PILOT_SEED = 1000             # a pilot's workload is drawn from the run's seed + this (+ 1 for the one after)
+
+
+def pilot_args(args):
+    """A pilot of the workload: the same rate and concurrency (requests/s, conversations), a third of Poisson's
+    requests and half of each conversation's turns."""
+    return argparse.Namespace(**{**vars(args), "requests": -(-args.requests // 3), "turns": max(1, args.turns // 2)})
+
+
+def pilot(stack: Stack, name: str, args, workers: int, vocab: int, seed: int, windows: list) -> int:
+    """A pilot of the workload (`pilot_args`, drawn from `seed`) on the stack; its window goes to `windows`.
+    Returns how many requests it sent."""
+    began = time.monotonic()
+    sent = asyncio.run(drive(stack.url, WORKLOADS[name], pilot_args(args), workers, vocab, seed))
+    windows.append((began, time.monotonic()))
+    return len(sent)
+
+
+def timed(runs: list, cost: Scaled, consts: dict, workers: int, args) -> dict:
+    """The runs replayed with steps timed by `cost`: the mean figures of their replays."""
+    return mean_figures([{k: v for k, v in replicated(sent, cost, consts, workers, args).items()
+                          if k != "ttft_samples"} for sent, _ in runs])
 
 
 def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> list[dict]:
@@ -555,7 +585,8 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
             marks.append(time.monotonic())
             intake_steps = intake(stack, *probes[0], workers, vocab, meter, busy)
             marks.append(time.monotonic())
-            windows = []
+            windows, pilots = [], []                   # the runs' and the pilots' windows in the step trace
+            piloted_requests = pilot(stack, name, args, workers, vocab, args.seed + k + PILOT_SEED, pilots)
             for rep in range(args.repeat[k]):
                 after, began = asyncio.run(results_seq(stack.nats_url)), time.monotonic()
                 with meter.span(loads):
@@ -563,6 +594,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
                                              rep * SHIFT))
                 windows.append((began, time.monotonic()))
                 runs.append((sent, asyncio.run(records(stack.nats_url, after, len(sent)))))
+            piloted_requests += pilot(stack, name, args, workers, vocab, args.seed + k + PILOT_SEED + 1, pilots)
             probes.append(probe(stack, cost, vocab, "probe after"))
         finally:
             stack.stop()
@@ -577,11 +609,11 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         beside = (consts["contention_decode"], consts["contention_prefill"])
         consts["jitter"] = jitter(idle, cost, consts["step_overhead_s"])
         reals = [real_figures(sent) for sent, _ in runs]
-        sims = [replicated(sent, scaled, consts, workers, args, args.steps) for sent, _ in runs]
+        piloted = run_speed(traced(trace, pilots), scaled, consts["step_overhead_s"], free, beside)
+        sims = [replicated(sent, piloted, consts, workers, args, args.steps) for sent, _ in runs]
         real_steps = traced(trace, windows)
         at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"], free, beside)
-        speed_simd = mean_figures([{k: v for k, v in replicated(sent, at_speed, consts, workers, args).items()
-                                    if k != "ttft_samples"} for sent, _ in runs])
+        speed_simd, idle_simd = (timed(runs, speed, consts, workers, args) for speed in (at_speed, scaled))
         sim_steps = [t for simd in sims for t in simd.pop("steps", ())]
         sim_requests = [simd.pop("tracks", ()) for simd in sims]
         recs = [r for _, rs in runs for r in rs]
@@ -593,10 +625,13 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         simd["dispatch_s"] = sim.percentiles([consts["dispatch_s"]])
         simd["worker_ttft_s"] = sim.percentiles([t - consts["dispatch_s"] - consts["stream_s"] for t in samples])
         row = {"workload": name, "workers": workers, "threads": threads, "runs": len(runs), "real": real,
-               "sim": simd, "error": errors(real, simd), "step_scale": round(scaled.scale, 3),
-               "decode_scale": round(scaled.decode_scale, 3),
+               "sim": simd, "error": errors(real, simd), "step_scale": round(piloted.scale, 3),
+               "decode_scale": round(piloted.decode_scale, 3),
+               "pilot_requests": piloted_requests,
                "probes": [{"step_scale": round(p.scale, 3), "decode_scale": round(p.decode_scale, 3)}
                           for p, _ in probes],
+               "probed_speed": {"step_scale": round(scaled.scale, 3), "decode_scale": round(scaled.decode_scale, 3),
+                                "sim": idle_simd, "error": errors(real, idle_simd)},
                "constants": {k: round(v, 6) for k, v in consts.items()},
                "background_cores": {"probed": round(consts["background_cores"], 4), "runs": round(metered, 4)},
                "run_speed": {"step_scale": round(at_speed.scale, 3), "decode_scale": round(at_speed.decode_scale, 3),
@@ -604,7 +639,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         if len(runs) > 1:
             row["real_runs"], row["real_spread"] = reals, spread(reals)
         if args.steps:
-            row["steps"] = steps_report(real_steps, sim_steps, scaled, consts["step_overhead_s"],
+            row["steps"] = steps_report(real_steps, sim_steps, piloted, consts["step_overhead_s"],
                                         consts["cores"] - metered, beside)
             row["requests"] = [paired(sent, recs, simr, consts["stream_s"])
                                for (sent, recs), simr in zip(runs, sim_requests)]
@@ -630,8 +665,9 @@ def main(args) -> int:
             report["fits"][f"{threads_for(workers)}t"] = cost.to_json()
             report["results"] += check(model, workers, cost, args, cfg.vocab_size, data_dir)
     report["worst_error"] = round(max(abs(v) for r in report["results"] for v in r["error"].values()), 4)
-    report["worst_error_run_speed"] = round(max(abs(v) for r in report["results"]
-                                                for v in r["run_speed"]["error"].values()), 4)
+    for key in ("run_speed", "probed_speed"):
+        report[f"worst_error_{key}"] = round(max(abs(v) for r in report["results"]
+                                                 for v in r[key]["error"].values()), 4)
     print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() if args.json else table(report))
     return 0
 
@@ -699,9 +735,13 @@ def table(r: dict) -> str:
                      f"stream {c['stream_s'] * 1e3:.1f} ms, step overhead {c['step_overhead_s'] * 1e3:.2f} ms, intake "
                      f"{c['intake_steps']} steps, contention per other core decode {c['contention_decode']:.1%}, "
                      f"prefill {c['contention_prefill']:.1%}, jitter {c.get('jitter', 0):.1%}, "
-                     f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}; "
-                     f"probed before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, decode "
-                     f"{before['decode_scale']:.2f}/{after['decode_scale']:.2f})")
+                     f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}), timed on the "
+                     f"pilots' {row['pilot_requests']} requests")
+        idle = row["probed_speed"]
+        lines.append(f"at the idle probes' speed: steps × {idle['step_scale']:.2f} (decode × "
+                     f"{idle['decode_scale']:.2f}; before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, "
+                     f"decode {before['decode_scale']:.2f}/{after['decode_scale']:.2f}), errors "
+                     + ", ".join(f"{k} {v:+.1%}" for k, v in idle["error"].items()))
         bg = row["background_cores"]
         lines.append(f"other processes: {bg['probed']:.3f} cores beside the busy workers (the intake probe's; "
                      f"the simulator's), {bg['runs']:.3f} metered over the runs")
@@ -723,5 +763,6 @@ def table(r: dict) -> str:
         if "steps" in row:
             lines += step_lines(row["steps"])
     lines.append("")
-    lines.append(f"worst error: {r['worst_error']:.1%} (at the run's speed: {r['worst_error_run_speed']:.1%})")
+    lines.append(f"worst error: {r['worst_error']:.1%} (at the run's speed: {r['worst_error_run_speed']:.1%}; "
+                 f"at the idle probes': {r['worst_error_probed_speed']:.1%})")
     return "\n".join(lines)

@@ -43,10 +43,14 @@ def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_mode
         assert r["sim"]["output_tokens"] == pytest.approx(r["real"]["output_tokens"])   # EOS ignored: max_tokens each
         assert all(abs(e) < BOUND for e in r["error"].values()), r["error"]
         assert all(abs(e) < BOUND for e in r["run_speed"]["error"].values()), r["run_speed"]
+        assert all(abs(e) < BOUND for e in r["probed_speed"]["error"].values()), r["probed_speed"]
+        assert r["step_scale"] > 0 and r["decode_scale"] > 0            # timed on the pilots, before and after
+        assert r["pilot_requests"] == 2 * (6 if r["workload"] == "poisson" else 2)   # a third; half of 3 turns
         assert r["run_speed"]["step_scale"] > 0 and r["run_speed"]["decode_scale"] > 0
         assert r["constants"]["intake_steps"] >= 0                  # probed with the worker busy
         assert r["runs"] == 1 and len(r["probes"]) == 2 and "real_spread" not in r   # probed before and after
-        assert min(p["step_scale"] for p in r["probes"]) <= r["step_scale"] <= max(p["step_scale"] for p in r["probes"])
+        probed = r["probed_speed"]["step_scale"]
+        assert min(p["step_scale"] for p in r["probes"]) <= probed <= max(p["step_scale"] for p in r["probes"])
         for side in ("real", "sim"):                                # where the TTFT goes: dispatch, then worker
             assert 0 < r[side]["dispatch_s"]["p50"] < r[side]["ttft_s"]["p99"]
             assert r[side]["worker_ttft_s"]["p50"] > 0
@@ -58,6 +62,16 @@ def test_a_repeat_draws_the_same_lengths_in_other_token_ids():
     assert len(first) == len(again) == 50 and all(16 <= t < 1000 for t in first + again)
     assert all(a != b for a, b in zip(first, again))                     # no shared prefix: no shared KV block
     assert sim_check.tokens(random.Random(3), 50, 1000) == first
+
+
+def test_a_pilot_is_the_workload_shorter_at_the_same_rate_and_concurrency():
+    args = check_args("tiny", requests=60, conversations=10, turns=4, rate=0.5)
+    small = sim_check.pilot_args(args)
+    assert (small.requests, small.turns) == (20, 2)                      # a third of Poisson's; half the turns
+    assert (small.rate, small.conversations, small.prompt_len) == (0.5, 10, args.prompt_len)
+    assert (args.requests, args.turns) == (60, 4)                        # the run's own are left as they are
+    one = sim_check.pilot_args(check_args("tiny", requests=1, turns=1))
+    assert (one.requests, one.turns) == (1, 1)                           # never none
 
 
 def test_repeat_and_replicas_out_of_range_are_refused_by_name(tiny_model):
