@@ -33,16 +33,16 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    fitted cost at the pilots' speed (`run_speed` on the pilots' steps, both pilots together) drawn about
    with the spread the idle probes' steps had about the fit (the jitter). The pilots time the workload's
    own kind of steps, which one scale probed on a lone long prefill does not: the fit puts a lone
-   prefill of 128-512 tokens 7-12% short and a chat's small prefills beside decodes about right, so the
-   idle probes' scale ran 5.5% long on the chat's steps on average (`probed_speed`, kept beside). Each run is
-   replayed `--replicas` times, each replay drawing its own jitter, and the simulated figures are the
-   replays' means: which worker a few steps' timing puts a burst of a chat's turns on decides its
-   p99, so one replay is one draw of it, as the real run is. With several runs the figures compared
-   are the runs' means, and each real figure's spread ((largest − smallest) / mean) says how far the
-   real stack itself moves on the same workload: an error below it is noise;
+   prefill of 128-512 tokens 3-12% short and a chat's small prefills beside decodes about right, so the
+   idle probes' scale ran 5.5% long on the chat's steps on average (its replay is kept beside as
+   `probed_speed`). Each run is replayed `--replicas` times, each replay drawing its own jitter, and
+   the simulated figures are the replays' means: which worker a few steps' timing puts a burst of a
+   chat's turns on decides its p99, so one replay is one draw of it, as the real run is. With several
+   runs the figures compared are the runs' means, and each real figure's spread ((largest − smallest) /
+   mean) says how far the real stack itself moves on the same workload: an error below it is noise;
 6. the same replay runs again at the run's own speed (`run_speed`): the scale of the fitted cost that
    times the real workers' steps (each worker appends its steps' shapes and durations to the file
-   STEP_TRACE names), so that the machine's drift between the probes and the run (±10% over minutes on
+   STEP_TRACE names), so that the machine's drift between the pilots and the run (±10% over minutes on
    a shared machine) is told apart from what the simulator models: queueing, batching, routing, the
    sharing of the cores. Only the steps' durations go in, no request's latency.
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
