@@ -396,12 +396,14 @@ def replicated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: 
 
 # -- steps (--steps) ------------------------------------------------------------------------------
 
-def traced(path: Path, windows: list[tuple[float, float]]) -> list[dict]:
-    """The real workers' steps (their STEP_TRACE lines) that started within one of the runs' windows."""
-    if not path.exists():
-        return []
-    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line]
-    return [t for t in lines if any(a <= t["at"] <= b for a, b in windows)]
+def trace_steps(path: Path) -> list[dict]:
+    """The real workers' steps: their STEP_TRACE lines."""
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line] if path.exists() else []
+
+
+def traced(steps: list[dict], windows: list[tuple[float, float]]) -> list[dict]:
+    """The steps that started within one of the windows."""
+    return [t for t in steps if any(a <= t["at"] <= b for a, b in windows)]
 
 
 def kinds(steps: list[dict]) -> tuple[tuple[str, list[dict]], ...]:
@@ -601,7 +603,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         scaled, consts = averaged(probes)
         consts["intake_steps"], consts["cores"] = intake_steps, os.cpu_count() or 1
         consts["background_cores"], metered = cores(busy), cores(loads)
-        trace = data_dir / f"{name}-{workers}" / "steps.jsonl"
+        trace = trace_steps(data_dir / f"{name}-{workers}" / "steps.jsonl")
         free = consts["cores"] - consts["background_cores"]
         idle = traced(trace, [marks[:2]])
         consts["contention_decode"], consts["contention_prefill"] = contention(
@@ -609,7 +611,8 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         beside = (consts["contention_decode"], consts["contention_prefill"])
         consts["jitter"] = jitter(idle, cost, consts["step_overhead_s"])
         reals = [real_figures(sent) for sent, _ in runs]
-        piloted = run_speed(traced(trace, pilots), scaled, consts["step_overhead_s"], free, beside)
+        pilot_steps = traced(trace, pilots)
+        piloted = run_speed(pilot_steps, scaled, consts["step_overhead_s"], free, beside)
         sims = [replicated(sent, piloted, consts, workers, args, args.steps) for sent, _ in runs]
         real_steps = traced(trace, windows)
         at_speed = run_speed(real_steps, scaled, consts["step_overhead_s"], free, beside)
@@ -627,7 +630,7 @@ def check(model: str, workers: int, cost, args, vocab: int, data_dir: Path) -> l
         row = {"workload": name, "workers": workers, "threads": threads, "runs": len(runs), "real": real,
                "sim": simd, "error": errors(real, simd), "step_scale": round(piloted.scale, 3),
                "decode_scale": round(piloted.decode_scale, 3),
-               "pilot_requests": piloted_requests,
+               "pilot_requests": piloted_requests, "pilot_steps": len(pilot_steps),
                "probes": [{"step_scale": round(p.scale, 3), "decode_scale": round(p.decode_scale, 3)}
                           for p, _ in probes],
                "probed_speed": {"step_scale": round(scaled.scale, 3), "decode_scale": round(scaled.decode_scale, 3),
@@ -736,7 +739,7 @@ def table(r: dict) -> str:
                      f"{c['intake_steps']} steps, contention per other core decode {c['contention_decode']:.1%}, "
                      f"prefill {c['contention_prefill']:.1%}, jitter {c.get('jitter', 0):.1%}, "
                      f"steps × {row['step_scale']:.2f} (decode × {row['decode_scale']:.2f}), timed on the "
-                     f"pilots' {row['pilot_requests']} requests")
+                     f"pilots' {row['pilot_steps']} steps of {row['pilot_requests']} requests")
         idle = row["probed_speed"]
         lines.append(f"at the idle probes' speed: steps × {idle['step_scale']:.2f} (decode × "
                      f"{idle['decode_scale']:.2f}; before/after {before['step_scale']:.2f}/{after['step_scale']:.2f}, "

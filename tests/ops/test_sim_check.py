@@ -46,6 +46,7 @@ def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_mode
         assert all(abs(e) < BOUND for e in r["probed_speed"]["error"].values()), r["probed_speed"]
         assert r["step_scale"] > 0 and r["decode_scale"] > 0            # timed on the pilots, before and after
         assert r["pilot_requests"] == 2 * (6 if r["workload"] == "poisson" else 2)   # a third; half of 3 turns
+        assert r["pilot_steps"] > r["pilot_requests"]                   # their steps found in the workers' trace
         assert r["run_speed"]["step_scale"] > 0 and r["run_speed"]["decode_scale"] > 0
         assert r["constants"]["intake_steps"] >= 0                  # probed with the worker busy
         assert r["runs"] == 1 and len(r["probes"]) == 2 and "real_spread" not in r   # probed before and after
