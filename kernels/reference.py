@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-DECODE_GROUP = 16  # decodes per padded batch: 8-16 are fastest on CPU, 64 at once 2-4x slower (workers.microbench)
+DECODE_GROUP = 16  # decodes per padded batch: 8-16 are fastest on CPU, 64 at once 2-4x slower (lab.benchmarks)
 SPLIT = 128        # KV positions per split: scores, maxima and sums run over whole splits, in order
 QUERY_TILE = 256   # prefill queries per part: bounds a part's scores to QUERY_TILE x its KV length
 EXP_FLOOR = -80.0  # exp under about -87 is denormal or zero, and 10-100x slower on CPU

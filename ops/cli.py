@@ -37,7 +37,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"   # catalogue.DEFAULT, named here: impor
 MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
 BENCH_MODEL = f"{MODEL} (default: tiny, random weights: it measures the machinery, not a language model)"
 PEER_ENGINES = ("engine", "engine-bf16", "pipeline-ws", "pipeline-openai", "hf-generate", "hf-cb", "llama-f32",
-                "llama-f16", "llama-bf16", "llama-q4_1")   # ops.bench_peers.ENGINES, named here: it imports torch
+                "llama-f16", "llama-bf16", "llama-q4_1")   # lab.peers.bench.ENGINES, named here: it imports torch
 
 
 def delegate(module: str, function: str = "main", exits: bool = False):
@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-hf", action="store_true", help="run only the engine")
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is one, else cpu")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    b.set_defaults(func=delegate("workers.bench"))
+    b.set_defaults(func=delegate("lab.benchmarks.engine"))
 
     ev = sub.add_parser("eval", help="measure a model: perplexity of a text, the engine's beside HF transformers'")
     evsub = ev.add_subparsers(dest="metric", required=True)
@@ -201,7 +201,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-kv-blocks", type=int, default=1024, help="the KV pool of each size, in blocks")
     t.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     t.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    t.set_defaults(func=delegate("workers.bench_tp"))
+    t.set_defaults(func=delegate("lab.benchmarks.tp"))
 
     bp = sub.add_parser("bench-pipeline", help="the whole pipeline vs the offline engine on the same workload")
     bp.add_argument("--model", help=BENCH_MODEL)
@@ -225,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
                     help="the pipeline alone: the worker's engine is a stand-in whose step sleeps STEP_MS and gives "
                          "every running request a token (no engine side)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bp.set_defaults(func=delegate("ops.bench_pipeline"))
+    bp.set_defaults(func=delegate("lab.benchmarks.pipeline"))
 
     bpe = sub.add_parser("bench-peers", help="the engine vs llama.cpp's server and HF on the same workloads, "
                                              "one client, each engine in turn")
@@ -259,7 +259,7 @@ def parser() -> argparse.ArgumentParser:
     bpe.add_argument("--data-dir", help="keep the stacks' logs here (default: a temporary directory)")
     bpe.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bpe.add_argument("--plot", metavar="FILE", help="throughput and TPOT bars per engine (.png or .svg)")
-    bpe.set_defaults(func=delegate("ops.bench_peers"))
+    bpe.set_defaults(func=delegate("lab.peers.bench"))
 
     bs = sub.add_parser("bench-spec", help="speculative decoding (n-gram fixed k, adaptive; a draft model) vs none "
                                            "on the same prompts: TPOT one at a time, tokens/s at concurrency, "
@@ -279,7 +279,7 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0, help="seed of the concurrent workload")
     bs.add_argument("--json", metavar="FILE", help="also write the results as JSON (with every output's token ids)")
     bs.add_argument("--plot", metavar="FILE", help="TPOT and throughput bars per configuration (.png or .svg)")
-    bs.set_defaults(func=delegate("ops.bench_spec", exits=True))
+    bs.set_defaults(func=delegate("lab.benchmarks.spec", exits=True))
 
     bst = sub.add_parser("bench-structured", help="structured output's cost: step time and output tokens/s with 0, 25 "
                                                   "and 100%% of a batch's rows constrained by a JSON schema, and "
@@ -298,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--repeat", type=int, default=3, help="runs of each share and compiles of each schema; "
                                                            "medians are reported (default: 3)")
     bst.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    bst.set_defaults(func=delegate("ops.bench_structured", exits=True))
+    bst.set_defaults(func=delegate("lab.benchmarks.structured", exits=True))
 
     bd = sub.add_parser("bench-disagg", help="colocated workers vs disaggregated prefill/decode on as many workers, "
                                              "one mixed workload: chat TPOT, long-prompt TTFT, throughput, KV "
@@ -324,7 +324,7 @@ def parser() -> argparse.ArgumentParser:
                                        "(default: a temporary directory)")
     bd.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bd.add_argument("--plot", metavar="FILE", help="TPOT, TTFT and throughput bars per configuration (.png or .svg)")
-    bd.set_defaults(func=delegate("ops.bench_disagg", exits=True))
+    bd.set_defaults(func=delegate("lab.benchmarks.disagg", exits=True))
 
     pn = sub.add_parser("plan", help="capacity arithmetic of a deployment: weights and KV per GPU, concurrency, "
                                      "roofline step times, one node's rate within the SLOs, nodes at the peak, "
@@ -447,7 +447,7 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--json", action="store_true", help="the figures as JSON (default: a table)")
     sm.add_argument("--plot", metavar="FILE", help="TTFT and TPOT CDFs and per-worker load (.png or .svg; "
                     "default: none)")
-    sm.set_defaults(func=delegate("ops.sim"))
+    sm.set_defaults(func=delegate("lab.capacity.sim"))
 
     sc = sub.add_parser("sim-check", help="tokenbus sim with the CPU cost fitted on this machine against the real "
                                           "stack on the same requests: TTFT, TPOT and throughput errors")
@@ -487,7 +487,7 @@ def parser() -> argparse.ArgumentParser:
                     "TB_STEP_TRACE) against the simulator's, and the scaled cost on the real steps' shapes")
     sc.add_argument("--data-dir", help="keep each stack's logs here (default: a temporary directory)")
     sc.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
-    sc.set_defaults(func=delegate("ops.sim_check", exits=True))
+    sc.set_defaults(func=delegate("lab.capacity.check", exits=True))
 
     br = sub.add_parser("bench-routing", help="the routing policies on 3 workers: prefix hit rate, TTFT, load")
     br.add_argument("--model", help=BENCH_MODEL)
@@ -514,7 +514,7 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     br.add_argument("--data-dir", help="keep the stack's logs and JetStream here (default: a temporary directory)")
     br.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    br.set_defaults(func=delegate("ops.bench_routing"))
+    br.set_defaults(func=delegate("lab.benchmarks.routing"))
 
     ch = sub.add_parser("chaos", help="fault scenarios against a live stack under a verified load: lost, "
                         "duplicated, wrong tokens, recovery time")
@@ -537,7 +537,7 @@ def parser() -> argparse.ArgumentParser:
     ch.add_argument("--data-dir", help="keep each scenario's stack (logs, JetStream) under here "
                                        "(default: a temporary directory)")
     ch.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    ch.set_defaults(func=delegate("ops.chaos", exits=True))
+    ch.set_defaults(func=delegate("lab.chaos.scenarios", exits=True))
 
     u = sub.add_parser("up", help="the local stack: nats-server, tokenizer, router, workers, gateway")
     u.add_argument("--port", type=int, default=8000, help="the gateway's port (websocket at /ws)")
@@ -681,7 +681,7 @@ def parser() -> argparse.ArgumentParser:
     bg.add_argument("--streams", type=int, default=64, help="concurrent streams for the tokens/s measurement")
     bg.add_argument("--tokens", type=int, default=1000, help="tokens per stream")
     bg.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    bg.set_defaults(func=delegate("ops.bench_gateway"))
+    bg.set_defaults(func=delegate("lab.benchmarks.gateway"))
     i = sub.add_parser("inspect", help="watch a subject, or read a stream, with every payload decoded")
     i.add_argument("subject", help="a subject, wildcards allowed (tb.out.*, tb.>, $KV.tb_workers.>)")
     i.add_argument("--count", type=int, metavar="N", help="stop after N messages")
@@ -749,7 +749,7 @@ def parser() -> argparse.ArgumentParser:
     bn.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     bn.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bn.set_defaults(func=delegate("ops.bench"))
+    bn.set_defaults(func=delegate("lab.benchmarks.load"))
     return p
 
 

@@ -1,5 +1,5 @@
 """nats-server clusters as local processes: the configuration file of each node, starting a node (on
-127.0.0.1 or in a network namespace of its own, ops/netns.py), waiting for JetStream's meta leader, and
+127.0.0.1 or in a network namespace of its own, lab/chaos/netns.py), waiting for JetStream's meta leader, and
 finding which node leads a stream. The same file layout runs on separate hosts (docs/cluster.md)."""
 import json
 import time

@@ -33,8 +33,8 @@ step kernels 150 $PYTEST tests/kernels/test_triton.py tests/kernels/test_triton_
 step engine 180 $PYTEST -s tests/workers/test_cuda.py tests/workers/test_sampler.py -k "cuda or Cuda"
 wait
 # then the measurements, one at a time
-step kernel-bench 120 python3 -m kernels.bench
-step shard 120 python3 -m kernels.bench --shard
+step kernel-bench 120 python3 -m lab.benchmarks.kernels
+step shard 120 python3 -m lab.benchmarks.kernels --shard
 step bench-engine 100 python3 -m ops.cli bench-engine --model small --num-requests 64 --input-len 128 512 \
     --output-len 128 128 --repeat 2
 

@@ -92,11 +92,34 @@ class Efficiency:
     target_utilization: float = 0.8   # of a node's capacity, at the peak
 
 
-def measured_cpu(dtype: str = "float32") -> Gpu:
-    """This machine as a "GPU": the matmul peak (workers.microbench) and a large copy's bandwidth."""
+PEAK_SIZE = 2048
+
+
+def peak_flops(dtype, size: int = PEAK_SIZE, rounds: int = 5) -> float:
+    """FLOP/s of the best of `rounds` pairs of [size, size] x [size, size] products in one oneDNN call,
+    the weight prepacked once (the engine's linear kernel at its most efficient), at torch's current
+    thread count."""
     import torch
 
-    from workers.microbench import peak_flops
+    from workers.layers.linear import onednn
+
+    weight = torch.randn(size, size).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, size)
+    x = torch.randn(size, size).to(dtype)
+    onednn(x, packed, None)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        onednn(x, packed, None)
+        onednn(x, packed, None)
+        best = min(best, (time.perf_counter() - start) / 2)
+    return 2 * size ** 3 / best
+
+
+def measured_cpu(dtype: str = "float32") -> Gpu:
+    """This machine as a "GPU": the matmul peak and a large copy's bandwidth."""
+    import torch
+
     flops = peak_flops(getattr(torch, dtype))
     x = torch.empty(64 << 20, dtype=torch.float32)          # 256 MB
     y = torch.empty_like(x)

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from ops import cluster, netns
-from ops.chaos import logs
+from lab.chaos import netns
+from lab.chaos.scenarios import logs
+from ops import cluster
 from ops.procs import free_port
 from ops.up import Stack
 from schemas import subjects

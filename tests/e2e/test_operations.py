@@ -14,7 +14,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ops import bench, procs, records, replay
+from lab.benchmarks import load as bench
+from ops import procs, records, replay
 from ops.cli import parser
 from ops.status import read_registry
 from schemas import subjects

@@ -6,7 +6,7 @@ pytest.importorskip("triton")
 
 import kernels.reference
 import kernels.triton
-from kernels.bench import use_kernels
+from lab.benchmarks.kernels import use_kernels
 from schemas.sampling import SamplingParams
 from tests.kernels.device import DEVICE
 from workers.engine.engine import EngineConfig, LLMEngine

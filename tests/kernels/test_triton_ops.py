@@ -65,7 +65,7 @@ def test_silu_and_mul_matches_the_reference_and_the_layer(inter):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, main() runs the whole benchmark")
 def test_the_kernel_benchmark_says_it_needs_cuda_and_exits_cleanly_without(capsys):
-    from kernels.bench import main, peak
+    from lab.benchmarks.kernels import main, peak
 
     main([])
     assert "no CUDA device" in capsys.readouterr().out

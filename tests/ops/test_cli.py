@@ -44,7 +44,7 @@ def test_a_bad_argument_is_a_clear_error_not_a_traceback(tiny_model):
 def test_every_chunk_rate_flag_refuses_a_negative_rate_naming_the_flag(capsys):
     """`tokenbus up` and bench-pipeline pass --chunk-rate to the worker: they check it as it does,
     before anything starts."""
-    from ops.bench_pipeline import stand_in_parser
+    from lab.benchmarks.pipeline import stand_in_parser
     from ops.cli import parser as tokenbus
     from workers.service import parser as worker
 

@@ -64,7 +64,7 @@ class StepTrace:
     seconds: float          # the whole step
     forward_seconds: float  # model forward + logits
     kv_waste_slots: int     # allocated but unused KV slots over the scheduled requests
-    num_sampled: int = 0    # the step's shape for a cost model (ops.sim_cost.StepShape): rows that sample
+    num_sampled: int = 0    # the step's shape for a cost model (lab.capacity.cost.StepShape): rows that sample
     attention: float = 0.0  # Σ new tokens × the keys each attends to
     kv_read: int = 0        # Σ context after the step
 

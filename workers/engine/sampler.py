@@ -107,7 +107,7 @@ def race(probs: torch.Tensor, ids: torch.Tensor, seeds: torch.Tensor, positions:
     return ids.expand_as(probs).gather(1, choice).squeeze(1)
 
 
-CANDIDATES = 256  # top_k/top_p look here first: ~4.5x cheaper than a sort at 64 x 4096 (workers.microbench)
+CANDIDATES = 256  # top_k/top_p look here first: ~4.5x cheaper than a sort at 64 x 4096 (lab.benchmarks.microbench)
 
 
 def filter_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):

@@ -1,9 +1,9 @@
-"""`python -m workers.microbench`: the CPU microbenchmarks behind docs/engine-performance.md.
+"""`python -m lab.benchmarks.microbench`: the CPU microbenchmarks behind docs/engine-performance.md.
 
 Each line times one choice the engine made against its alternatives, taking turns between them
 (this machine's neighbours come and go) and reporting each one's best round, in milliseconds:
 decode-attention group size, 3-D vs 4-D prefill attention, prepacked oneDNN vs sgemm linear
-layers, and the sampler's top-candidates path vs a full sort. `python -m workers.microbench peak`
+layers, and the sampler's top-candidates path vs a full sort. `python -m lab.benchmarks.microbench peak`
 measures only the CPU's ceiling: a large matmul's FLOP/s in float32 and bfloat16.
 """
 import random
@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 import kernels.reference as ref
 import workers.engine.sampler as sampler_module
+from ops.plan import PEAK_SIZE, peak_flops
 from schemas.sampling import SamplingParams
 from workers.distributed import SINGLE
 from workers.engine.request import Request
-from workers.layers.linear import ColumnParallelLinear, onednn, prepack_for_cpu
+from workers.layers.linear import ColumnParallelLinear, prepack_for_cpu
 
 
 def best_ms(fns: dict, rounds: int = 7, number: int = 10) -> dict[str, float]:
@@ -99,20 +100,6 @@ def top_p_sampling() -> list[str]:
     t = best_ms({"top": with_candidates(256), "sort": with_candidates(4096)})
     return [f"sampler, 64 rows x 4096, T=0.8 top_p=0.9: top-256 candidates {t['top']:6.2f} ms, "
             f"full sort {t['sort']:6.2f} ms"]
-
-
-PEAK_SIZE = 2048
-
-
-def peak_flops(dtype: torch.dtype, size: int = PEAK_SIZE, rounds: int = 5) -> float:
-    """FLOP/s of the best of `rounds` [size, size] x [size, size] products in one oneDNN call, the
-    weight prepacked once (the engine's linear kernel at its most efficient), at torch's current
-    thread count."""
-    weight = torch.randn(size, size).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, size)
-    x = torch.randn(size, size).to(dtype)
-    ms = best_ms({"mm": lambda: onednn(x, packed, None)}, rounds=rounds, number=2)["mm"]
-    return 2 * size ** 3 / (ms / 1e3)
 
 
 def peak() -> list[str]:

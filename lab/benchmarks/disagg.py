@@ -37,9 +37,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops.bench import Result, WsClient, stats
-from ops.bench_peers import OPTIONS, finish, fmt, ratio
-from ops.bench_routing import router_stats
+from lab.benchmarks.load import Result, WsClient, stats
+from lab.benchmarks.routing import router_stats
+from lab.peers.bench import OPTIONS, finish, fmt, ratio
 from ops.procs import free_port
 from ops.status import read_registry
 from ops.up import Stack

@@ -1,6 +1,6 @@
-"""kernels.bench --shard's machinery on the CPU, with a small shard: the engine steps of two depths give
+"""lab.benchmarks.kernels --shard's machinery on the CPU, with a small shard: the engine steps of two depths give
 a prefill row and a decode row per batch, each decode step holding the whole batch at its context."""
-from kernels.bench import shard_layers, shard_table
+from lab.benchmarks.kernels import shard_layers, shard_table
 
 SMALL = {"hidden": 128, "intermediate": 256, "heads": 4, "kv_heads": 1, "head_dim": 32}
 

@@ -16,8 +16,8 @@ is all-reduce under 15% of the decode step.
 import json
 import time
 
+from lab.benchmarks.engine import workload
 from schemas.sampling import SamplingParams
-from workers.bench import workload
 from workers.engine.engine import EngineConfig, LLMEngine
 
 

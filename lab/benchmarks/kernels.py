@@ -1,4 +1,4 @@
-"""`python -m kernels.bench [--json] [--cpu]`: the Triton kernels against their references on a CUDA device.
+"""`python -m lab.benchmarks.kernels [--json] [--cpu]`: the Triton kernels against their references on a CUDA device.
 
 Per kernel and shape: time (triton.testing.do_bench, median) and achieved memory bandwidth (bytes
 the kernel must move / time) against the card's peak; decode attention at context 1k-32k and batch
@@ -323,7 +323,7 @@ def cpu_attention() -> dict:
 
     import kernels.cpu as native
     import kernels.reference as ref
-    from workers.microbench import best_ms
+    from lab.benchmarks.microbench import best_ms
 
     rng = random.Random(0)
     decodes = [rng.randint(200, 500) for _ in range(64)]
@@ -348,7 +348,7 @@ def cpu_attention() -> dict:
 def cpu_engine(model: str, dtype: str | None, rounds: int) -> dict:
     import kernels.cpu as native
     import kernels.reference as ref
-    from workers.bench import timed_engine_run, workload
+    from lab.benchmarks.engine import timed_engine_run, workload
     from workers.engine.engine import EngineConfig, LLMEngine
     from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig
@@ -424,7 +424,7 @@ def cpu_table(report: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.benchmarks.kernels", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--cpu", action="store_true", help="the native CPU attention against the reference, on this CPU")
     p.add_argument("--engine", metavar="MODEL", help="with --cpu: the engine on MODEL with each attention")
@@ -442,7 +442,7 @@ def main(argv=None) -> None:
         print(json.dumps(report, indent=2) if args.json else cpu_table(report))
         return
     if not torch.cuda.is_available():
-        print("kernels.bench: no CUDA device here; the Triton kernels are checked on CPU by the tests "
+        print("lab.benchmarks.kernels: no CUDA device here; the Triton kernels are checked on CPU by the tests "
               "(TRITON_INTERPRET=1) and measured on a GPU machine with this command.")
         return
     if args.shard:

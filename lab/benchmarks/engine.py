@@ -13,9 +13,9 @@ import time
 
 import torch
 
+from ops.plan import PEAK_SIZE, peak_flops
 from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
-from workers.microbench import PEAK_SIZE, peak_flops
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:

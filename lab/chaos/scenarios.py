@@ -22,11 +22,11 @@ completion record and a usage record: a request whose client was cut or resumed 
 and is metered once).
 
 With --cluster every scenario runs on a 3-node nats cluster (R3 streams), each node a process with its own
-store and routes, in a network namespace of its own where the machine allows (ops/netns.py); the node
+store and routes, in a network namespace of its own where the machine allows (lab/chaos/netns.py); the node
 scenarios SIGKILL the node leading TB_REQUESTS or a follower of it (it comes back NODE_DOWN_SECONDS later,
 from its store), or cut TB_REQUESTS' leader off the network for PARTITION_SECONDS. Their rows add the
 longest time a stream or bucket the node led had no leader. "throughput" adds the cost of R3 and of an
-fsync before every acknowledgement against a single server (ops/bench_cluster.py)."""
+fsync before every acknowledgement against a single server (lab/benchmarks/cluster.py)."""
 import asyncio
 import contextlib
 import json
@@ -41,7 +41,9 @@ from pathlib import Path
 import orjson
 import websockets
 
-from ops import bench_cluster, cluster, netns, procs
+from lab.benchmarks import cluster as bench_cluster
+from lab.chaos import netns
+from ops import cluster, procs
 from ops.up import Stack
 from schemas import roles, subjects
 

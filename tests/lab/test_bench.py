@@ -1,4 +1,4 @@
-"""`tokenbus bench` against fake gateways (tests/ops/fake_servers.py) that stream max_tokens one-token
+"""`tokenbus bench` against fake gateways (tests/lab/fake_servers.py) that stream max_tokens one-token
 chunks after a known TTFT and inter-token gap, over the websocket protocol and the OpenAI SSE API."""
 import asyncio
 import random
@@ -6,9 +6,9 @@ import random
 import orjson
 import pytest
 
-from ops import bench
+from lab.benchmarks import load as bench
 from ops.cli import parser
-from tests.ops.fake_servers import TIMER_SLACK_MS, serving
+from tests.lab.fake_servers import TIMER_SLACK_MS, serving
 
 TTFT, ITL = 0.03, 0.004
 

@@ -7,9 +7,9 @@ Engines (--engines), each in turn, alone on the machine:
 - pipeline-ws, pipeline-openai: the whole stack of `tokenbus up` (one worker), over the websocket
   protocol and over the OpenAI API (/v1/completions);
 - hf-generate: HF transformers' `generate` in static batches of the concurrency (left-padded, each
-  batch run for its longest output, as workers/bench.py runs it); hf-cb: HF's continuous batching
+  batch run for its longest output, as lab/benchmarks/engine.py runs it); hf-cb: HF's continuous batching
   (`init_continuous_batching`, requests added and collected as they end);
-- llama-f32, llama-f16, llama-bf16: llama.cpp's `llama-server` (ops/llamacpp.py: built once from
+- llama-f32, llama-f16, llama-bf16: llama.cpp's `llama-server` (lab/peers/llamacpp.py: built once from
   the llama-cpp-python sdist) serving our checkpoint written as GGUF in that type, with --parallel
   equal to the concurrency and each slot's context the workload's longest request; llama-q4_1: the
   same server on the catalogue's own Q4_1 file, as a user would run it (another precision).
@@ -54,8 +54,8 @@ from pathlib import Path
 
 import orjson
 
-from ops import llamacpp
-from ops.bench import HttpClient, Result, WsClient, stats
+from lab.benchmarks.load import HttpClient, Result, WsClient, stats
+from lab.peers import llamacpp
 from workers.models import catalogue
 
 OPTIONS = {"temperature": 0, "ignore_eos": True}      # greedy, every request to its output length
@@ -223,11 +223,11 @@ def model_flops(cfg, workload: Workload) -> float:
 
 
 def peak_gflops(dtype: str = "float32", n: int = 2048) -> float:
-    """The CPU's matmul peak as measured here, in GFLOP/s: workers.microbench.peak_flops, an n×n
+    """The CPU's matmul peak as measured here, in GFLOP/s: ops.plan.peak_flops, an n×n
     product in one prepacked oneDNN call in `dtype` (float32, bfloat16), on torch's threads."""
     import torch
 
-    from workers.microbench import peak_flops
+    from ops.plan import peak_flops
 
     return peak_flops(getattr(torch, dtype), size=n) / 1e9
 
@@ -333,7 +333,7 @@ class HfStatic:
         return results, time.perf_counter() - start
 
     def batch(self, turns: list[Turn]) -> list[Result]:
-        from workers.bench import hf_generate
+        from lab.benchmarks.engine import hf_generate
 
         clock, sent = Clock(), time.perf_counter()
         hf_generate(self.model, [(t.prompt, t.max_tokens) for t in turns], clock)

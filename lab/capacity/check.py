@@ -28,7 +28,7 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    between one probe and the next on a shared machine, so the scale and constants are the means of
    the two rounds;
 5. what the client sent — each request's time from the start, its prompt and max_tokens — is replayed
-   in `ops.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
+   in `lab.capacity.sim.simulate` with the workers' engine settings, thread count and the probes' constants, a
    busy worker taking a request the probed number of its steps after it comes, each step's time the
    fitted cost at the pilots' speed (`run_speed` on the pilots' steps, both pilots together) drawn about
    with the spread the idle probes' steps had about the fit (the jitter). The pilots time the workload's
@@ -71,9 +71,10 @@ from pathlib import Path
 import orjson
 import websockets
 
-from ops import sim, sim_cost
-from ops.bench import Result
-from ops.bench_routing import records, results_seq
+from lab.benchmarks.load import Result
+from lab.benchmarks.routing import records, results_seq
+from lab.capacity import cost as sim_cost
+from lab.capacity import sim
 from ops.procs import cpu_seconds, free_port
 from ops.up import Stack
 from schemas import subjects
@@ -435,7 +436,7 @@ def stepping(real: list[dict]) -> dict[int, int]:
 
 
 def shared(real: list[dict], cores: float, contention: tuple[float, float] = (0.0, 0.0)) -> dict[int, float]:
-    """How much longer each real step ran (by id()) than alone, as the simulator slows it (`ops.sim`'s
+    """How much longer each real step ran (by id()) than alone, as the simulator slows it (`lab.capacity.sim`'s
     rates): n workers stepping at its middle, on `cores` (those the other processes left), each get
     min(1, cores / n) of a core, and run 1 + contention (of its kind) × (min(n, cores) − 1) slower."""
     n = stepping(real)

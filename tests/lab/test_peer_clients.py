@@ -1,4 +1,4 @@
-"""Other projects' benchmark clients, unchanged (ops/peer_clients.py installs each pinned version into a
+"""Other projects' benchmark clients, unchanged (lab/peers/clients.py installs each pinned version into a
 venv of its own), run a short benchmark of the OpenAI chat API of a real stack (one worker, the tiny
 model): guidellm 0.8.1 and aiperf 0.13. Each must finish every request without an error, count the
 output tokens asked for (ignore_eos, by the server's usage) and measure a TTFT for every request."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import peer_clients
+from lab.peers import clients as peer_clients
 from ops.procs import free_port
 from ops.up import Stack
 from tests.e2e.conftest import WORKER_ARGS, running

@@ -3,7 +3,7 @@
 Each simulated worker is one real `Scheduler` over one real `KVCacheManager`; the router is one real
 `Registry` (services/router/policy.py) with its real `KvIndex`, fed the heartbeats and KV events the
 workers would publish. Nothing of the model runs: a step's duration comes from a cost model of its
-shape (ops/sim_cost.py: the plan's roofline for GPUs, a fit of the real engine for this CPU), and its
+shape (lab/capacity/cost.py: the plan's roofline for GPUs, a fit of the real engine for this CPU), and its
 sampled tokens are drawn at random. So a change to the scheduler's or the router's policy changes the
 simulation, and the simulation says what it would do to a fleet.
 
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from ops.sim_cost import RooflineCost, StepCost, StepShape
+from lab.capacity.cost import RooflineCost, StepCost, StepShape
 from schemas.hashing import hash_blocks
 from schemas.messages import MAX_WEIGHT, MIN_WEIGHT, Heartbeat, KvEvent
 from schemas.sampling import SamplingParams
@@ -755,9 +755,9 @@ def gpu_config(args) -> SimConfig:
 
 
 def cpu_config(args) -> SimConfig:
-    """The simulation of CPU workers: each step's cost fitted on this machine's real engine (ops.sim_cost),
+    """The simulation of CPU workers: each step's cost fitted on this machine's real engine (lab.capacity.cost),
     the workers sharing its cores."""
-    from ops import sim_cost
+    from lab.capacity import cost as sim_cost
     from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig
     model = ModelConfig.load(resolve(args.model))

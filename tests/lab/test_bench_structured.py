@@ -7,7 +7,7 @@ import jsonschema
 import orjson
 import pytest
 
-from ops import bench_structured as bst
+from lab.benchmarks import structured as bst
 from ops.cli import parser
 
 

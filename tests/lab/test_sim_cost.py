@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ops import plan, sim_cost
-from ops.sim_cost import FittedCost, RooflineCost, StepShape
+from lab.capacity import cost as sim_cost
+from lab.capacity.cost import FittedCost, RooflineCost, StepShape
+from ops import plan
 from workers.models.config import ModelConfig
 
 TINY = ModelConfig.from_hf(plan.hf(vocab=100, hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1,

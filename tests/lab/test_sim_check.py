@@ -10,8 +10,9 @@ from argparse import Namespace
 import orjson
 import pytest
 
-from ops import sim_check, sim_cost
-from ops.bench import Result
+from lab.benchmarks.load import Result
+from lab.capacity import check as sim_check
+from lab.capacity import cost as sim_cost
 from ops.cli import parser
 from ops.procs import cpu_seconds
 

@@ -3,7 +3,7 @@
 $TOKENBUS_HOME (it downloads and converts the default model) until a plain websocket client has a
 whole answer. `make run` itself serves on ports 8000 and 4222; here `tokenbus up` gets free ones.
 
-    python ops/first_answer.py [--repo .] [--dir DIR] [--question "..."] [--json]
+    python lab/benchmarks/first_answer.py [--repo .] [--dir DIR] [--question "..."] [--json]
 
 Only the standard library and `websockets` (of the interpreter running it) are needed."""
 import argparse

@@ -5,8 +5,10 @@ import sys
 
 import pytest
 
-from ops import bench_cluster, chaos, cli
-from ops.chaos import CLUSTER_SCENARIOS, SCENARIOS, Outcome, Result, Run, table
+from lab.benchmarks import cluster as bench_cluster
+from lab.chaos import scenarios as chaos
+from lab.chaos.scenarios import CLUSTER_SCENARIOS, SCENARIOS, Outcome, Result, Run, table
+from ops import cli
 
 
 def scored(outcomes: dict[str, Outcome], expected: dict[str, list[int]]) -> Result:

@@ -1,4 +1,4 @@
-"""`tokenbus bench-peers`: its driver against fake servers (tests/ops/fake_servers.py) that stream one
+"""`tokenbus bench-peers`: its driver against fake servers (tests/lab/fake_servers.py) that stream one
 token per chunk after a known TTFT and gap, as llama-server's /v1/completions and the websocket
 protocol do; its schedule around an in-process engine; its figures from known timings. Never builds
 llama.cpp (a fake binary stands in where one is started)."""
@@ -12,11 +12,11 @@ import numpy as np
 import orjson
 import pytest
 
-from ops import bench_peers as bp
-from ops import llamacpp
-from ops.bench import Result
+from lab.benchmarks.load import Result
+from lab.peers import bench as bp
+from lab.peers import llamacpp
 from ops.cli import parser
-from tests.ops.fake_servers import TIMER_SLACK_MS, Traffic, serving
+from tests.lab.fake_servers import TIMER_SLACK_MS, Traffic, serving
 from workers.models.config import ModelConfig
 
 TTFT, ITL = 0.05, 0.005

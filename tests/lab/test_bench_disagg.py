@@ -7,7 +7,7 @@ from argparse import Namespace
 import orjson
 import pytest
 
-from ops import bench_disagg as bd
+from lab.benchmarks import disagg as bd
 from ops.cli import parser
 from schemas.messages import Heartbeat, KvTransfer
 

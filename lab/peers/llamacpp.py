@@ -221,6 +221,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, since: int) -> Non
     raise PeerError(f"llama-server was not ready within {START_TIMEOUT:.0f} s; see {log}")
 
 
-if __name__ == "__main__":        # python -m ops.llamacpp: just the build
+if __name__ == "__main__":        # python -m lab.peers.llamacpp: just the build
     print(ensure_server())
     print(build_info())

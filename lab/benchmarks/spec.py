@@ -30,8 +30,8 @@ import random
 import traceback
 from dataclasses import dataclass
 
-from ops.bench import Corpus, length
-from ops.bench_peers import (
+from lab.benchmarks.load import Corpus, length
+from lab.peers.bench import (
     BLOCK_SIZE,
     OPTIONS,
     EngineLoop,

@@ -4,7 +4,7 @@ answering every request with max_tokens one-token chunks after `ttft` seconds, `
 as fast as the socket takes them); a Traffic records what they were sent. Run in a thread (tests) or
 as a process, to measure the bench client's own CPU:
 
-    python -m tests.ops.fake_servers --port 18100 [--ttft 0] [--itl 0]
+    python -m tests.lab.fake_servers --port 18100 [--ttft 0] [--itl 0]
 """
 import argparse
 import asyncio

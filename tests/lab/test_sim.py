@@ -6,10 +6,11 @@ import statistics
 
 import pytest
 
-from ops import cli, sim_cost
+from lab.capacity import cost as sim_cost
+from lab.capacity.cost import RooflineCost, StepShape
+from lab.capacity.sim import Arrival, Cell, SimConfig, SimTenant, cpu_config, parse_tenant, replayed, search, simulate
+from ops import cli
 from ops.plan import GPUS, Efficiency, Plan, Workload, model_config
-from ops.sim import Arrival, Cell, SimConfig, SimTenant, cpu_config, parse_tenant, replayed, search, simulate
-from ops.sim_cost import RooflineCost, StepShape
 from workers.engine.scheduler import Scheduler
 
 

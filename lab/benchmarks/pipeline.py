@@ -17,7 +17,7 @@ process) used in the best throughput round, in cores (CPU seconds / wall seconds
 token: on a machine with few cores every core-second another process takes is taken from the
 worker's engine. With --bus-stats, one more (untimed) round counts the messages on the bus per
 output token, by subject. With --stand-in STEP_MS the worker's engine is a stand-in (`python -m
-ops.bench_pipeline`, this module's other half) whose step sleeps STEP_MS and gives every running
+lab.benchmarks.pipeline`, this module's other half) whose step sleeps STEP_MS and gives every running
 request a token: the pipeline alone at a given engine speed, its CPU per token free of the engine's.
 """
 import argparse
@@ -203,7 +203,7 @@ async def paired_ttfts(url: str, engine: LLMEngine, requests) -> list[tuple[floa
     return pairs
 
 
-# -- the stand-in engine (--stand-in; python -m ops.bench_pipeline) ------------------------------
+# -- the stand-in engine (--stand-in; python -m lab.benchmarks.pipeline) ------------------------------
 
 class StandIn:
     """The engine as the worker service uses it, without a model: a step sleeps `step_ms` (the forward,
@@ -271,7 +271,8 @@ STAND_IN_ARGS = ("--max-num-seqs=", "--chunk-rate=")     # the worker's options 
 
 
 def stand_in_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_pipeline", description="A worker with a stand-in engine.")
+    p = argparse.ArgumentParser(prog="python -m lab.benchmarks.pipeline",
+                                description="A worker with a stand-in engine.")
     p.add_argument("--nats-url", required=True)
     p.add_argument("--step-ms", type=float, required=True, help="milliseconds one step sleeps")
     p.add_argument("--vocab", type=int, required=True, help="token ids are drawn below this")
@@ -299,7 +300,7 @@ def main(args) -> dict:
         try:
             stack.start()
             if llm is None:
-                stack.spawn("w0", "ops.bench_pipeline", "--nats-url", stack.nats_url, f"--step-ms={args.stand_in}",
+                stack.spawn("w0", "lab.benchmarks.pipeline", "--nats-url", stack.nats_url, f"--step-ms={args.stand_in}",
                             f"--vocab={vocab}",
                             f"--served-model-name={os.path.basename(os.path.normpath(model))}",
                             *(a for a in worker_args if a.startswith(STAND_IN_ARGS)), role="worker")

@@ -1,5 +1,5 @@
 """`tokenbus bench-gateway`: what one gateway process costs and can carry, against a fast fake worker
-(`python -m ops.bench_gateway`, this module's other half: it takes requests from TB_REQUESTS as the
+(`python -m lab.benchmarks.gateway`, this module's other half: it takes requests from TB_REQUESTS as the
 tokenizer would and answers each at once, one token per chunk, interleaving the streams like engine
 steps). nats-server, the fake worker and the gateway are processes; the clients are raw HTTP/1.1 in
 this one, so a client costs little next to the gateway.
@@ -43,7 +43,7 @@ PROMPT_TOKENS = 8
 TAIL = [1, 2, 3, 4]
 
 
-# -- the fake worker (python -m ops.bench_gateway) --------------------------------------------------
+# -- the fake worker (python -m lab.benchmarks.gateway) --------------------------------------------------
 
 class FakeWorker:
     """Answers every request with max_tokens tokens, one per chunk; each round publishes one chunk of
@@ -257,7 +257,7 @@ def main(args) -> dict:
         try:
             keys = Path(tmp, "keys.json")
             keys.write_text(json.dumps(KEYS))
-            children.append(spawn(python_module("ops.bench_gateway", "--nats-url", nats_url, "--model", model),
+            children.append(spawn(python_module("lab.benchmarks.gateway", "--nats-url", nats_url, "--model", model),
                                   Path(tmp, "worker.log")))
             gateway = spawn(python_module("services.gateway", "--nats-url", nats_url, "--model", model, "--port",
                                           str(port), "--api-keys", str(keys), "--served-model-name", "bench"),
@@ -310,7 +310,7 @@ def table(r: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_gateway", description="The benchmark's fake worker.")
+    p = argparse.ArgumentParser(prog="python -m lab.benchmarks.gateway", description="The benchmark's fake worker.")
     p.add_argument("--nats-url", required=True)
     p.add_argument("--model", required=True, help="HF checkpoint directory, for its tokenizer")
     return p

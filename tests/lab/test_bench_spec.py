@@ -7,7 +7,7 @@ import orjson
 import pytest
 import torch
 
-from ops import bench_spec as bs
+from lab.benchmarks import spec as bs
 from ops.cli import parser
 
 

@@ -1,0 +1,1 @@
+"""Capacity: the fleet simulator, its CPU cost fit and the check of its fidelity against real runs."""
