@@ -39,3 +39,29 @@ def test_docs_name_nothing_outside_the_repository_and_no_issue_numbers():
         text = doc.read_text()
         assert "../shared" not in text and "DESIGN.md" not in text, doc
         assert not re.search(r"\bissue #?\d+", text, re.I), doc
+
+
+TABLE = re.compile(r"^\|.*\|\n(?:\|.*\|\n?)*", re.M)           # a table: consecutive lines between pipes
+CODE = re.compile(r"^```\S*\n(.*?)^```", re.S | re.M)
+COMMAND = re.compile(r"^(?:\.venv/bin/)?(?:tokenbus|python|bash) ", re.M)
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def test_the_readme_is_a_guide_of_at_most_250_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_every_table_of_the_benchmarks_page_has_its_command_and_date_in_its_section():
+    """A figure of docs/benchmarks.md sits below the command that produced it (a code block, or a
+    cell naming it) and the date it was measured, both in its own section."""
+    sections = re.split(r"^#+ .*$", (ROOT / "docs" / "benchmarks.md").read_text(), flags=re.M)
+    tables, bare = 0, []
+    for section in sections:
+        for table in TABLE.finditer(section):
+            tables += 1
+            above = "\n".join(CODE.findall(section[:table.start()]))
+            if not (COMMAND.search(above) or re.search(r"`(?:tokenbus|python) ", table[0])):
+                bare.append(f"no command above: {table[0].splitlines()[0]}")
+            if not DATE.search(section[:table.start()]):
+                bare.append(f"no date above: {table[0].splitlines()[0]}")
+    assert tables >= 10 and not bare, "\n".join(bare)
