@@ -37,9 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.benchmarks.load import Result, WsClient, stats
-from lab.benchmarks.routing import router_stats
-from lab.peers.bench import OPTIONS, finish, fmt, ratio
+from lab.common.clients import WsClient
+from lab.common.records import router_stats
+from lab.common.results import Result, finish, fmt, ratio, stats
+from lab.common.turns import OPTIONS
 from ops.procs import free_port
 from ops.status import read_registry
 from ops.up import Stack

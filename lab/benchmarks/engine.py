@@ -8,35 +8,14 @@ order, left-padded, each run for its longest output, as a user of HF would. Thro
 output tokens asked for, the same for both.
 """
 import json
-import random
 import time
 
 import torch
 
+from lab.common.engine import hf_generate, run_engine, timed_engine_run, workload
 from ops.plan import PEAK_SIZE, peak_flops
 from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
-
-
-def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    prompt = lambda: [rng.randrange(16, vocab_size) for _ in range(rng.randint(*args.input_len))]  # noqa: E731
-    return [(prompt(), rng.randint(*args.output_len)) for _ in range(args.num_requests)]
-
-
-def run_engine(engine: LLMEngine, requests) -> float:
-    for i, (prompt, n) in enumerate(requests):
-        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
-
-
-def timed_engine_run(engine: LLMEngine, requests) -> tuple[float, list]:
-    engine.kv.reset_prefix_cache()  # every run starts cold, as the first did
-    engine.trace = []
-    return run_engine(engine, requests), engine.trace
 
 
 def engine_summary(engine: LLMEngine, runs: list[tuple[float, list]], output_tokens: int, flops: int) -> dict:
@@ -79,18 +58,6 @@ def timed_hf_run(model, requests, batch_size: int) -> float:
     for i in range(0, len(requests), batch_size):
         hf_generate(model, requests[i:i + batch_size])
     return time.perf_counter() - start
-
-
-@torch.inference_mode()
-def hf_generate(model, batch, streamer=None) -> None:
-    """One static batch of (prompt, output length): left-padded, run for its longest output; `streamer`
-    (transformers' BaseStreamer) is handed every step's tokens."""
-    width = max(len(p) for p, _ in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=model.device)
-    n = max(n for _, n in batch)
-    model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                   eos_token_id=None, pad_token_id=0, streamer=streamer)
 
 
 def main(args) -> None:

@@ -323,7 +323,7 @@ def cpu_attention() -> dict:
 
     import kernels.cpu as native
     import kernels.reference as ref
-    from lab.benchmarks.microbench import best_ms
+    from lab.common.results import best_ms
 
     rng = random.Random(0)
     decodes = [rng.randint(200, 500) for _ in range(64)]
@@ -348,7 +348,7 @@ def cpu_attention() -> dict:
 def cpu_engine(model: str, dtype: str | None, rounds: int) -> dict:
     import kernels.cpu as native
     import kernels.reference as ref
-    from lab.benchmarks.engine import timed_engine_run, workload
+    from lab.common.engine import timed_engine_run, workload
     from workers.engine.engine import EngineConfig, LLMEngine
     from workers.models.catalogue import resolve
     from workers.models.config import ModelConfig

@@ -8,32 +8,18 @@ measures only the CPU's ceiling: a large matmul's FLOP/s in float32 and bfloat16
 """
 import random
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kernels.reference as ref
 import workers.engine.sampler as sampler_module
+from lab.common.results import best_ms
 from ops.plan import PEAK_SIZE, peak_flops
 from schemas.sampling import SamplingParams
 from workers.distributed import SINGLE
 from workers.engine.request import Request
 from workers.layers.linear import ColumnParallelLinear, prepack_for_cpu
-
-
-def best_ms(fns: dict, rounds: int = 7, number: int = 10) -> dict[str, float]:
-    """Per name, the best mean time of `number` calls over `rounds` turns taken with the others."""
-    best = dict.fromkeys(fns, float("inf"))
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(number):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / number * 1e3)
-    return best
 
 
 def decode_groups() -> list[str]:

@@ -30,14 +30,13 @@ from pathlib import Path
 
 import orjson
 import websockets
-from nats.js import api
 
+from lab.common.records import records, results_seq, router_stats
 from ops import procs
 from ops.procs import free_port
 from ops.up import Stack
-from schemas import subjects
 from schemas.hashing import hash_blocks
-from schemas.messages import Completion, RouterStats, decode
+from schemas.messages import Completion
 from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
 
@@ -144,41 +143,6 @@ async def shared_run(url: str, prompts: list[list[int]], reply_len: int, clients
 
 
 # -- what the cluster says ------------------------------------------------------------------------
-
-async def results_seq(nats_url: str) -> int:
-    nc = await subjects.connect(nats_url, "bench-routing")
-    try:
-        return (await nc.jetstream().stream_info(subjects.RESULTS_STREAM)).state.last_seq
-    finally:
-        await nc.close()
-
-
-async def records(nats_url: str, after: int, count: int, timeout: float = 30.0) -> list[Completion]:
-    """The `count` completion records stored after stream sequence `after`."""
-    nc = await subjects.connect(nats_url, "bench-routing")
-    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
-    try:
-        sub = await nc.jetstream().subscribe(subjects.RESULTS_SUBJECTS, ordered_consumer=True, config=config)
-        return [decode((await sub.next_msg(timeout=timeout)).data, Completion) for _ in range(count)]
-    finally:
-        await nc.close()
-
-
-async def router_stats(nats_url: str, router: str, done, timeout: float = 30.0) -> RouterStats | None:
-    """The router's next stats record for which done(stats) holds; at the timeout, the last one seen."""
-    nc = await subjects.connect(nats_url, "bench-routing")
-    stats = None
-    try:
-        sub = await nc.subscribe(subjects.router_stats(router))
-        async with asyncio.timeout(timeout):
-            while stats is None or not done(stats):
-                stats = decode((await sub.next_msg(timeout=timeout)).data, RouterStats)
-    except TimeoutError:
-        pass
-    finally:
-        await nc.close()
-    return stats
-
 
 def use_router(stack: Stack, policy: str, args) -> str:
     """Replaces the stack's router by a fresh one with this policy; its id once it is up."""

@@ -30,20 +30,9 @@ import random
 import traceback
 from dataclasses import dataclass
 
-from lab.benchmarks.load import Corpus, length
-from lab.peers.bench import (
-    BLOCK_SIZE,
-    OPTIONS,
-    EngineLoop,
-    Turn,
-    Workload,
-    closed_loop,
-    figures,
-    finish,
-    fmt,
-    ratio,
-    warmup,
-)
+from lab.common.corpus import Corpus, length
+from lab.common.results import finish, fmt, ratio
+from lab.common.turns import BLOCK_SIZE, OPTIONS, EngineLoop, Turn, Workload, closed_loop, figures, warmup
 
 GOAL_SPEEDUP = 1.5        # single: n-gram TPOT p50 at least this many times lower than off's
 GOAL_THROUGHPUT = 0.97    # concurrent: adaptive n-gram's output tokens/s at least this share of off's

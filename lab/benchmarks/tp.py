@@ -16,7 +16,7 @@ is all-reduce under 15% of the decode step.
 import json
 import time
 
-from lab.benchmarks.engine import workload
+from lab.common.engine import workload
 from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
 

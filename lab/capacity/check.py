@@ -71,10 +71,10 @@ from pathlib import Path
 import orjson
 import websockets
 
-from lab.benchmarks.load import Result
-from lab.benchmarks.routing import records, results_seq
 from lab.capacity import cost as sim_cost
 from lab.capacity import sim
+from lab.common.records import records, results_seq
+from lab.common.results import Result
 from ops.procs import cpu_seconds, free_port
 from ops.up import Stack
 from schemas import subjects

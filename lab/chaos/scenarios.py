@@ -26,7 +26,7 @@ store and routes, in a network namespace of its own where the machine allows (la
 scenarios SIGKILL the node leading TB_REQUESTS or a follower of it (it comes back NODE_DOWN_SECONDS later,
 from its store), or cut TB_REQUESTS' leader off the network for PARTITION_SECONDS. Their rows add the
 longest time a stream or bucket the node led had no leader. "throughput" adds the cost of R3 and of an
-fsync before every acknowledgement against a single server (lab/benchmarks/cluster.py)."""
+fsync before every acknowledgement against a single server (lab/chaos/cluster.py)."""
 import asyncio
 import contextlib
 import json
@@ -41,7 +41,7 @@ from pathlib import Path
 import orjson
 import websockets
 
-from lab.benchmarks import cluster as bench_cluster
+from lab.chaos import cluster as bench_cluster
 from lab.chaos import netns
 from ops import cluster, procs
 from ops.up import Stack

@@ -7,6 +7,8 @@ import orjson
 import pytest
 
 from lab.benchmarks import load as bench
+from lab.common.corpus import Corpus, length
+from lab.common.results import Result
 from ops.cli import parser
 from tests.lab.fake_servers import TIMER_SLACK_MS, serving
 
@@ -43,7 +45,7 @@ def test_bench_measures_a_known_stream_and_writes_the_json_and_the_png(proto, ti
 
 
 def test_both_plots_have_a_legend_naming_every_line_of_both_axes():
-    results = [bench.Result(start=i * 0.1, chunks=[i * 0.1 + 0.05 + j * 0.01 for j in range(5)], end=i * 0.1 + 0.1,
+    results = [Result(start=i * 0.1, chunks=[i * 0.1 + 0.05 + j * 0.01 for j in range(5)], end=i * 0.1 + 0.1,
                             output_tokens=5) for i in range(20)]
     cdf, tput, twin = bench.figure(results).axes
     assert [t.get_text() for t in cdf.get_legend().get_texts()] == ["TTFT", "TPOT", "ITL", "E2E"]
@@ -100,7 +102,7 @@ class Recorder:
 
     async def request(self, messages, max_tokens):
         self.sent.append([dict(m) for m in messages])
-        r = bench.Result(0.0, chunks=[0.01, 0.02], end=0.03, prompt_tokens=1, output_tokens=max_tokens)
+        r = Result(0.0, chunks=[0.01, 0.02], end=0.03, prompt_tokens=1, output_tokens=max_tokens)
         r.parts = [f"reply {len(messages) // 2}"]
         return r
 
@@ -108,7 +110,7 @@ class Recorder:
 def test_chat_conversations_send_their_history_and_average_the_scaled_seed_input(tiny_model):
     args = parser().parse_args(["bench", "--workload", "chat", "--num-requests", "10", "--turns", "4", "--scale",
                                 "0.1", "--concurrency", "2", "--no-progress"])
-    corpus = bench.Corpus(bench.load_tokenizer(tiny_model))
+    corpus = Corpus(bench.load_tokenizer(tiny_model))
     convs = bench.workload(args, corpus)
     assert [len(c.users) for c in convs] == [4, 4, 2] and all(c.max_tokens == [40] * len(c.users) for c in convs)
     user = len(corpus.tok.encode(convs[0].users[0]).ids)
@@ -125,7 +127,7 @@ def test_chat_conversations_send_their_history_and_average_the_scaled_seed_input
 def test_shared_prefix_requests_start_with_one_of_a_few_system_prompts(tiny_model):
     args = parser().parse_args(["bench", "--workload", "shared-prefix", "--num-requests", "20", "--num-prefixes", "3",
                                 "--prefix-len", "200", "--input-len", "20"])
-    convs = bench.workload(args, bench.Corpus(bench.load_tokenizer(tiny_model)))
+    convs = bench.workload(args, Corpus(bench.load_tokenizer(tiny_model)))
     prefixes = {c.head[0]["content"] for c in convs}
     assert len(prefixes) == 3 and all(c.head[0]["role"] == "system" for c in convs)
     assert len({c.users[0] for c in convs}) == 20
@@ -133,11 +135,11 @@ def test_shared_prefix_requests_start_with_one_of_a_few_system_prompts(tiny_mode
 
 def test_lengths_follow_their_distribution():
     rng = random.Random(0)
-    uniform = [bench.length(rng, 100, 0.5, "uniform") for _ in range(2000)]
-    lognormal = [bench.length(rng, 100, 0.5, "lognormal") for _ in range(4000)]
+    uniform = [length(rng, 100, 0.5, "uniform") for _ in range(2000)]
+    lognormal = [length(rng, 100, 0.5, "lognormal") for _ in range(4000)]
     assert min(uniform) >= 50 and max(uniform) <= 150 and sum(uniform) / 2000 == pytest.approx(100, rel=0.05)
     assert sum(lognormal) / 4000 == pytest.approx(100, rel=0.08) and max(lognormal) > 200
-    assert {bench.length(rng, 7, 0.0, "uniform") for _ in range(10)} == {7}
+    assert {length(rng, 7, 0.0, "uniform") for _ in range(10)} == {7}
 
 
 def test_a_dataset_file_gives_prompts_or_messages_with_their_max_tokens(tmp_path):

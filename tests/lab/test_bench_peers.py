@@ -12,7 +12,8 @@ import numpy as np
 import orjson
 import pytest
 
-from lab.benchmarks.load import Result
+from lab.common.results import Result
+from lab.common.turns import Turn, Workload, closed_loop, figures
 from lab.peers import bench as bp
 from lab.peers import llamacpp
 from ops.cli import parser
@@ -29,7 +30,7 @@ def workload_args(**kw) -> Namespace:
     return Namespace(**{**defaults, **kw})
 
 
-def run_through(url: str, w: bp.Workload, proto: str):
+def run_through(url: str, w: Workload, proto: str):
     connect = bp.openai(url) if proto == "openai" else bp.websocket(url.replace("http", "ws") + "/ws", w.concurrency)
     return asyncio.run(bp.through(connect, w))
 
@@ -46,7 +47,7 @@ def test_the_driver_sends_the_exact_ids_and_lengths_with_exactly_the_concurrency
     assert all(r["temperature"] == 0 and r["ignore_eos"] is True for r in traffic.requests)
     assert traffic.most_in_flight == 4                                        # 12 requests, 4 at a time
     assert len(results) == 12 and all(r.error is None for r in results)
-    f = bp.figures(w, results, seconds)
+    f = figures(w, results, seconds)
     assert f["output_tokens"] == f["output_tokens_asked"] == 72 and f["failed"] == 0
     assert f["output_tokens_per_s"] == pytest.approx(72 / seconds, rel=0.01)
     assert TTFT * 1e3 - TIMER_SLACK_MS <= f["ttft_ms"]["p50"] < TTFT * 1e3 + 60
@@ -106,7 +107,7 @@ class FakeEngine:
 def test_the_in_process_loop_keeps_the_same_schedule(name):
     w = bp.build(name, workload_args(), vocab=1000, seed=0)
     engine = FakeEngine()
-    results, _ = bp.closed_loop(w, engine)
+    results, _ = closed_loop(w, engine)
     assert len(results) == len(w.turns) and engine.most == w.concurrency
     assert sorted(map(tuple, (t.prompt for t in engine.submitted))) == sorted(tuple(t.prompt) for t in w.turns)
     position = {tuple(t.prompt): i for i, t in enumerate(engine.submitted)}
@@ -119,8 +120,8 @@ def test_figures_from_known_timings():
     # request i: sent at 0, first token at 10·(i+1) ms, then 4 more tokens 2 ms apart
     results = [Result(0.0, chunks=[0.01 * (i + 1)], end=0.01 * (i + 1) + 0.008, output_tokens=5) for i in range(10)]
     results.append(Result(0.0, end=0.1, error="http_500"))
-    w = bp.Workload("concurrent", [[bp.Turn([1, 2], 5)] for _ in range(11)], 4)
-    f = bp.figures(w, results, seconds=2.0)
+    w = Workload("concurrent", [[Turn([1, 2], 5)] for _ in range(11)], 4)
+    f = figures(w, results, seconds=2.0)
     ttfts = [10.0 * (i + 1) for i in range(10)]
     assert f["ttft_ms"]["p50"] == pytest.approx(np.percentile(ttfts, 50)) == pytest.approx(55.0)
     assert f["ttft_ms"]["p99"] == pytest.approx(np.percentile(ttfts, 99))
@@ -137,7 +138,7 @@ def test_the_flops_count_weights_per_position_the_head_per_sampled_token_and_att
                       num_kv_heads=1, head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
                       max_model_len=64, tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False,
                       qk_norm=False, eos_token_ids=(), dtype="float32")
-    w = bp.Workload("x", [[bp.Turn([1, 2, 3], 2)]], 1)
+    w = Workload("x", [[Turn([1, 2, 3], 2)]], 1)
     weights = 3 * (2 * 4 * 4 + 2 * 4 * 2 + 3 * 4 * 8)       # q, o; k, v; gate, up, down
     positions = 3 + 2 - 1                                    # the prompt and the first output fed back
     pairs = 1 + 2 + 3 + 4                                    # causal: position i sees i + 1 keys

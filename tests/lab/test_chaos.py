@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lab.benchmarks import cluster as bench_cluster
+from lab.chaos import cluster as bench_cluster
 from lab.chaos import scenarios as chaos
 from lab.chaos.scenarios import CLUSTER_SCENARIOS, SCENARIOS, Outcome, Result, Run, table
 from ops import cli

@@ -10,9 +10,9 @@ from argparse import Namespace
 import orjson
 import pytest
 
-from lab.benchmarks.load import Result
 from lab.capacity import check as sim_check
 from lab.capacity import cost as sim_cost
+from lab.common.results import Result
 from ops.cli import parser
 from ops.procs import cpu_seconds
 
