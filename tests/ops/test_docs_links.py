@@ -65,3 +65,11 @@ def test_every_table_of_the_benchmarks_page_has_its_command_and_date_in_its_sect
             if not DATE.search(section[:table.start()]):
                 bare.append(f"no date above: {table[0].splitlines()[0]}")
     assert tables >= 10 and not bare, "\n".join(bare)
+
+
+def test_the_readme_quotes_the_test_command_the_makefile_runs():
+    """`make test`'s pytest line, as the README shows it (with --durations, so the slowest tests show)."""
+    makefile = (ROOT / "Makefile").read_text()
+    line = next(cmd.strip() for cmd in makefile.splitlines() if "-m pytest" in cmd)
+    quoted = line.replace("$(BIN)", ".venv/bin").replace("$(VENV)", ".venv")
+    assert "--durations" in quoted and f"`{quoted}`" in (ROOT / "README.md").read_text(), quoted
