@@ -36,7 +36,8 @@ from services.gateway.fallback import COOLDOWN, FAILURES, KEY_ENV, Upstream
 from services.gateway.limits import Limits
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.models import Models
-from services.gateway.session import Connection, Gateway
+from services.gateway.owners import Connection
+from services.gateway.session import Gateway
 
 PAGE = Path(__file__).with_name("chat.html")
 SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish when the gateway stops

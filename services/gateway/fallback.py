@@ -11,7 +11,7 @@ timeout, a 5xx, a stream cut short) open it; while open nothing is forwarded and
 is the answer; after COOLDOWN seconds the next request goes through as the probe (the others still
 get the 503), and its success closes the breaker, its failure opens it again.
 
-The HTTP API relays the upstream's answer as it is (api.py); a websocket generate becomes a streamed chat
+The HTTP API relays the upstream's answer as it is (http_relay.py); a websocket generate becomes a streamed chat
 completion (messages) or completion (prompt, prompt_token_ids) whose text comes back as delta frames
 (Spilled)."""
 import asyncio

@@ -18,7 +18,7 @@ from schemas.sampling import (
     SEED_BOUND,
 )
 from schemas.subjects import MAX_MESSAGES, MAX_STOP
-from services.gateway.api import MAX_LOGPROBS, ROLES
+from services.gateway.http_parse import MAX_LOGPROBS, ROLES
 
 
 def nullable(schema: dict) -> dict:

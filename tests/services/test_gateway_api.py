@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect
 from schemas import subjects
 from schemas.messages import ErrorChunk, Logprobs, Usage, decode
 from schemas.subjects import MAX_BODY_BYTES, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_HEADERS, MAX_STOP
-from services.gateway.api import FIELDS
+from services.gateway.http_parse import FIELDS
 from services.gateway.openapi import document
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, heartbeat, said, served
 

@@ -12,7 +12,9 @@ from schemas.log import configure
 from schemas.messages import FinalChunk, TokenChunk
 from services.gateway import keys
 from services.gateway.admission import Ticket
-from services.gateway.session import Exchange, Gateway, Request
+from services.gateway.owners import Exchange
+from services.gateway.session import Gateway
+from services.gateway.stream import Request
 
 TEXT = " Héllo wörld 🙂 and more words xyz end, ünïcödé 日本語 ok"
 STOPS = [(), ("xy",), (" w",), ("never written",), ("🙂",), ("d 日",)]

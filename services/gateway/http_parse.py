@@ -1,0 +1,207 @@
+"""The HTTP API's request bodies checked into a Call: OpenAI's fields for /v1/chat/completions and
+/v1/completions (and vLLM's extensions), each wrong one refused with a 400 naming the field, before
+anything is published."""
+import re
+import uuid
+from dataclasses import dataclass
+
+from schemas.messages import GenerateRequest
+from services.gateway import frames
+from services.gateway.errors import ApiError
+from services.gateway.frames import FrameError
+from services.gateway.session import Gateway
+
+EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}     # vLLM's structured-output extensions -> SamplingParams' fields
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# OpenAI's fields that change nothing a completion says: checked for their type, then ignored (docs/api.md)
+IGNORED = {"store": (frames.is_bool, "true or false"), "metadata": (lambda v: isinstance(v, dict), "an object"),
+           "service_tier": (frames.is_str, "a string"), "parallel_tool_calls": (frames.is_bool, "true or false"),
+           "tool_choice": (lambda v: v == "none", '"none" (tools are not implemented)')}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
+          "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "priority", *EXTENSIONS, *IGNORED,
+          "response_format", *GUIDED}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}
+ROLES = ("system", "developer", "user", "assistant")
+MAX_LOGPROBS = 20
+COMPLETIONS_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
+
+
+@dataclass(slots=True)
+class Call:
+    """A checked HTTP request: what to run and how to answer."""
+    api: str                                      # chat | completions
+    req: GenerateRequest
+    stream: bool
+    include_usage: bool                           # a last chunk with the usage
+    continuous_usage: bool                        # vLLM's continuous_usage_stats: the usage so far in every chunk
+    obfuscation: bool                             # OpenAI's include_obfuscation: chunks padded to hide their size
+    logprobs: bool
+    id: str                                       # chatcmpl-… or cmpl-…
+    created: int
+    model: str
+    fingerprint: str | None = None                # the served revision (OpenAI's system_fingerprint)
+
+
+
+def parse(api: str, b: dict, gw: Gateway) -> Call:
+    b = {k: v for k, v in b.items() if v is not None}           # null means "not given"
+    extra = sorted(b.keys() - FIELDS[api])
+    if extra:
+        raise bad(f"{extra[0][:40]}: unknown or unsupported parameter", extra[0][:40])
+    model = b.get("model")
+    if not isinstance(model, str):
+        raise bad("model: required, a string", "model")
+    gw.models.find(model)                                     # 404 for a model or revision not served, first
+    for name, (ok, want) in IGNORED.items():
+        if name in b and not ok(b[name]):
+            raise bad(f"{name}: expected {want}, got {frames.show(b[name])}", name)
+    if b.get("n", 1) != 1 or frames.is_bool(b.get("n")):
+        raise bad(f"n: only n=1 is supported (got {frames.show(b['n'])})", "n")
+    stream = flag(b, "stream")
+    opts = stream_options(b, stream)
+    fields, top = sampling_fields(api, b, gw)
+    prompt = messages(b.get("messages")) if api == "chat" else dict([completion_prompt(b.get("prompt"))])
+    try:
+        req = frames.request({"id": "http", **fields, **prompt}, uuid.uuid4().hex, "default")
+    except FrameError as e:
+        raise bad(str(e), param_of(str(e))) from None
+    req.sampling.logprobs = top
+    gw.choose(req, model)
+    prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+    return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model,
+                gw.served(req)[1].revision or None)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request", param)
+
+
+def param_of(message: str) -> str | None:
+    m = re.match(r"([a-z_]+)", message)
+    return m.group(1) if m else None
+
+
+def flag(b: dict, name: str) -> bool:
+    v = b.get(name, False)
+    if not frames.is_bool(v):
+        raise bad(f"{name}: expected true or false, got {frames.kind(v)}", name)
+    return v
+
+
+def stream_options(b: dict, stream: bool) -> tuple[bool, bool, bool]:
+    """(include_usage, continuous usage, obfuscation). continuous_usage_stats needs include_usage, as vLLM's."""
+    opts = b.get("stream_options")
+    if opts is None:
+        return False, False, False
+    if not stream:
+        raise bad("stream_options: only allowed when stream is true", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad(f"stream_options: expected an object, got {frames.kind(opts)}", "stream_options")
+    extra = sorted(opts.keys() - STREAM_OPTIONS)
+    if extra:
+        raise bad(f"stream_options.{extra[0][:40]}: unknown option (known: {', '.join(sorted(STREAM_OPTIONS))})",
+                  "stream_options")
+    try:
+        include, continuous, pad = (flag({k: v for k, v in opts.items() if v is not None}, name)
+                                    for name in ("include_usage", "continuous_usage_stats", "include_obfuscation"))
+    except ApiError as e:
+        raise bad(f"stream_options.{e.message}", "stream_options") from None
+    return include, include and continuous, pad
+
+
+def sampling_fields(api: str, b: dict, gw: Gateway) -> tuple[dict, int | None]:
+    """The SamplingParams fields of the body (the websocket protocol's names), and the number of top
+    logprobs wanted (None: no logprobs)."""
+    fields = {k: b[k] for k in frames.SAMPLING if k in b}
+    fields |= {field: b[name] for name, field in GUIDED.items() if name in b} | response_format(b)
+    default = gw.max_tokens if api == "chat" else COMPLETIONS_MAX_TOKENS
+    fields["max_tokens"] = b.get("max_completion_tokens", b.get("max_tokens", default))
+    if api == "chat":
+        want = flag(b, "logprobs")
+        top = b.get("top_logprobs")
+        if top is not None and not want:
+            raise bad("top_logprobs: needs logprobs: true", "top_logprobs")
+        n = top if top is not None else 0
+        name = "top_logprobs"
+    else:
+        n = b.get("logprobs")
+        want, name = n is not None, "logprobs"
+    if not want:
+        return fields, None
+    if not frames.is_int(n) or not 0 <= n <= MAX_LOGPROBS:
+        raise bad(f"{name}: must be an integer in [0, {MAX_LOGPROBS}] (got {frames.show(n)})", name)
+    return fields, n
+
+
+def response_format(b: dict) -> dict:
+    """The SamplingParams field of OpenAI's response_format (json_schema's `strict` is accepted: the schema is
+    always enforced)."""
+    f = b.get("response_format")
+    if f is None:
+        return {}
+    if not isinstance(f, dict) or f.get("type") not in RESPONSE_FORMATS:
+        raise bad(f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)} (got "
+                  f"{frames.show(f.get('type') if isinstance(f, dict) else f)})", "response_format")
+    if f["type"] != "json_schema":
+        return {"json_object": True} if f["type"] == "json_object" else {}
+    spec = f.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("response_format.json_schema: expected an object with a schema object", "response_format")
+    if not frames.is_bool(spec.get("strict", False)):
+        raise bad(f"response_format.json_schema.strict: expected true or false, got {frames.kind(spec['strict'])}",
+                  "response_format")
+    return {"json_schema": spec.get("schema", {"type": "object"})}
+
+
+def messages(v) -> dict:
+    """The chat messages with text content; content parts of type text are joined."""
+    if not isinstance(v, list) or not v:
+        raise bad(f"messages: required, a non-empty array of {{role, content}} objects (got {frames.kind(v)})",
+                  "messages")
+    out = []
+    for i, m in enumerate(v[:frames.MAX_MESSAGES + 1]):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]: expected an object, got {frames.kind(m)}", "messages")
+        extra = sorted(m.keys() - {"role", "content", "name"})
+        if extra:
+            raise bad(f"messages[{i}].{extra[0][:40]}: not supported", "messages")
+        if not isinstance(m.get("name", ""), str):
+            raise bad(f"messages[{i}].name: expected a string, got {frames.kind(m['name'])}", "messages")
+        if m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role: must be one of {', '.join(ROLES)} (got {frames.show(m.get('role'))})",
+                      "messages")
+        out.append({"role": m["role"], "content": content(m.get("content"), i)})
+    return {"messages": out}
+
+
+def content(c, i: int) -> str:
+    if isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise bad(f"messages[{i}].content: expected a string or an array of text parts, got {frames.kind(c)}",
+                  "messages")
+    texts = []
+    for j, part in enumerate(c):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad(f"messages[{i}].content[{j}]: only {{\"type\": \"text\", \"text\": ...}} parts are supported",
+                      "messages")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def completion_prompt(p) -> tuple[str, object]:
+    """("prompt", text) or ("prompt_token_ids", ids): one prompt per request."""
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        p = p[0]
+    if isinstance(p, str):
+        return "prompt", p
+    if isinstance(p, list) and p and frames.is_ints(p):
+        return "prompt_token_ids", p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
+        raise bad(f"prompt: one prompt per request (got {len(p)})", "prompt")
+    raise bad(f"prompt: required, a string, an array of token ids, or an array of one of those (got {frames.kind(p)})",
+              "prompt")
+

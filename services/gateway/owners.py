@@ -1,0 +1,161 @@
+"""The owners of requests, where their frames go: a websocket connection (Connection, the /ws
+protocol: generate, resume, cancel), one HTTP request (Exchange: a queue the response reads), or
+nowhere while a dropped client may come back (Parked). leave() is what happens to an owner's
+requests when its client goes: they end, or a dropped connection's resumable ones are Parked for
+the gateway's resume_grace."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import orjson
+
+from schemas import subjects
+from services.gateway import frames, keys
+from services.gateway.errors import ApiError
+from services.gateway.fallback import Spilled
+from services.gateway.frames import FrameError
+from services.gateway.keys import Key
+from services.gateway.stream import error
+
+if TYPE_CHECKING:
+    from services.gateway.session import Gateway
+    from services.gateway.stream import Request
+
+CLEAN_CLOSE = (1000, 1001)           # websocket close codes of a client that left on purpose: no resume
+
+
+class Connection:
+    def __init__(self, gw: Gateway, ws, key: Key = keys.OPEN):
+        self.gw, self.ws, self.log, self.key = gw, ws, gw.log, key
+        self.inflight: dict[str, Request] = {}  # client id -> request
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        event = {}
+        try:
+            while (event := await self.ws.receive())["type"] == "websocket.receive":
+                await self.on_frame(event)
+        finally:
+            await leave(self, event.get("code") not in CLEAN_CLOSE)
+
+    async def on_frame(self, event: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            frame = frames.parse(event)
+            kind, cid = frames.header(frame)
+            if kind == "generate":
+                await self.generate(frame, cid, t0)
+            elif kind == "resume":
+                await self.resume(frame, cid, t0)
+            else:
+                await self.cancel(cid)
+        except FrameError as e:
+            self.gw.metrics.error(self.key.tenant, e.code)
+            await self.send(error(e.id, e.code, str(e), e.retry_after))
+        except Exception as e:                    # a bug must not end the connection
+            self.log.exception("frame failed")
+            await self.send(error(None, "internal", f"the gateway failed on this frame: {type(e).__name__}"))
+
+    async def generate(self, frame: dict, cid: str, t0: float) -> None:
+        self.room(cid)
+        req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
+        resumable = frames.resumable(frame)
+        try:
+            self.gw.choose(req, frames.model(frame))
+            try:
+                await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws",
+                                    t0, resumable)
+            except ApiError as e:
+                if not self.gw.falls_back(self.key, e):
+                    raise
+                f = await self.gw.fall_back(self.key, req, "ws", e, t0, frames.priority(frame))
+                Spilled(self, cid, f, frame, req).start()
+        except ApiError as e:                     # refused by a limit: an error frame with its code
+            raise refused(e, cid) from None
+
+    async def resume(self, frame: dict, cid: str, t0: float) -> None:
+        self.room(cid)
+        rid, seq, offset = frames.resume(frame)
+        try:
+            req = await self.gw.find(self.key, rid, seq, offset, "ws")
+            await self.gw.resume(self, cid, self.key, req, seq, offset, t0)
+        except ApiError as e:
+            raise refused(e, cid) from None
+
+    def room(self, cid: str) -> None:
+        """FrameError unless a request `cid` may start on this connection."""
+        if cid in self.inflight:                  # id None: the error is not the in-flight request's
+            raise FrameError(f"id: {frames.show(cid)} is already in flight on this connection")
+        if len(self.inflight) >= subjects.MAX_INFLIGHT_PER_CONNECTION:
+            raise FrameError(f"{len(self.inflight)} requests are in flight on this connection; "
+                             f"MAX_INFLIGHT_PER_CONNECTION={subjects.MAX_INFLIGHT_PER_CONNECTION}", cid,
+                             "too_many_requests")
+
+    async def cancel(self, cid: str) -> None:
+        r = self.inflight.get(cid)
+        if r is None:
+            raise FrameError(f"id: no request {frames.show(cid)} is in flight on this connection", cid)
+        await r.abort()
+        await self.send(r.done("abort"))
+
+    async def send(self, frame: dict) -> None:
+        try:
+            await self.ws.send_text(orjson.dumps(frame).decode())
+        except Exception as e:                    # the client left: run() sees it and aborts its requests
+            self.log.debug("send failed", error=repr(e))
+
+    async def accepted(self, r: "Request") -> None:
+        """The request is stored: a client that asked for it gets the id it can resume it by."""
+        if r.resumable:
+            await self.send({"type": "accepted", "id": r.cid, "resume_id": frames.resume_id(r.rid, r.seq)})
+
+
+class Exchange:
+    """The owner of one HTTP request's Request: its frames queue up for the response to take."""
+
+    def __init__(self, gw: Gateway):
+        self.gw, self.log = gw, gw.log
+        self.inflight: dict[str, Request] = {}
+        self.frames: asyncio.Queue[dict] = asyncio.Queue()
+
+    async def send(self, frame: dict) -> None:
+        self.frames.put_nowait(frame)
+
+    async def accepted(self, r: "Request") -> None:
+        pass                                      # SSE events carry the resume point in their ids
+
+
+class Parked:
+    """The owner of requests whose client's connection dropped: their frames go nowhere while they wait
+    for a resume (Gateway.resume_grace), then they are cancelled."""
+
+    def __init__(self, gw: Gateway):
+        self.gw, self.log = gw, gw.log
+        self.inflight: dict[str, Request] = {}
+
+    async def send(self, frame: dict) -> None:
+        pass
+
+    async def accepted(self, r: "Request") -> None:
+        pass
+
+
+async def leave(owner: Connection | Exchange, dropped: bool) -> None:
+    """The client left: its requests end and their workers are told, except the resumable ones of a dropped
+    connection, which are Parked for the gateway's resume_grace."""
+    parked = Parked(owner.gw) if dropped and owner.gw.resume_grace > 0 else None
+    for r in list(owner.inflight.values()):
+        if parked is not None and r.resumable:
+            r.park(parked)
+        else:
+            await r.abort()
+
+
+def refused(e: ApiError, cid: str) -> FrameError:
+    """A refusal (a limit, an unknown or forbidden resume) as the error frame of request cid."""
+    frame = e.frame(cid)
+    return FrameError(e.message, cid, frame["code"], frame.get("retry_after"))
+
