@@ -109,3 +109,13 @@ def main(args) -> None:
 def url_host(url: str) -> str:
     """The host of the first server of a nats URL (a comma-separated list is allowed)."""
     return urlsplit(url.split(",")[0].strip()).hostname or ""
+
+
+def register(sub) -> None:
+    bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "
+                        "its subject permissions), for a server of your own")
+    bc.add_argument("--creds", metavar="DIR", help="the nkey seeds, <role>.nk; missing ones are generated "
+                                                   "(default: $TOKENBUS_HOME/bus)")
+    bc.add_argument("--tls-cert", metavar="FILE", help="the server's certificate (PEM): add its tls block")
+    bc.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
+    bc.set_defaults(func=main)

@@ -4,6 +4,7 @@ network blip) is opened again, on the next of the gateways given, with backoff, 
 progress resumes from the tokens already printed."""
 import asyncio
 import contextlib
+import os
 import sys
 import threading
 
@@ -180,3 +181,21 @@ def run(url: str | list[str], **kw) -> int:
         print(f"chat: {url if isinstance(url, str) else ' '.join(url)}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def register(sub) -> None:
+    c = sub.add_parser("chat", help="a terminal chat client over the websocket protocol")
+    c.add_argument("--url", action="append", metavar="URL",
+                   help="the gateway's websocket (default ws://127.0.0.1:8000/ws); given again, more gateways: a "
+                        "dropped connection resumes its answer on the next")
+    c.add_argument("--max-tokens", type=int, default=256, help="tokens of each reply at most")
+    c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+    c.add_argument("--system", help="a system message that starts every conversation")
+    c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
+                   help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
+    c.set_defaults(func=main)
+
+
+def main(args) -> None:
+    sys.exit(run(args.url or ["ws://127.0.0.1:8000/ws"], max_tokens=args.max_tokens, temperature=args.temperature,
+                 system=args.system, api_key=args.api_key))

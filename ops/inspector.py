@@ -10,6 +10,7 @@ import orjson
 from nats.js import api
 
 from ops import broker
+from ops.args import nats_url
 from ops.records import parse_time
 from ops.tokenizer import load_tokenizer
 from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, WireError, decode, to_dict
@@ -126,3 +127,17 @@ def main(args) -> None:
         pass
     except nats.errors.Error as e:
         raise ValueError(f"inspect: {e}") from None
+
+
+def register(sub) -> None:
+    i = sub.add_parser("inspect", help="watch a subject, or read a stream, with every payload decoded")
+    i.add_argument("subject", help="a subject, wildcards allowed (tb.out.*, tb.>, $KV.tb_workers.>)")
+    i.add_argument("--count", type=int, metavar="N", help="stop after N messages")
+    i.add_argument("--json", action="store_true", help="one JSON object per message")
+    i.add_argument("--stream", metavar="NAME", help="read this stream (TB_REQUESTS, TB_RESULTS, ...) instead")
+    i.add_argument("--from", dest="start", metavar="POINT",
+                   help="with --stream: new, last, a sequence, an ISO time or a duration back (default: the start)")
+    i.add_argument("--follow", action="store_true", help="with --stream: keep reading new messages")
+    i.add_argument("--model", help="checkpoint whose tokenizer shows chunks as text (default: the tiny model if built)")
+    nats_url(i)
+    i.set_defaults(func=main)

@@ -80,3 +80,14 @@ def main(args) -> None:
     finally:
         for r in readers.values():
             r.finish()
+
+
+def register(sub) -> None:
+    lo = sub.add_parser("logs", help="the logs of `tokenbus up`'s services, one or all")
+    lo.add_argument("service", nargs="?", help="one service: nats, tokenizer, router, a worker (w0, w1, ...; "
+                                               "p0, ... prefill; d0, ... decode), gateway (default: all, each line "
+                                               "prefixed with its service)")
+    lo.add_argument("--follow", "-f", action="store_true", help="keep printing lines as they are written")
+    lo.add_argument("--tail", type=int, metavar="N", help="start with the last N lines of each log (default: all)")
+    lo.add_argument("--data-dir", help="the stack's --data-dir (default: $TOKENBUS_HOME/data)")
+    lo.set_defaults(func=main)

@@ -11,6 +11,7 @@ import nats.js.errors
 import orjson
 from nats.js import api
 
+from ops import args as options
 from ops import broker
 from schemas import subjects
 from schemas.messages import Completion, WireError, decode, encode, from_obj, to_obj
@@ -160,3 +161,16 @@ def main(args) -> None:
     else:
         n = asyncio.run(import_(args.nats_url, args.file))
         print(f"imported {n} records from {args.file} into {subjects.RESULTS_STREAM}")
+
+
+def register(sub) -> None:
+    lg = sub.add_parser("log", help="move a window of the completions log between stacks (JSON lines)")
+    lsub = lg.add_subparsers(dest="action", required=True)
+    e = lsub.add_parser("export", help="write records of TB_RESULTS to FILE (default: all)")
+    e.add_argument("file", help="the JSON-lines file to write")
+    options.window(e)
+    options.nats_url(e)
+    im = lsub.add_parser("import", help="store the records of FILE in TB_RESULTS")
+    im.add_argument("file", help="a file written by `tokenbus log export`")
+    options.nats_url(im)
+    lg.set_defaults(func=main)

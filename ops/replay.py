@@ -9,6 +9,7 @@ differs points at what changed (engine, kernels, model, dtype). A request that w
 cancel, or a stop string found by the gateway) is replayed up to the tokens it had."""
 import asyncio
 import dataclasses
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import nats.errors
 import orjson
 
 from ops import broker, records
+from ops.args import nats_url, window
 from ops.tokenizer import load_tokenizer
 from schemas import subjects
 from schemas.messages import (
@@ -192,3 +194,14 @@ def main(args) -> int:
     result = report(replays, len(recs) - len(todo), load_tokenizer(args.model, build=False))
     print(orjson.dumps(result).decode() if args.json else table(result, replays))
     return 0 if not result["diffs"] else 1
+
+
+def register(sub) -> None:
+    r = sub.add_parser("replay", help="re-run logged requests through the live stack and diff the outputs")
+    window(r, file=True)
+    r.add_argument("--json", action="store_true", help='print {"replayed": N, "identical": M, "diffs": [...]}')
+    r.add_argument("--model", help="checkpoint whose tokenizer shows the texts (default: the tiny model if built)")
+    r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each replayed request")
+    r.add_argument("--concurrency", type=int, default=16, help="replayed requests in flight at once")
+    nats_url(r)
+    r.set_defaults(func=lambda args: sys.exit(main(args)))

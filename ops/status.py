@@ -6,6 +6,7 @@ import dataclasses
 import orjson
 
 from ops import broker
+from ops.args import nats_url
 from schemas import subjects
 from schemas.messages import Heartbeat, KvTransfer, Speculation
 
@@ -83,3 +84,10 @@ def size(n: int) -> str:
 def main(args) -> None:
     beats = asyncio.run(read_registry(args.nats_url))
     print(orjson.dumps(as_json(beats)).decode() if args.json else table(beats))
+
+
+def register(sub) -> None:
+    s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
+    nats_url(s)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=main)

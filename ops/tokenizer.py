@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ops.cli import DEFAULT_MODEL
+from ops.models import DEFAULT_MODEL
 
 
 def load_tokenizer(model: str | None = None, build: bool = True) -> Tokenizer | None:

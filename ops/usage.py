@@ -11,6 +11,7 @@ import orjson
 from nats.js import api
 
 from ops import broker
+from ops.args import nats_url
 from schemas import subjects
 from schemas.messages import Usage, WireError, decode
 
@@ -97,3 +98,13 @@ def main(args) -> None:
         subjects.token("tenant", args.tenant)
     rows = summed(asyncio.run(read(args.nats_url, args.tenant, start)))
     print(orjson.dumps(as_json(rows)).decode() if args.json else table(rows))
+
+
+def register(sub) -> None:
+    us = sub.add_parser("usage", help="the metering log summed per tenant, key, model and revision, the requests "
+                                      "the fallback upstream answered apart")
+    nats_url(us)
+    us.add_argument("--tenant", help="only this tenant")
+    us.add_argument("--since", help="only requests since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")
+    us.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    us.set_defaults(func=main)

@@ -1,0 +1,48 @@
+"""What the commands' parsers share: argument types, option groups, and a command that imports its
+implementation only when it runs (torch is slow to import)."""
+import argparse
+import importlib
+import re
+import sys
+
+MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def delegate(module: str, function: str = "main", exits: bool = False):
+    """A subcommand that is `module`.`function`(args), imported only when chosen (torch is slow to
+    import); exits: it returns the exit status."""
+    def run(args) -> None:
+        status = getattr(importlib.import_module(module), function)(args)
+        if exits:
+            sys.exit(status)
+    return run
+
+
+def size(text: str) -> int:
+    """Bytes: 1073741824, 1GiB, 512MiB, 512M."""
+    m = re.fullmatch(r"(\d+)\s*([kmgt]?)(i?b)?", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, e.g. 4GiB, 512MiB or 1073741824")
+    return int(m.group(1)) * UNITS[m.group(2)]
+
+
+def count(text: str) -> int:
+    """A whole number from 0 up: workers, tokens or requests."""
+    if text.strip().isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 0 up")
+
+
+def nats_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the stack's nats-server")
+
+
+def window(p: argparse.ArgumentParser, file: bool = False) -> None:
+    """Which records of the completions log: --last N | --since TIME | --request-id ID (| --file F)."""
+    w = p.add_mutually_exclusive_group()
+    w.add_argument("--last", type=int, metavar="N", help="the last N records")
+    w.add_argument("--since", metavar="TIME", help="records stored since an ISO time or a duration back (15m, 2h)")
+    w.add_argument("--request-id", metavar="ID", help="the record of one request")
+    if file:
+        w.add_argument("--file", metavar="F", help="records exported with `tokenbus log export` (JSON lines)")
