@@ -39,10 +39,9 @@ import torch
 from schemas import subjects
 from schemas.messages import KvFetch, KvTransfer, Prefilled, WireError, decode, encode
 from workers.engine.engine import LLMEngine
+from workers.faults import NO_FAULTS, Faults
 
 TRANSFER_WINDOW = 256          # transfers the p50/p99 are computed over
-DIE_AFTER = "TB_TEST_KV_DIE_AFTER"   # TEST HOOK, off when unset: a prefill worker SIGKILLs itself after
-                                     # answering this many fetches (a death mid-transfer)
 HEADER = struct.Struct(">I")
 
 
@@ -121,14 +120,15 @@ class NatsKvTransport:
     and a pull's messages land, while a step runs: fetches are answered from pinned blocks, and a
     pull writes into reserved ones, which no step reads or writes."""
 
-    def __init__(self, nc, worker: str, engine: LLMEngine, log, engine_lock: asyncio.Lock):
+    def __init__(self, nc, worker: str, engine: LLMEngine, log, engine_lock: asyncio.Lock,
+                 faults: Faults = NO_FAULTS):
         self.nc, self.worker, self.engine, self.log = nc, worker, engine, log
         self.engine_lock = engine_lock           # the worker's: pins and blocks change between steps only
         self.kv = engine.kv
         self.leases: dict[str, Lease] = {}
         self.stats = KvTransfer()
         self.durations: deque[float] = deque(maxlen=TRANSFER_WINDOW)
-        self.die_after = int(os.environ.get(DIE_AFTER, "0"))
+        self.die_after = faults.kv_die_after     # the kv-die-after fault (workers/faults.py): 0 when off
         self.side = None                         # a Sideline: where the bytes move (None: on the caller's loop)
         self.main: asyncio.AbstractEventLoop | None = None
 
@@ -218,12 +218,16 @@ class NatsKvTransport:
         if not msg.reply:
             return
         await self.bus.publish(msg.reply, self.answer(ask))
-        if self.die_after:                       # the test hook: one falsy check when off
-            self.die_after -= 1
-            if not self.die_after:
-                await self.bus.flush()
-                self.log.warning("test hook: dying mid-transfer", hook=DIE_AFTER)
-                os.kill(os.getpid(), signal.SIGKILL)
+        if self.die_after:                       # an injected fault: one falsy check when off
+            await self.count_down()
+
+    async def count_down(self) -> None:
+        """The kv-die-after fault: SIGKILL once the fetches it names are answered (a death mid-transfer)."""
+        self.die_after -= 1
+        if not self.die_after:
+            await self.bus.flush()
+            self.log.warning("injected fault: dying mid-transfer", fault="kv-die-after")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def answer(self, ask: KvFetch) -> bytes:
         """The KvBlocks for one fetch, or one naming why not."""

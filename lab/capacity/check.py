@@ -42,7 +42,7 @@ router, the workers, the gateway) is warmed with prompts of every length the run
    mean) says how far the real stack itself moves on the same workload: an error below it is noise;
 6. the same replay runs again at the run's own speed (`run_speed`): the scale of the fitted cost that
    times the real workers' steps (each worker appends its steps' shapes and durations to the file
-   STEP_TRACE names), so that the machine's drift between the pilots and the run (±10% over minutes on
+   --step-trace names), so that the machine's drift between the pilots and the run (±10% over minutes on
    a shared machine) is told apart from what the simulator models: queueing, batching, routing, the
    sharing of the cores. Only the steps' durations go in, no request's latency.
 Figures as `tokenbus bench` defines them, per request on the client: TTFT (send → first token), TPOT
@@ -80,7 +80,6 @@ from ops.up import Stack
 from schemas import subjects
 from workers.models.catalogue import resolve
 from workers.models.config import ModelConfig
-from workers.service import STEP_TRACE
 
 REQUEST_TIMEOUT = 300.0       # seconds; a request slower than this means the stack is broken
 PROBES = 12                   # idle requests of each kind, one at a time (6 moved the step scale by ±10%)
@@ -202,11 +201,12 @@ def threads_for(workers: int) -> int:
 def start(model: str, workers: int, args, data_dir: Path) -> Stack:
     threads = threads_for(workers)
     data_dir.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": str(threads), STEP_TRACE: str(data_dir / "steps.jsonl")}     # for run_speed
+    env = {"OMP_NUM_THREADS": str(threads)}
     stack = Stack(model, free_port(), data_dir, nats_port=free_port(), workers=workers,
                   worker_args=["--threads", str(threads), "--num-kv-blocks", str(args.kv_blocks),
                                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                               str(args.max_num_batched_tokens), "--block-size", str(args.block_size)],
+                               str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
+                               "--step-trace", str(data_dir / "steps.jsonl")],      # for run_speed
                   worker_env=env)
     stack.start()
     stack.wait_ready()
@@ -398,7 +398,7 @@ def replicated(sent: list[Sent], cost, consts: dict, workers: int, args, trace: 
 # -- steps (--steps) ------------------------------------------------------------------------------
 
 def trace_steps(path: Path) -> list[dict]:
-    """The real workers' steps: their STEP_TRACE lines."""
+    """The real workers' steps: their --step-trace lines."""
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line] if path.exists() else []
 
 

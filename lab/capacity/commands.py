@@ -155,7 +155,7 @@ def sim_check(sub) -> None:
                     "steps' jitter (their spread around the fitted cost, probed) from a seed of its own: the "
                     "simulated figures are their means (default 8)")
     sc.add_argument("--steps", action="store_true", help="also compare the steps: the real workers' (their "
-                    "TB_STEP_TRACE) against the simulator's, and the scaled cost on the real steps' shapes")
+                    "--step-trace) against the simulator's, and the scaled cost on the real steps' shapes")
     sc.add_argument("--data-dir", help="keep each stack's logs here (default: a temporary directory)")
     sc.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     sc.set_defaults(func=delegate("lab.capacity.check", exits=True))

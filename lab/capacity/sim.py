@@ -483,7 +483,7 @@ class Cell:
             self.idle.append(conv)
 
     def beat(self, w: Worker) -> None:
-        """A worker's heartbeat, as workers/service.py sends it: built between steps, so one that falls due
+        """A worker's heartbeat, as workers/service/ sends it: built between steps, so one that falls due
         during a step goes out as the last one again with a fresh time (the side thread's stand-in, which
         the router takes as no news), and a fresh one is built when the step ends."""
         if w.busy:
@@ -501,7 +501,7 @@ class Cell:
 
     def hand_off(self, p: Worker, req: Request) -> None:
         """A prefill worker's request has its first token: its prompt's blocks are leased, the request
-        leaves the engine and goes back to the router for a decode worker, as workers/service.py does."""
+        leaves the engine and goes back to the router for a decode worker, as workers/service/ does."""
         bs = self.cfg.block_size
         offer = p.kv.pin(f"lease:{req.request_id}", req.block_hashes[:req.num_prompt_tokens // bs])
         p.sched.abort(req)

@@ -18,7 +18,7 @@ from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-FAULT = 4001                                    # the token id the workers' test hook fails on
+FAULT = 4001                                    # the token id the workers' injected fault fails on
 U64 = 2**64 - 1
 POISON = {                                      # client id -> (frame fields, words in the error)
     "top_k": ({"prompt": "x", "top_k": U64}, "top_k must be in"),
@@ -38,7 +38,7 @@ POISON = {                                      # client id -> (frame fields, wo
 
 
 def test_poison_requests_get_errors_every_worker_stays_and_the_next_20_complete(tiny_model, tmp_path):
-    stack = start_stack(tiny_model, tmp_path, extra_worker_args=("--test-hook-fault-token", str(FAULT)))
+    stack = start_stack(tiny_model, tmp_path, extra_worker_args=("--inject-fault", f"forward-raise={FAULT}"))
     try:
         async def body():
             async with connect(stack) as ws:
@@ -71,7 +71,7 @@ def test_poison_requests_get_errors_every_worker_stays_and_the_next_20_complete(
 
 def test_a_poison_that_kills_workers_is_dead_lettered_after_max_strikes_and_the_stack_serves(tiny_model, tmp_path):
     stack = start_stack(tiny_model, tmp_path, extra_worker_args=(
-        "--test-hook-fault-token", str(FAULT), "--test-hook-fault-action", "exit"))
+        "--inject-fault", f"forward-exit={FAULT}"))
     try:
         async def body():
             async with connect(stack) as ws:

@@ -1,5 +1,5 @@
 """A disaggregated stack as processes: a prefill worker p0 and a decode worker d0 behind the router. The
-prefill worker is killed with SIGKILL in the middle of a transfer (a test hook kills it after it answered
+prefill worker is killed with SIGKILL in the middle of a transfer (an injected fault kills it after it answered
 one of the transfer's fetches): the decode worker recomputes what it lacks and the request completes with
 the offline engine's tokens; the stack then serves long prompts on d0 alone."""
 import asyncio
@@ -14,7 +14,6 @@ from ops.up import Stack
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import WORKER_ARGS, collect, connect, send
 from workers import LLM
-from workers.kv_transfer import DIE_AFTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -36,8 +35,8 @@ def test_the_prefill_worker_killed_mid_transfer_costs_a_recompute_not_the_reques
     try:
         stack.start()
         common = ["--nats-url", stack.nats_url, "--model", tiny_model, *WORKER_ARGS]
-        stack.spawn("p0", "workers.service", *common, "--id", "p0", "--role", "prefill", env={DIE_AFTER: "1"},
-                    role="worker")
+        stack.spawn("p0", "workers.service", *common, "--id", "p0", "--role", "prefill",
+                    "--inject-fault", "kv-die-after=1", role="worker")
         stack.spawn("d0", "workers.service", *common, "--id", "d0", "--role", "decode", role="worker")
         stack.wait_ready()
         registered(stack, {"p0", "d0"})

@@ -1,6 +1,6 @@
 """Chunks lost on tb.out are recovered token-exact, and a finished request delivered again is not run
 again: a real stack whose worker drops chunk 2 and the final chunk of every request on purpose (the
-TB_TEST_DROP_CHUNKS test hook); the gateway fills the gap from the worker (Resend) and the lost final
+drop-chunks injected fault, workers/faults.py); the gateway fills the gap from the worker (Resend) and the lost final
 chunk from the request's Outcome, on the websocket and on HTTP streaming."""
 import asyncio
 import os
@@ -18,7 +18,6 @@ from schemas.messages import FinalChunk, TokenizedRequest, WorkItem, decode, enc
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import WORKER_ARGS, collect, completions, connect, running, send
 from workers import LLM
-from workers.service import DROP_CHUNKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -28,7 +27,7 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     with running(Stack(tiny_model, free_port(), tmp_path_factory.mktemp("drops"), nats_port=free_port(), workers=1,
-              worker_args=WORKER_ARGS, worker_env={DROP_CHUNKS: "2,final"})) as s:
+              worker_args=[*WORKER_ARGS, "--inject-fault", "drop-chunks=2,final"])) as s:
         yield s
 
 

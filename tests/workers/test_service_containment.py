@@ -28,6 +28,7 @@ from schemas.sampling import SamplingParams
 from tests.workers.service_helpers import worker
 from workers import service as service_module
 from workers.engine.engine import EngineConfig, LLMEngine
+from workers.service import records
 
 FAULT = 4001
 PARAMS = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
@@ -142,7 +143,7 @@ def test_a_moved_item_continues_after_the_tokens_the_gateway_reports(nats_url, e
 
 
 def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_url, engine, monkeypatch):
-    monkeypatch.setattr(service_module, "USAGE_BACKUP_SECONDS", 0.2)
+    monkeypatch.setattr(records, "USAGE_BACKUP_SECONDS", 0.2)
 
     async def body():
         nc = await nats.connect(nats_url)

@@ -92,6 +92,6 @@ def test_a_step_longer_than_worker_ttl_does_not_let_the_heartbeat_lapse(nats_url
 
 def test_a_loop_silent_past_max_step_seconds_is_let_lapse(nats_url, engine, monkeypatch):
     monkeypatch.setattr(sideline, "MAX_STEP_SECONDS", 1.0)
-    monkeypatch.setattr("workers.service.MAX_STEP_SECONDS", 1.0)
+    monkeypatch.setattr("workers.service.registry.MAX_STEP_SECONDS", 1.0)
     ages = run_one_slow_step(nats_url, engine, monkeypatch)
     assert max(ages) > subjects.WORKER_TTL         # the stand-in beats stopped: gone, or older than the TTL

@@ -1,0 +1,186 @@
+"""Token chunks out to the gateway: each step's new tokens on tb.out.<request id>, paced under load, and
+the final chunk at the end; what a gateway missed, resent; what a moved request's client has, asked
+for; a remote prefill handed off to a decode worker once its first chunk is out.
+
+Runs on the event loop, between engine steps: the step loop calls `emit` for each request a step
+updated. `on_resend` is a subscription callback on the same loop; it takes the engine lock.
+
+Part of WorkerService (worker.py, where the shared state is set up)."""
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+import nats.errors
+
+import bus
+from schemas import subjects
+from schemas.messages import (
+    FinalChunk,
+    Logprobs,
+    Prefilled,
+    Progress,
+    Resend,
+    TokenChunk,
+    TokenizedRequest,
+    WireError,
+    WorkItem,
+    decode,
+    encode,
+)
+from text.detokenizer import PROMPT_CONTEXT
+from workers.engine.request import Request
+
+PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
+
+
+@dataclass(slots=True)
+class Running:
+    """What the service knows of a request in the engine."""
+    item: WorkItem
+    msg: object                     # the JetStream message, acked when the request ends
+    received: float                 # time.time() it arrived
+    first_token: float = 0.0
+    sent: int = 0                   # output tokens published
+    seq: int = 0                    # chunks published
+    published: float = 0.0          # time.time() of its last chunk
+    subject: str = ""               # tb.out.<request id>
+    strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
+    cached_tokens: int = -1         # a handed-off request: the prefill worker's prefix hit (-1: the engine's)
+    stored: float = 0.0             # time.time() its work item was stored in the stream (0: not known)
+
+    @property
+    def tail(self) -> list[int]:
+        """The detokenizer's context, sent with the first chunk only."""
+        return self.item.request.prompt_token_ids[-PROMPT_CONTEXT:] if self.seq == 0 else []
+
+class Streaming:
+    """WorkerService's streams: chunks, resends, progress, handoffs."""
+
+    def chunk_interval(self) -> float:
+        """Seconds between two chunks of a stream, at least: under load (more streams than chunk_rate
+        allows at a chunk per step each) a chunk carries the tokens of several steps. Each chunk costs
+        every stage downstream (nats-server, the gateway, the client) about as much as its tokens."""
+        return min(len(self.running) / self.chunk_rate, subjects.MAX_CHUNK_INTERVAL) if self.chunk_rate else 0.0
+
+    async def emit(self, req: Request, now: float, interval: float = 0.0) -> None:
+        """Publishes the request's tokens not sent yet: the first at once, the last with the final chunk,
+        the others once `interval` has passed since the stream's last chunk. A remote prefill is handed
+        off once its first chunk is out."""
+        run = self.running.get(req.request_id)
+        if run is None:
+            return
+        new = req.token_ids[req.num_prompt_tokens + run.sent:]
+        if new and not run.first_token:
+            run.first_token = now
+        if not req.finished and (not new or (run.seq and now - run.published < interval)):
+            return                               # nothing new, or held for the stream's next chunk
+        self.generation_tokens += len(new)
+        if req.finished:
+            await self.end(run, req, new, now)
+        else:
+            chunk = TokenChunk(req.request_id, run.seq, run.sent, new, req.num_prompt_tokens, run.tail,
+                               max(req.num_cached_tokens, 0) if run.seq == 0 else 0, logprobs(req, run.sent))
+            run.seq, run.sent, run.published = run.seq + 1, run.sent + len(new), now
+            if not self.faults.drop_chunks or str(chunk.seq) not in self.faults.drop_chunks:   # off: one check
+                await self.nc.publish(run.subject, encode(chunk))
+            if run.item.prefill:
+                self.hand_off(run, req)
+
+    async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
+        """The final chunk, then the request's records (records.py); one the engine failed is dead-lettered."""
+        if req.finish_reason == "error":
+            await self.failed_request(run, req)
+            return
+        del self.running[req.request_id]
+        usage, timing = usage_of(run, req), timing_of(run, now)
+        final = FinalChunk(req.request_id, run.seq, run.sent, new, req.finish_reason, req.stop_reason, usage, timing,
+                           self.id, run.tail, logprobs(req, run.sent))
+        if "final" not in self.faults.drop_chunks:
+            await self.nc.publish(run.subject, encode(final))
+        self.store_end(run, req, usage, timing)
+
+    async def on_resend(self, msg) -> None:
+        """A gateway missed chunks of a request running here: its output tokens from the asked offset, up
+        to those published so far (later ones come as chunks). Not running here: no answer."""
+        try:
+            ask = decode(msg.data, Resend)
+        except WireError as e:
+            self.log.error("bad resend dropped", error=str(e))
+            return
+        run = self.running.get(ask.id)
+        if run is None or not msg.reply:
+            return
+        async with self.engine_lock:
+            req = self.engine.requests.get(ask.id)
+            out = req.output_token_ids[:run.sent] if req is not None else []
+        r = run.item.request
+        chunk = TokenChunk(ask.id, -1, ask.offset, out[ask.offset:], len(r.prompt_token_ids),
+                           r.prompt_token_ids[-PROMPT_CONTEXT:])
+        await self.nc.publish(msg.reply, encode(chunk))
+        self.log.info("tokens resent", request_id=ask.id, offset=ask.offset, tokens=len(chunk.token_ids))
+
+    async def progress(self, rid: str) -> list[int]:
+        """The output tokens the client of a moved request has, as the gateway says; [] without an answer."""
+        try:
+            reply = await self.nc.request(subjects.progress(rid), b"", timeout=PROGRESS_TIMEOUT)
+            got = decode(reply.data, Progress)
+        except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
+            self.log.info("no progress; starting from the prompt", request_id=rid, error=str(e) or type(e).__name__)
+            return []
+        return list(got.token_ids) if got.id == rid else []
+
+    # -- disaggregated serving ------------------------------------------------------------------
+
+    def hand_off(self, run: Running, req: Request) -> None:
+        """A remote prefill is done (its first token published): the prompt's blocks are offered under a
+        lease, the request leaves the engine, and it goes back to the router (TB_ROUTE) with what a decode
+        worker needs to continue it. Its work item is acked once the handoff is stored."""
+        bs = self.engine.config.block_size
+        lease, hashes = self.transport.offer(req.request_id, req.block_hashes[:req.num_prompt_tokens // bs])
+        r = run.item.request
+        prefilled = Prefilled(self.id, lease, hashes, bs, req.output_token_ids, req.seed,
+                              max(req.num_cached_tokens, 0), run.seq, run.received, run.first_token)
+        self.engine.abort(req.request_id)        # its blocks are freed; the offered ones stay pinned
+        del self.running[req.request_id]
+        self.spawn(self.publish_handoff(run, dataclasses.replace(r, prefilled=prefilled)))
+        self.log.info("request handed off", request_id=r.id, tenant=r.tenant, blocks=len(hashes),
+                      prompt_tokens=req.num_prompt_tokens, output_tokens=req.num_output_tokens)
+
+    async def publish_handoff(self, run: Running, handed: TokenizedRequest) -> None:
+        """Stores the handoff (retried through a broker restart), then acks the prefill's work item. Not
+        stored: the lease goes and the item stays unacked, so it comes again and is prefilled again."""
+        rid = handed.id
+        try:
+            await bus.publish(self.js, subjects.route(handed.tenant), encode(handed),
+                              subjects.msg_id(rid, f"{rid}.pd"), self.log)
+            await run.msg.ack()
+        except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:
+            await self.transport.released(rid)
+            self.log.error("handoff not stored; the prefill will run again", request_id=rid,
+                           error=str(e) or type(e).__name__)
+
+
+def usage_of(run: Running, req: Request) -> dict:
+    """The final chunk's and the records' usage; a handed-off request's prefix hit is the prefill worker's."""
+    return {"prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
+            "cached_tokens": run.cached_tokens if run.cached_tokens >= 0 else max(req.num_cached_tokens, 0)}
+
+
+def timing_of(run: Running, now: float) -> dict:
+    """The request's times in ms, those known: queue (since the gateway made it), intake (since it was
+    stored), time to first token and end to end (since it got here)."""
+    created = run.item.request.created
+    timing = {"queue_ms": max(0.0, run.received - created) * 1e3 if created else None,
+              "intake_ms": max(0.0, run.received - run.stored) * 1e3 if run.stored else None,
+              "ttft_ms": (run.first_token - run.received) * 1e3 if run.first_token else None,
+              "e2e_ms": (now - run.received) * 1e3}
+    return {k: round(v, 3) for k, v in timing.items() if v is not None}
+
+
+def logprobs(req: Request, start: int) -> Logprobs | None:
+    """The logprobs of output tokens from `start` on, for a request that asked for them."""
+    if req.params.logprobs is None:
+        return None
+    lps = req.logprobs[start - req.num_resumed_tokens:]    # tokens it resumed after came without theirs
+    return Logprobs([t.logprob for t in lps], [[i for i, _ in t.top] for t in lps],
+                    [[v for _, v in t.top] for t in lps])

@@ -1,0 +1,164 @@
+"""The worker service: an asyncio loop that alternates engine steps with publishing their tokens.
+
+Runs on the event loop (the process's main thread); the engine steps on the step thread. Each turn of
+the step loop runs one engine step on the step thread (workers/stepper.py), publishes every request's
+new tokens (core NATS writes are buffered: publishing never waits on the network), then yields so
+that what the loop took from the bus during the step (work items whose checks are done, cancels)
+reaches the engine before the next one. The engine lock keeps every other use of the engine (adds,
+aborts, pins, stats) out of a step. A side thread (workers/sideline.py) sends the heartbeat while a
+step runs for seconds, and serves KV transfer bytes (workers/kv_transfer.py).
+
+WorkerService is one object; its methods live by job in the modules beside this one: intake.py (work
+items into the engine, strikes, dead letters), streaming.py (token chunks, resends, handoffs),
+records.py (outcomes, completion and usage records), registry.py (heartbeats, suspects, KV events,
+leaving). The state they share is set up in `__init__` below; this module holds the step loop."""
+import asyncio
+import time
+
+import orjson
+
+import bus
+from schemas import subjects
+from schemas.messages import Heartbeat
+from workers.distributed import WorkerFailure
+from workers.engine.engine import LLMEngine
+from workers.faults import NO_FAULTS, Faults
+from workers.kv_transfer import NatsKvTransport
+from workers.service.intake import Intake
+from workers.service.records import Records
+from workers.service.registry import LEAVE_WAIT, Registry
+from workers.service.streaming import Running, Streaming
+from workers.sideline import Sideline
+from workers.stepper import Stepper
+
+
+class WorkerService(Intake, Streaming, Records, Registry):
+    def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
+                 chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
+                 kv_load_failure_policy: str = "recompute", nats_url: str | None = None, revision: str = "",
+                 stepper: Stepper | None = None, faults: Faults = NO_FAULTS, step_trace: str | None = None):
+        self.nc, self.js = nc, nc.jetstream()
+        self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
+        self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
+        self.running: dict[str, Running] = {}
+        self.cancelled: dict[str, float] = {}        # cancels that came before their request
+        self.finished = 0
+        self.admitting = 0                           # work items being taken (their checks on the bus)
+        self.taken: dict[int, tuple[int, list[int]]] = {}   # by id() of the message: the requests on their
+        #                   way into the engine, (prompt tokens, their block hashes), which a heartbeat counts
+        self.checking: set[int] = set()              # id() of the work items whose checks are under way
+        self.checked = asyncio.Event()               # set when none is
+        self.prompt_tokens = self.generation_tokens = 0     # counters for the heartbeat (metrics)
+        self.tasks: set[asyncio.Task] = set()
+        self.wake = asyncio.Event()                  # set when work arrives for an idle engine
+        self.stop = asyncio.Event()
+        self.failed = False
+        self.kv_seq = 0                              # KV events published
+        self.suspect = ""                            # the request the last heartbeat said runs alone
+        self.blamed = ""                             # the one this worker's previous life said so of, if any
+        self.spec_k: int | None = None               # k at the last look where some request could draft
+        self.faults = faults                         # injected on purpose (tests, chaos): workers/faults.py
+        self.role, self.kv_load_failure_policy = role, kv_load_failure_policy
+        self.engine_lock = asyncio.Lock()           # held for each step; taken by whatever else touches the engine
+        self.stepper = stepper                       # the step thread (run() starts one if none is given)
+        self.transport = NatsKvTransport(nc, self.id, engine, log, self.engine_lock, faults)
+        self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
+        self.nats_url = nats_url                     # for the side thread's connection (default: nc's servers)
+        self.side: Sideline | None = None
+        self.beat: Heartbeat | None = None           # the last heartbeat the step loop built, and when
+        self.revision = revision                     # of the model it serves (schemas/revision.py)
+        self.beat_at = 0.0
+        if faults:
+            log.warning("injected faults on (tests and chaos only)", faults=str(faults))
+        self.step_trace = step_trace                 # a file for each step's shape and times (--step-trace)
+        if step_trace is not None:
+            engine.trace = []
+
+    async def run(self) -> None:
+        await self.open_bus()
+        await self.start_side()
+        await self.heartbeat()
+        self.side.spawn(self.stand_in_beats())
+        self.log.info("worker ready", model=self.model_name, revision=self.revision,
+                      kv_blocks=self.engine.kv.num_blocks, role=self.role)
+        own = self.stepper is None               # a stepper given is its giver's to close (after the engine)
+        self.stepper = self.stepper or Stepper(self.engine)
+        loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
+                                                     self.progress_loop)]
+        await self.stop.wait()
+        for t in loops:
+            t.cancel()
+        await self.stepper.finish(LEAVE_WAIT)   # the engine is closed after this: no step may be under way
+        if own:
+            self.stepper.close()
+        await self.leave()
+
+    async def open_bus(self) -> None:
+        """The streams and buckets the worker uses, and its subscriptions (cancels, resends, KV snapshots)."""
+        await bus.ensure_streams(self.js)
+        self.registry = await bus.registry(self.js)
+        self.suspects = await bus.suspects(self.js)
+        self.outcomes = await bus.outcomes(self.js)
+        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
+        await self.nc.subscribe(subjects.RESEND_ALL, cb=self.on_resend)
+        self.engine.kv.record_changes()
+        await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
+
+    async def start_side(self) -> None:
+        """The side thread, on a connection of its own; the KV transfers' bytes move there."""
+        servers = self.nats_url or ",".join(u.geturl() for u in self.nc.servers)
+        self.side = Sideline(servers, f"worker-{self.id}-side", self.log)
+        await self.side.start()
+        await self.transport.start(self.side)
+
+    # -- the step loop --------------------------------------------------------------------------
+
+    async def step_loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self.wake.clear()
+                await self.wake.wait()
+            async with self.engine_lock:         # behind the adds and cancels that came during the last step
+                await self.announce_suspect()
+                started = time.monotonic()
+                try:
+                    updated = await self.stepper.step()
+                except Exception as e:           # a failure no request could be blamed for: stop
+                    self.fail(e)
+                    return
+            seconds = time.monotonic() - started
+            now, interval = time.time(), self.chunk_interval()
+            for req in updated:
+                await self.emit(req, now, interval)
+            if self.engine.kv.changes:
+                await self.publish_kv()
+            await self.intake(seconds)
+            if self.step_trace is not None:
+                self.trace_steps(started)
+
+    def trace_steps(self, started: float) -> None:
+        """The --step-trace lines of the steps just run: the engine's shape and seconds, and the loop's whole
+        step (the engine's, the chunks, the KV events, the intake)."""
+        now = time.monotonic()
+        with open(self.step_trace, "ab") as f:
+            for t in self.engine.trace:
+                f.write(orjson.dumps({"worker": self.id, "at": started, "loop_s": now - started, "seconds": t.seconds,
+                                      "rows": t.num_requests, "tokens": t.num_tokens, "sampled": t.num_sampled,
+                                      "attention": t.attention, "kv_read": t.kv_read}) + b"\n")
+        self.engine.trace.clear()
+
+    def fail(self, error: Exception) -> None:
+        """A failure no request can be blamed for (a dead tensor-parallel rank): the worker stops; what it
+        held is logged here and re-routed by the router, each taken item with a strike."""
+        self.failed = True
+        self.log.error("engine failed; stopping", error=str(error) if isinstance(error, WorkerFailure) else repr(error))
+        for rid, run in self.running.items():
+            self.log.error("request held at failure", request_id=rid, tenant=run.item.request.tenant,
+                           attempt=run.item.attempt, strikes=run.strikes, sent=run.sent)
+        self.stop.set()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
