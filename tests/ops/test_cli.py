@@ -189,3 +189,29 @@ def test_bench_routing_runs_each_policy_on_one_stack_and_reports_hits_ttft_load_
     assert prefix["requests"] == 6 and prefix["hit_tokens"] > 0 and prefix["one_worker_hit_rate"] > 0
     assert set(r["goals"]) == {"prefix_vs_round_robin", "prefix_vs_one_worker", "prefix_load_ratio",
                                "shared_prompt_load_ratio"}
+
+
+def test_building_the_parser_imports_no_torch_and_registers_the_lab_s_commands():
+    code = ("import sys; from ops.cli import parser; p = parser(); "
+            "names = p._subparsers._group_actions[0].choices; "
+            "print('torch' in sys.modules, 'bench' in names, 'sim-check' in names, 'up' in names)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120).stdout
+    assert out.split() == ["False", "True", "True", "True"]
+
+
+def test_a_command_whose_package_is_absent_is_left_out_and_a_broken_one_is_an_error(monkeypatch, tmp_path):
+    """The Docker image ships without lab/: its entry points name modules that are not there."""
+    import importlib.metadata
+
+    from ops import cli
+
+    absent = importlib.metadata.EntryPoint("bench", "nolab.commands:bench", cli.GROUP)
+    monkeypatch.setattr(cli.importlib.metadata, "entry_points", lambda group: [absent])
+    names = cli.parser()._subparsers._group_actions[0].choices
+    assert "bench" not in names and {"model", "up", "log"} <= set(names)
+    (tmp_path / "brokenlab.py").write_text("import no_such_dependency\n")    # there, but it cannot import
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = importlib.metadata.EntryPoint("bench", "brokenlab:bench", cli.GROUP)
+    monkeypatch.setattr(cli.importlib.metadata, "entry_points", lambda group: [broken])
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency"):
+        cli.parser()
