@@ -10,6 +10,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas schemas
+COPY bus bus
+COPY text text
 COPY services services
 COPY workers workers
 COPY kernels kernels

@@ -1,5 +1,5 @@
-"""A command's connection to nats-server: the services' reconnecting connection (subjects.connect),
-once a nats-server is known to answer at the URL. subjects.connect alone retries forever in silence
+"""A command's connection to nats-server: the services' reconnecting connection (bus.connect),
+once a nats-server is known to answer at the URL. bus.connect alone retries forever in silence
 when none does, and nats-py can swallow the cancel of that loop (a timeout or Ctrl-C around it would
 then wait forever too), so the command first asks the server for its INFO line itself, with plain
 asyncio streams, and gives up within CONNECT_TIMEOUT seconds naming the URL."""
@@ -9,23 +9,23 @@ import urllib.parse
 
 import nats
 
-from schemas import subjects
+import bus
 
 CONNECT_TIMEOUT = 5.0
 PROBED = ("nats", "tls")                          # schemes whose servers greet with INFO first (not ws://)
 
 
 async def connect(url: str, name: str, timeout: float = CONNECT_TIMEOUT, **kw) -> nats.NATS:
-    """subjects.connect(url, name, **kw), or ValueError naming url when no nats-server answers there
+    """bus.connect(url, name, **kw), or ValueError naming url when no nats-server answers there
     within timeout."""
     await answers(url, timeout)
-    return await subjects.connect(url, name, **kw)
+    return await bus.connect(url, name, **kw)
 
 
 async def answers(url: str, timeout: float = CONNECT_TIMEOUT) -> None:
     """ValueError unless one server of url (one, or a cluster's comma-separated list) greets with
     nats-server's INFO line, within timeout for them all; the error names the last one tried."""
-    *others, last = servers = subjects.servers_of(url)
+    *others, last = servers = bus.servers_of(url)
     for server in others:
         with contextlib.suppress(ValueError):
             return await answer(server, timeout / len(servers))

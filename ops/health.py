@@ -9,11 +9,12 @@ import sys
 import urllib.error
 import urllib.request
 
+import bus
 from ops.status import heartbeats
 from schemas import subjects
 
-STAGES = {"tokenizer": (subjects.REQUESTS_STREAM, subjects.TOKENIZER),
-          "router": (subjects.ROUTE_STREAM, subjects.ROUTER)}
+STAGES = {"tokenizer": (subjects.REQUESTS_STREAM, bus.TOKENIZER),
+          "router": (subjects.ROUTE_STREAM, bus.ROUTER)}
 
 
 def gateway(url: str) -> bool:
@@ -28,7 +29,7 @@ def gateway(url: str) -> bool:
 
 async def pulling(nats_url: str, role: str) -> bool:
     stream, config = STAGES[role]
-    nc = await subjects.connect(nats_url, "tokenbus-health", role="admin")
+    nc = await bus.connect(nats_url, "tokenbus-health", role="admin")
     try:
         return (await nc.jetstream().consumer_info(stream, config.durable_name)).num_waiting > 0
     finally:
@@ -36,7 +37,7 @@ async def pulling(nats_url: str, role: str) -> bool:
 
 
 async def registered(nats_url: str, worker: str) -> bool:
-    nc = await subjects.connect(nats_url, "tokenbus-health", role="admin")
+    nc = await bus.connect(nats_url, "tokenbus-health", role="admin")
     try:
         return any(b.worker == worker for b in await heartbeats(nc.jetstream()))
     finally:

@@ -13,7 +13,8 @@ from ops import broker
 from ops.args import nats_url
 from ops.records import parse_time
 from ops.tokenizer import load_tokenizer
-from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, WireError, decode, to_dict
+from schemas.messages import Completion, FinalChunk, GenerateRequest, TokenChunk, decode
+from schemas.wire import WireError, to_dict
 
 PREVIEW_BYTES = 48
 SHOWN_IDS = 8                            # items shown of a long list in the readable form

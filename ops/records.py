@@ -11,10 +11,12 @@ import nats.js.errors
 import orjson
 from nats.js import api
 
+import bus
 from ops import args as options
 from ops import broker
 from schemas import subjects
-from schemas.messages import Completion, WireError, decode, encode, from_obj, to_obj
+from schemas.messages import Completion, decode, encode, from_obj, to_obj
+from schemas.wire import WireError
 
 REPLAY_PREFIX = "replay-"                # the request ids of replays: never selected themselves
 READ_TIMEOUT = 5.0
@@ -140,11 +142,11 @@ async def import_(nats_url: str, path: Path) -> int:
     nc = await broker.connect(nats_url, "tokenbus-log", role="log")
     try:
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         for rec in records:
             await js.publish(subjects.done(rec.tenant), encode(rec), headers=subjects.msg_id(rec.id))
     finally:
-        await subjects.close(nc)
+        await bus.close(nc)
     return len(records)
 
 

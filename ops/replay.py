@@ -18,6 +18,7 @@ from pathlib import Path
 import nats.errors
 import orjson
 
+import bus
 from ops import broker, records
 from ops.args import nats_url, window
 from ops.tokenizer import load_tokenizer
@@ -29,10 +30,10 @@ from schemas.messages import (
     FinalChunk,
     GenerateRequest,
     TokenChunk,
-    WireError,
     decode,
     encode,
 )
+from schemas.wire import WireError
 
 DEFAULT_LAST = 10                        # records replayed when no window is given
 TEXT_CONTEXT = 6                         # tokens shown before the first difference in the table
@@ -107,7 +108,7 @@ async def replay(nats_url: str, recs: list[Completion], timeout: float, concurre
     try:
         return await asyncio.gather(*(one(rec) for rec in recs))
     finally:
-        await subjects.close(nc)
+        await bus.close(nc)
 
 
 # -- the comparison -----------------------------------------------------------------------------------

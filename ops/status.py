@@ -5,9 +5,9 @@ import dataclasses
 
 import orjson
 
+import bus
 from ops import broker
 from ops.args import nats_url
-from schemas import subjects
 from schemas.messages import Heartbeat, KvTransfer, Speculation
 
 FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
@@ -24,7 +24,7 @@ async def read_registry(nats_url: str) -> list[Heartbeat]:
 
 async def heartbeats(js) -> list[Heartbeat]:
     """The live workers' latest heartbeats, by worker id."""
-    return await subjects.live_workers(await subjects.registry(js))
+    return await bus.live_workers(await bus.registry(js))
 
 
 def as_json(beats: list[Heartbeat]) -> dict:

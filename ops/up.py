@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import bus as nats_bus
 from ops import broker, bus, cluster, procs
 from ops.models import resolve
 from ops.status import heartbeats
@@ -307,16 +308,16 @@ class Stack:
 async def prepare(nats_url: str, credentials: Credentials | None = None) -> None:
     nc = await broker.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
-        await subjects.ensure_streams(nc.jetstream())
+        await nats_bus.ensure_streams(nc.jetstream())
     finally:
         await nc.close()
 
 
 async def pipeline_ready(nats_url: str, num_workers: int, credentials: Credentials | None = None) -> bool:
-    nc = await subjects.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
+    nc = await nats_bus.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
         js = nc.jetstream()
-        stages = ((subjects.REQUESTS_STREAM, subjects.TOKENIZER), (subjects.ROUTE_STREAM, subjects.ROUTER))
+        stages = ((subjects.REQUESTS_STREAM, nats_bus.TOKENIZER), (subjects.ROUTE_STREAM, nats_bus.ROUTER))
         for stream, config in stages:
             info = await js.consumer_info(stream, config.durable_name)
             if not info.num_waiting:

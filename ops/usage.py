@@ -10,10 +10,12 @@ import nats.errors
 import orjson
 from nats.js import api
 
+import bus
 from ops import broker
 from ops.args import nats_url
 from schemas import subjects
-from schemas.messages import Usage, WireError, decode
+from schemas.messages import Usage, decode
+from schemas.wire import WireError
 
 SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -37,7 +39,7 @@ async def read(nats_url: str, tenant: str | None = None, start: float | None = N
     nc = await broker.connect(nats_url, "tokenbus-usage", role="usage")
     try:
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0,
                                     deliver_policy=api.DeliverPolicy.BY_START_TIME if start else api.DeliverPolicy.ALL,
                                     opt_start_time=datetime.datetime.fromtimestamp(start, datetime.UTC) if start

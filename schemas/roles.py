@@ -15,7 +15,7 @@ from schemas import subjects as s
 API = "$JS.API"
 KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
                                    s.SUSPECTS_BUCKET)]
-ALL_STREAMS = [c.name for c in s.STREAMS] + KV_STREAMS
+ALL_STREAMS = [*s.STREAM_NAMES, *KV_STREAMS]
 MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
 
@@ -34,12 +34,12 @@ def each(subject) -> str:
 
 
 def keep_streams() -> list[str]:
-    """subjects.ensure_streams, registry() and outcomes(): look up, and create if missing, every stream."""
+    """bus.ensure_streams and its buckets (bus/streams.py): look up, and create if missing, every stream."""
     return [f"{API}.STREAM.{op}.{stream}" for stream in ALL_STREAMS for op in ("INFO", "CREATE")]
 
 
 def durable(stream: str, name: str) -> list[str]:
-    """A durable pull consumer (subjects.consume): make or find it, pull from it, ack what it hands over."""
+    """A durable pull consumer (bus.consume): make or find it, pull from it, ack what it hands over."""
     return [f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.INFO.{stream}.{name}",
             f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
 
@@ -77,13 +77,13 @@ ROLES: dict[str, Permissions] = {
     # the request log → tokenized requests
     "tokenizer": Permissions(
         publish=[each(s.route), each(s.out), *keep_streams(),
-                 *durable(s.REQUESTS_STREAM, s.TOKENIZER.durable_name)],
+                 *durable(s.REQUESTS_STREAM, s.TOKENIZER_DURABLE)],
         subscribe=[]),
     # tokenized requests → one worker's work queue; moves a departed worker's work; ends requests past
     # their deadline
     "router": Permissions(
         publish=[each(s.work), each(s.out), each(s.kv_snapshot), s.ROUTER_STATS_ALL,
-                 *keep_streams(), *durable(s.ROUTE_STREAM, s.ROUTER.durable_name), *reader(f"KV_{REGISTRY}"),
+                 *keep_streams(), *durable(s.ROUTE_STREAM, s.ROUTER_DURABLE), *reader(f"KV_{REGISTRY}"),
                  *kv_write(OUTCOMES), *kv_get(OUTCOMES),
                  f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*", f"{API}.CONSUMER.DELETE.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.CREATE.{s.WORK_STREAM}.*.{each(s.work)}",

@@ -37,7 +37,8 @@ import nats.errors
 import torch
 
 from schemas import subjects
-from schemas.messages import KvFetch, KvTransfer, Prefilled, WireError, decode, encode
+from schemas.messages import KvFetch, KvTransfer, Prefilled, decode, encode
+from schemas.wire import WireError
 from workers.engine.engine import LLMEngine
 from workers.faults import NO_FAULTS, Faults
 

@@ -3,8 +3,8 @@ import itertools
 import warnings
 from dataclasses import dataclass
 
-from schemas.detokenizer import Detokenizer
 from schemas.sampling import SamplingParams
+from text.detokenizer import Detokenizer
 from workers.engine.engine import EngineConfig, LLMEngine, check_priority, check_weight
 from workers.engine.request import Request, TokenLogprobs
 from workers.models import catalogue

@@ -14,7 +14,7 @@ lapses.
 import asyncio
 import threading
 
-from schemas import subjects
+import bus
 
 MAX_STEP_SECONDS = 60.0        # a step loop silent this long is hung: the side thread stops vouching for it
 
@@ -28,7 +28,7 @@ class Sideline:
 
     async def start(self) -> None:
         self.thread.start()
-        self.nc = await self.run(subjects.connect(self.servers, self.name, self.log, role="worker"))
+        self.nc = await self.run(bus.connect(self.servers, self.name, self.log, role="worker"))
 
     async def run(self, coro):
         """Runs coro on the side thread's loop and waits for it from the caller's."""
@@ -42,7 +42,7 @@ class Sideline:
         """Closes the side connection (its subscriptions end) and the thread."""
         if self.nc is not None:
             try:
-                await asyncio.wait_for(self.run(subjects.close(self.nc)), 5)
+                await asyncio.wait_for(self.run(bus.close(self.nc)), 5)
             except Exception as e:               # the server may be gone already
                 self.log.warning("side connection not closed cleanly", error=str(e) or type(e).__name__)
         try:

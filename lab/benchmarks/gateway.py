@@ -31,6 +31,7 @@ import orjson
 import uvloop
 import websockets
 
+import bus
 from ops.procs import cpu_seconds, free_port, python_module, spawn, start_nats, stop
 from schemas import subjects
 from schemas.messages import GenerateRequest, Heartbeat, decode, encode
@@ -96,12 +97,12 @@ async def worker(nats_url: str, model: str) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(f"{model}/tokenizer.json")
-    nc = await subjects.connect(nats_url, "bench-worker", role="worker")
+    nc = await bus.connect(nats_url, "bench-worker", role="worker")
     js = nc.jetstream()
-    await subjects.ensure_streams(js)
+    await bus.ensure_streams(js)
     fake = FakeWorker(nc, tok.encode(" the paged cache serves every token fast").ids)
     await js.subscribe("tb.req.new.>", cb=fake.on_request, ordered_consumer=True)
-    await asyncio.gather(fake.steps(), fake.beat(await subjects.registry(js)))
+    await asyncio.gather(fake.steps(), fake.beat(await bus.registry(js)))
 
 
 # -- raw HTTP/1.1 clients -------------------------------------------------------------------------
@@ -318,4 +319,4 @@ def parser() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":
     a = parser().parse_args()
-    subjects.run(worker(a.nats_url, a.model))
+    bus.run(worker(a.nats_url, a.model))

@@ -38,10 +38,11 @@ from websockets.frames import Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
+import bus
+from bus.log import configure
 from ops.procs import cpu_seconds, free_port
 from ops.up import Stack
 from schemas import subjects
-from schemas.log import configure
 from schemas.sampling import SamplingParams
 from workers import LLM
 from workers.engine.engine import LLMEngine
@@ -91,7 +92,7 @@ async def bus_counts(nats_url: str, url: str, requests) -> dict[str, float]:
         key = f"{parts[0]}.*" if parts[0].startswith("_INBOX") else ".".join(parts[:2]) + ".*" * (len(parts) > 2)
         counts[key] = counts.get(key, 0) + 1
 
-    nc = await subjects.connect(nats_url, "bench-pipeline", role="admin")
+    nc = await bus.connect(nats_url, "bench-pipeline", role="admin")
     try:
         await nc.subscribe(">", cb=count)
         tokens, _ = await pipeline_run(url, requests)
@@ -262,7 +263,7 @@ class StandIn:
 async def serve_stand_in(args) -> None:
     """A worker process whose engine is a StandIn: the real WorkerService around it."""
     log = configure("worker").bind(worker="w0")
-    nc = await subjects.connect(args.nats_url, "worker-w0", log, role="worker")
+    nc = await bus.connect(args.nats_url, "worker-w0", log, role="worker")
     engine = StandIn(args.step_ms, args.max_num_seqs, args.vocab)
     await WorkerService(nc, engine, "w0", args.served_model_name, log, args.chunk_rate).run()
 
@@ -406,4 +407,4 @@ def table(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    subjects.run(serve_stand_in(stand_in_parser().parse_args()))
+    bus.run(serve_stand_in(stand_in_parser().parse_args()))

@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import websockets
 
+import bus as nats_bus
 from ops import cluster, procs
 from ops.up import Stack, prepare
 from schemas import subjects
@@ -75,7 +76,7 @@ def measure(model: str, root: Path, requests: int, workers: int) -> list[Row]:
 
 async def bus(url: str, row: Row) -> None:
     await prepare(url)
-    nc = await subjects.connect(url, "bench-cluster")
+    nc = await nats_bus.connect(url, "bench-cluster")
     js, payload = nc.jetstream(), bytes(PUBLISH_SIZE)
     subject = subjects.request_new("bench")
     try:

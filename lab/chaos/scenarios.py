@@ -41,6 +41,7 @@ from pathlib import Path
 import orjson
 import websockets
 
+import bus
 from lab.chaos import cluster as bench_cluster
 from lab.chaos import netns
 from ops import cluster, procs
@@ -310,7 +311,7 @@ class Run:
         """SIGKILL of TB_REQUESTS' leader or of the follower that leads fewest streams (back after
         NODE_DOWN_SECONDS), or a PARTITION_SECONDS cut of TB_REQUESTS' leader; measures how long the
         streams it led went without another leader. start_node runs in this thread, which owns the stack."""
-        nc = await subjects.connect(self.stack.nats_url, "tokenbus-chaos", role="admin")
+        nc = await bus.connect(self.stack.nats_url, "tokenbus-chaos", role="admin")
         js = nc.jetstream(timeout=0.5)
         try:
             leaders = await self.leaders(js)
@@ -453,7 +454,7 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0) -> tuple[int
     `want` the logs are read again until each holds `want` request ids or `timeout` seconds pass."""
     from schemas.messages import Completion, GenerateRequest, Usage
 
-    nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
+    nc = await bus.connect(nats_url, "tokenbus-chaos", role="admin")
     deadline = time.monotonic() + timeout
     try:
         js = nc.jetstream()
@@ -483,9 +484,9 @@ async def ids(js, stream: str, subject: str, cls: type) -> list[str]:
 
 
 async def registered(nats_url: str) -> int:
-    nc = await subjects.connect(nats_url, "tokenbus-chaos", role="admin")
+    nc = await bus.connect(nats_url, "tokenbus-chaos", role="admin")
     try:
-        return len(await subjects.live_workers(await subjects.registry(nc.jetstream())))
+        return len(await bus.live_workers(await bus.registry(nc.jetstream())))
     finally:
         await nc.close()
 

@@ -102,8 +102,8 @@ class EngineLoop:
         self.outputs: dict[int, list[int]] = {}      # key -> the output token ids of a turn that ended
 
     def submit(self, key: int, turn: Turn) -> None:
-        from schemas.detokenizer import Detokenizer
         from schemas.sampling import SamplingParams
+        from text.detokenizer import Detokenizer
 
         r = Result(time.perf_counter(), prompt_tokens=len(turn.prompt))
         self.llm.engine.add_request(str(key), turn.prompt, SamplingParams(max_tokens=turn.max_tokens, **OPTIONS))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bus import lapsed, restated, spare
 from schemas.messages import GenerateRequest, Heartbeat
 from schemas.served import serves
 from schemas.subjects import (
@@ -29,9 +30,6 @@ from schemas.subjects import (
     HEARTBEAT_SECONDS,
     QUEUE_WATERMARK,
     WORKER_TTL,
-    lapsed,
-    restated,
-    spare,
 )
 from services.gateway.errors import ApiError
 from services.gateway.keys import Key

@@ -26,10 +26,12 @@ from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 
+import bus
+from bus.log import configure
 from schemas import served, subjects
-from schemas.log import configure
-from schemas.messages import Heartbeat, WireError, decode
+from schemas.messages import Heartbeat, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
+from schemas.wire import WireError
 from services.gateway import api, keys, openapi
 from services.gateway.errors import ApiError
 from services.gateway.fallback import COOLDOWN, FAILURES, KEY_ENV, Upstream
@@ -57,16 +59,16 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         log = configure("gateway")
-        nc = await subjects.connect(nats_url, "gateway", log)
+        nc = await bus.connect(nats_url, "gateway", log)
         loops, gw = [], None
         try:
             js = nc.jetstream()
-            await subjects.ensure_streams(js)
-            gw = app.state.gateway = Gateway(nc, js, await subjects.registry(js), default.tokenizer, log, model,
+            await bus.ensure_streams(js)
+            gw = app.state.gateway = Gateway(nc, js, await bus.registry(js), default.tokenizer, log, model,
                                              default.max_model_len, max_tokens, key_table,
-                                             outcomes=await subjects.outcomes(js), request_timeout=request_timeout,
+                                             outcomes=await bus.outcomes(js), request_timeout=request_timeout,
                                              resume_grace=resume_grace, models=models, upstream=upstream)
-            gw.limits = Limits(await subjects.limits(js), await subjects.gateways(js), gw.id, log, gw.metrics)
+            gw.limits = Limits(await bus.limits(js), await bus.gateways(js), gw.id, log, gw.metrics)
             gw.admission.bucket = gw.limits.lease
             await gw.limits.beat()                           # N counted before the first lease is drawn
             if upstream is not None:
@@ -95,7 +97,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
                 await upstream.close()
             if gw is not None and gw.limits is not None:
                 await gw.limits.close()                     # the leases back to the shared buckets
-            await subjects.close(nc)
+            await bus.close(nc)
             log.info("gateway stopped")
 
     routes = [Route("/", page), Route("/healthz", healthz), Route("/health", healthz), Route("/metrics", metrics),
@@ -124,7 +126,7 @@ async def watch(gw: Gateway, known: asyncio.Event) -> None:
         except WireError as e:
             gw.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
 
-    await subjects.watch(gw.nc, seen, gw.log)
+    await bus.watch(gw.nc, seen, gw.log)
 
 
 async def chat(ws: WebSocket) -> None:

@@ -5,9 +5,10 @@ import time
 
 import orjson
 
-from schemas.messages import MAX_PRIORITY, MIN_PRIORITY, GenerateRequest, WireError
+from schemas.messages import MAX_PRIORITY, MIN_PRIORITY, GenerateRequest
 from schemas.sampling import MAX_TOKEN_ID, MAX_TOKENS_BOUND, SamplingParams
 from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP, TOKEN
+from schemas.wire import WireError
 
 
 class FrameError(ValueError):

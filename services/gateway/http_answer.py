@@ -9,12 +9,12 @@ import orjson
 from starlette.responses import Response
 from tokenizers import Tokenizer
 
-from schemas.detokenizer import token_bytes
 from services.gateway import errors, frames
 from services.gateway.http_parse import Call
 from services.gateway.owners import Exchange, leave
 from services.gateway.session import Gateway
 from services.gateway.stream import Request
+from text.detokenizer import token_bytes
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]

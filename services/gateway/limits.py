@@ -25,8 +25,9 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 from structlog.typing import FilteringBoundLogger
 
-from schemas.messages import TenantBucket, WireError, decode, encode
+from schemas.messages import TenantBucket, decode, encode
 from schemas.subjects import GATEWAY_TTL
+from schemas.wire import WireError
 from services.gateway.admission import TokenBucket
 from services.gateway.keys import Key
 from services.gateway.metrics import Metrics

@@ -22,8 +22,10 @@ import nats.errors
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from schemas.messages import Heartbeat, RouterStats, WireError, decode
-from schemas.subjects import ROUTER_STATS_SECONDS, live_workers
+from bus import live_workers
+from schemas.messages import Heartbeat, RouterStats, decode
+from schemas.subjects import ROUTER_STATS_SECONDS
+from schemas.wire import WireError
 
 disable_created_metrics()                  # no *_created series: counters start at the process's start
 

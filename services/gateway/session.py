@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
+import bus
 from schemas import subjects
 from schemas.messages import (
     Cancel,
@@ -32,11 +33,11 @@ from schemas.messages import (
     Resumed,
     TokenChunk,
     Usage,
-    WireError,
     decode,
     encode,
 )
 from schemas.served import SEPARATOR
+from schemas.wire import WireError
 from services.gateway import admission, keys
 from services.gateway.admission import Admission, Ticket
 from services.gateway.errors import ApiError
@@ -243,8 +244,8 @@ class Gateway:
 
     async def meter(self, u: Usage) -> None:
         try:
-            await subjects.publish(self.js, subjects.usage(u.tenant), encode(u), subjects.msg_id(u.id), self.log)
-        except subjects.NotStored as e:
+            await bus.publish(self.js, subjects.usage(u.tenant), encode(u), subjects.msg_id(u.id), self.log)
+        except bus.NotStored as e:
             self.log.error("usage record not stored", request_id=u.id, tenant=u.tenant,
                            error=str(e) or type(e).__name__)
 

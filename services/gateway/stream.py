@@ -21,11 +21,13 @@ from nats.aio.subscription import Subscription
 from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
+import bus
 from schemas import subjects
-from schemas.detokenizer import Detokenizer
-from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, Usage, WireError, decode, encode, ending
+from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, Usage, decode, encode, ending
+from schemas.wire import WireError
 from services.gateway.admission import Ticket
 from services.gateway.models import Revision
+from text.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
     from services.gateway.owners import Connection, Exchange, Parked
@@ -89,10 +91,10 @@ class Request:
         gw = self.conn.gw
         async with self.lock:
             try:
-                ack = await subjects.publish(gw.js, subjects.request_new(req.tenant), encode(req),
+                ack = await bus.publish(gw.js, subjects.request_new(req.tenant), encode(req),
                                              subjects.msg_id(req.id), self.log,
-                                             min(subjects.PUBLISH_DEADLINE, gw.request_timeout))
-            except subjects.NotStored as e:
+                                             min(bus.PUBLISH_DEADLINE, gw.request_timeout))
+            except bus.NotStored as e:
                 reason, self.unstored = str(e), True
                 self.log.error("request publish failed", request_id=self.rid, error=reason)
                 await self.end(error(self.cid, "unavailable",

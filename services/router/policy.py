@@ -28,10 +28,11 @@ decode-capable worker. The policy picks within the pool decided on.
 import math
 from dataclasses import dataclass, field
 
+from bus import lapsed, restated, spare
 from schemas.hashing import hash_blocks
 from schemas.messages import Heartbeat
 from schemas.served import serves
-from schemas.subjects import BATCH_PRIORITY, lapsed, restated, spare
+from schemas.subjects import BATCH_PRIORITY
 from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")

@@ -22,8 +22,9 @@ import nats.js.errors
 from nats.js import api
 from nats.js.kv import KV_DEL, KV_PURGE
 
+import bus
+from bus.log import configure
 from schemas import subjects
-from schemas.log import configure
 from schemas.messages import (
     Completion,
     ErrorChunk,
@@ -33,12 +34,12 @@ from schemas.messages import (
     Outcome,
     RouterStats,
     TokenizedRequest,
-    WireError,
     WorkItem,
     decode,
     encode,
     received,
 )
+from schemas.wire import WireError
 from services.router.index import INDEX_CAP, KvIndex
 from services.router.policy import LOAD_SLACK, POLICIES, Choice, Options, Registry
 
@@ -70,14 +71,14 @@ class RouterService:
         self.rerouting: set[str] = set()            # departed workers whose work is being moved
 
     async def run(self) -> None:
-        await subjects.ensure_streams(self.js)
+        await bus.ensure_streams(self.js)
         await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv)
         await self.nc.subscribe(subjects.RESULTS_SUBJECTS, cb=self.on_completion)
-        watching = subjects.watch(self.nc, self.seen, self.log)      # starts over after a reconnect
+        watching = bus.watch(self.nc, self.seen, self.log)      # starts over after a reconnect
         loops = [asyncio.create_task(f) for f in (watching, self.lapse_loop(), self.stats_loop())]
         self.log.info("router ready", **self.options_log())
         try:
-            await subjects.consume(self.nc, subjects.ROUTE_STREAM, subjects.ROUTER, self.handle, self.log)
+            await bus.consume(self.nc, subjects.ROUTE_STREAM, bus.ROUTER, self.handle, self.log)
         finally:
             for t in loops:
                 t.cancel()
@@ -113,7 +114,7 @@ class RouterService:
             self.log.error("bad heartbeat dropped", key=entry.key, error=str(e))
             return
         if hb.worker not in self.registry.workers:
-            if subjects.lapsed(hb, time.time()):    # a departed worker's last one, read again by a new watch
+            if bus.lapsed(hb, time.time()):    # a departed worker's last one, read again by a new watch
                 return
             self.log.info("worker joined", worker=hb.worker, model=hb.model, max_num_seqs=hb.max_num_seqs)
         self.registry.update(hb)
@@ -124,7 +125,7 @@ class RouterService:
         while True:
             await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
             now = time.time()
-            if any(subjects.lapsed(w.hb, now) for w in self.registry.workers.values()):
+            if any(bus.lapsed(w.hb, now) for w in self.registry.workers.values()):
                 await self.check_registry(now)
             self.drop_lapsed(now)
 
@@ -138,7 +139,7 @@ class RouterService:
         often as this is asked, so counting those could put every departure off for good."""
         try:
             info = await self.nc.jetstream(timeout=1.0).stream_info(subjects.REGISTRY_STREAM)
-        except subjects.BUS_ERRORS:
+        except bus.BUS_ERRORS:
             self.up_since = now
             return
         leader = info.cluster.leader if info.cluster else None
@@ -154,7 +155,7 @@ class RouterService:
         if not self.settled(now):
             return
         for w in list(self.registry.workers.values()):
-            if subjects.lapsed(w.hb, now):
+            if bus.lapsed(w.hb, now):
                 self.leave(w.hb.worker, "heartbeat lapsed")
 
     def settled(self, now: float) -> bool:
@@ -377,7 +378,7 @@ class RouterService:
     async def send(self, item: WorkItem) -> None:
         """Publishes the work item, retried under its message id until stored (NotStored past the deadline)."""
         headers = subjects.msg_id(item.request.id, item.msg_id)
-        await subjects.publish(self.js, subjects.work(item.worker), encode(item), headers, self.log)
+        await bus.publish(self.js, subjects.work(item.worker), encode(item), headers, self.log)
 
     async def handle(self, msg) -> None:
         if (req := received(msg, TokenizedRequest, self.log, "tokenized request")) is None:
@@ -389,7 +390,7 @@ class RouterService:
             return
         try:
             await self.send(WorkItem(req, choice.worker, time.time(), prefill=choice.prefill))
-        except subjects.NotStored as e:             # not acked: JetStream redelivers it
+        except bus.NotStored as e:             # not acked: JetStream redelivers it
             self.log.error("work publish failed", request_id=req.id, worker=choice.worker, error=str(e))
             return
         await msg.ack()
@@ -426,7 +427,7 @@ class RouterService:
                           ts=time.time())
         try:
             with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
-                await (await subjects.outcomes(self.js)).create(req.id, encode(outcome))
+                await (await bus.outcomes(self.js)).create(req.id, encode(outcome))
             await msg.ack()
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             self.log.error("timeout not stored", request_id=req.id, error=str(e) or type(e).__name__)
@@ -487,9 +488,9 @@ def parser() -> argparse.ArgumentParser:
 async def serve(args) -> None:
     options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark, args.load_cap,
                       args.max_local_prefill, args.max_prefill_queue)
-    service = RouterService(await subjects.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap)
-    await subjects.run_until_signal(service.run, service.nc)
+    service = RouterService(await bus.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap)
+    await bus.run_until_signal(service.run, service.nc)
 
 
 def main(argv=None) -> None:
-    subjects.run(serve(parser().parse_args(argv)))
+    bus.run(serve(parser().parse_args(argv)))

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import msgpack
 
+import bus
+from bus.log import configure
 from schemas import served, subjects
-from schemas.log import configure
-from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, WireError, decode, encode
+from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, decode, encode
 from schemas.sampling import check_vocabulary, to_grammar
 from schemas.served import SEPARATOR, Served
+from schemas.wire import WireError
 
 LOG = configure("tokenizer")
 
@@ -103,10 +105,10 @@ class TokenizerService:
         return self.toks.of[self.toks.default]
 
     async def run(self) -> None:
-        await subjects.ensure_streams(self.js)
+        await bus.ensure_streams(self.js)
         self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len,
                       models=[f"{n}{SEPARATOR}{r}" for n, r in self.toks.of])
-        await subjects.consume(self.nc, subjects.REQUESTS_STREAM, subjects.TOKENIZER, self.handle, self.log)
+        await bus.consume(self.nc, subjects.REQUESTS_STREAM, bus.TOKENIZER, self.handle, self.log)
 
     async def handle(self, msg) -> None:
         try:
@@ -130,8 +132,8 @@ class TokenizerService:
                                priority=req.priority, model=req.model, revision=req.revision,
                                weight=req.weight)
         try:
-            await subjects.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
-        except subjects.NotStored as e:          # not acked: JetStream redelivers it
+            await bus.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
+        except bus.NotStored as e:          # not acked: JetStream redelivers it
             self.log.error("route publish failed", request_id=req.id, error=str(e))
             return
         await msg.ack()
@@ -171,9 +173,9 @@ def tokenizers(args) -> Tokenizers:
 
 
 async def serve(args) -> None:
-    service = TokenizerService(await subjects.connect(args.nats_url, "tokenizer", LOG), tokenizers(args))
-    await subjects.run_until_signal(service.run, service.nc)
+    service = TokenizerService(await bus.connect(args.nats_url, "tokenizer", LOG), tokenizers(args))
+    await bus.run_until_signal(service.run, service.nc)
 
 
 def main(argv=None) -> None:
-    subjects.run(serve(parser().parse_args(argv)))
+    bus.run(serve(parser().parse_args(argv)))

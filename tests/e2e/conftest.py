@@ -17,6 +17,7 @@ import orjson
 import pytest
 import websockets
 
+import bus
 from ops.procs import free_port
 from ops.up import Stack
 from schemas import subjects
@@ -170,7 +171,7 @@ async def connect(stack: Stack):
 
 async def completions(nats_url: str, wait: float = 1.0) -> list[Completion]:
     """Every record in TB_RESULTS."""
-    nc = await subjects.connect(nats_url, "test-results")
+    nc = await bus.connect(nats_url, "test-results")
     js = nc.jetstream()
     sub = await js.subscribe(subjects.RESULTS_SUBJECTS, ordered_consumer=True)
     records = []

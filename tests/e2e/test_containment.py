@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import bus
 from ops.status import read_registry
 from schemas import subjects
 from schemas.messages import DeadLetter, Outcome, decode
@@ -162,7 +163,7 @@ def log_events(path, event: str) -> list[dict]:
 
 
 async def dead_letters(nats_url: str) -> list[DeadLetter]:
-    nc = await subjects.connect(nats_url, "test-dead")
+    nc = await bus.connect(nats_url, "test-dead")
     sub = await nc.jetstream().subscribe(subjects.DEAD_SUBJECTS, ordered_consumer=True)
     out = []
     with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
@@ -173,8 +174,8 @@ async def dead_letters(nats_url: str) -> list[DeadLetter]:
 
 
 async def outcome_of(nats_url: str, rid: str) -> Outcome:
-    nc = await subjects.connect(nats_url, "test-outcome")
+    nc = await bus.connect(nats_url, "test-outcome")
     try:
-        return decode((await (await subjects.outcomes(nc.jetstream())).get(rid)).value, Outcome)
+        return decode((await (await bus.outcomes(nc.jetstream())).get(rid)).value, Outcome)
     finally:
         await nc.close()

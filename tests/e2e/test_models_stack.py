@@ -9,6 +9,7 @@ import math
 import pytest
 import websockets
 
+import bus
 from ops.procs import free_port
 from ops.status import read_registry
 from ops.up import Entry, Stack
@@ -108,7 +109,7 @@ def test_a_canary_takes_its_share_by_request_id_with_the_revision_in_every_respo
 
 
 async def usage_records(nats_url: str, wait: float = 2.0) -> list[Usage]:
-    nc = await subjects.connect(nats_url, "test-usage")
+    nc = await bus.connect(nats_url, "test-usage")
     sub = await nc.jetstream().subscribe(subjects.USAGE_SUBJECTS, ordered_consumer=True)
     records = []
     with contextlib.suppress(TimeoutError, asyncio.TimeoutError):

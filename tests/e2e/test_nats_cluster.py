@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import bus
 from lab.chaos import netns
 from lab.chaos.scenarios import logs
 from ops import cluster
@@ -45,7 +46,7 @@ def cluster_stack(model: str, data_dir, network) -> Stack:
 
 
 async def leader(stack: Stack, stream: str) -> str | None:
-    nc = await subjects.connect(stack.nats_url, "test-leader")
+    nc = await bus.connect(stack.nats_url, "test-leader")
     try:
         return await cluster.stream_leader(nc.jetstream(timeout=0.5), stream)
     finally:

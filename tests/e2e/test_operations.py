@@ -14,6 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import bus
 from lab.benchmarks import load as bench
 from ops import procs, records, replay
 from ops.cli import parser
@@ -216,7 +217,7 @@ def test_a_worker_whose_heartbeat_only_lapsed_gets_work_again_and_nothing_loops(
     assert any(e["event"] == "worker left" for e in logs(stack)["router"])
 
     async def work_published():
-        nc = await subjects.connect(stack.nats_url, "test")
+        nc = await bus.connect(stack.nats_url, "test")
         try:
             return (await nc.jetstream().stream_info(subjects.WORK_STREAM)).state.last_seq
         finally:

@@ -7,6 +7,7 @@ import msgpack
 import orjson
 import pytest
 
+import bus
 from ops.cli import main
 from ops.status import read_registry
 from ops.up import Stack
@@ -119,7 +120,7 @@ def test_cancel_and_disconnect_stop_generation_within_a_second_and_free_the_kv(s
     long = {"prompt": "The engine", "max_tokens": 3000, "temperature": 0.8, "seed": 1, "ignore_eos": True}
 
     async def run():
-        nc = await subjects.connect(stack.nats_url, "test")
+        nc = await bus.connect(stack.nats_url, "test")
         seen = await abort_seen(nc)
         async with connect(stack) as ws:
             await send(ws, {"type": "generate", "id": "long", **long})
@@ -169,7 +170,7 @@ def test_malformed_frames_get_error_frames_and_the_connection_stays_usable(stack
 
 def test_malformed_nats_messages_are_logged_errors_and_every_service_keeps_serving(stack):
     async def run():
-        nc = await subjects.connect(stack.nats_url, "test")
+        nc = await bus.connect(stack.nats_url, "test")
         js = nc.jetstream()
         garbage = msgpack.packb({"t": "request", "v": 1, "id": "g1"})
         await js.publish(subjects.request_new("default"), b"\xc1garbage", headers=subjects.msg_id("g0"))
@@ -223,7 +224,7 @@ def test_restarting_a_stage_loses_no_accepted_request(stack, service):
     marker = [7, 7, 7, 7, 1000 + len(service)]
 
     async def run():
-        nc = await subjects.connect(stack.nats_url, "test")
+        nc = await bus.connect(stack.nats_url, "test")
         js = nc.jetstream()
         before = (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages
         if service == "tokenizer":

@@ -16,6 +16,7 @@ import orjson
 import pytest
 import websockets
 
+import bus
 from ops.procs import free_port
 from ops.up import Stack
 from schemas import subjects
@@ -58,7 +59,7 @@ async def frames_until_end(ws, cid: str) -> list[dict]:
 
 
 async def usage_records(nats_url: str) -> list[Usage]:
-    nc = await subjects.connect(nats_url, "test-usage")
+    nc = await bus.connect(nats_url, "test-usage")
     js, out = nc.jetstream(), []
     count = (await js.stream_info(subjects.USAGE_STREAM)).state.messages
     sub = await js.subscribe(subjects.USAGE_SUBJECTS, ordered_consumer=True)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import bus
 from schemas import subjects
 from schemas.messages import RouterStats, decode
 from tests.e2e.conftest import completions, connect, receive, send, start_stack
@@ -19,7 +20,7 @@ TURNS = 3
 
 async def stats(nats_url: str, wait: float = 3.0) -> RouterStats:
     """The router's next stats record."""
-    nc = await subjects.connect(nats_url, "test-router-stats")
+    nc = await bus.connect(nats_url, "test-router-stats")
     sub = await nc.subscribe(subjects.ROUTER_STATS_ALL)
     record = decode((await sub.next_msg(timeout=wait)).data, RouterStats)
     await nc.close()

@@ -10,6 +10,7 @@ import nats.errors
 import pytest
 from nats.js import api
 
+import bus as nats_bus
 from ops import bus, procs
 from schemas import roles, subjects
 from schemas.credentials import CREDS_ENV, Credentials, seed_file
@@ -45,8 +46,8 @@ def secured(tmp_path):
     url = f"nats://127.0.0.1:{port}"
 
     async def prepare():
-        nc = await subjects.connect(url, "test-admin", role="admin", credentials=Credentials(creds))
-        await subjects.ensure_streams(nc.jetstream())
+        nc = await nats_bus.connect(url, "test-admin", role="admin", credentials=Credentials(creds))
+        await nats_bus.ensure_streams(nc.jetstream())
         await nc.close()
 
     asyncio.run(prepare())
@@ -58,7 +59,7 @@ def secured(tmp_path):
 async def as_role(secured, role: str):
     url, creds = secured
     errors = Errors()
-    nc = await subjects.connect(url, f"test-{role}", errors, role=role, credentials=creds)
+    nc = await nats_bus.connect(url, f"test-{role}", errors, role=role, credentials=creds)
     try:
         yield nc, errors
     finally:
@@ -102,11 +103,11 @@ async def stored(secured, stream: str) -> int:
 def test_a_worker_publishing_a_request_is_refused_by_the_server_and_nothing_is_stored(secured):
     async def main():
         async with as_role(secured, "worker") as (nc, errors):
-            with pytest.raises(subjects.NotStored):      # a JetStream publish: no ack ever comes
-                await subjects.publish(nc.jetstream(), subjects.request_new("acme"), b"request",
+            with pytest.raises(nats_bus.NotStored):      # a JetStream publish: no ack ever comes
+                await nats_bus.publish(nc.jetstream(), subjects.request_new("acme"), b"request",
                                        subjects.msg_id("r1"), errors, deadline=0.5)
             assert refusal("publish", "tb.req.new.acme") in errors.violations()[0]
-            await subjects.publish(nc.jetstream(), subjects.done("acme"), b"x", subjects.msg_id("r1"), errors)
+            await nats_bus.publish(nc.jetstream(), subjects.done("acme"), b"x", subjects.msg_id("r1"), errors)
         assert await stored(secured, subjects.REQUESTS_STREAM) == 0
         assert await stored(secured, subjects.RESULTS_STREAM) == 1    # its own job: a completion record
 
@@ -117,10 +118,10 @@ def test_a_gateway_reading_the_work_queue_is_refused_by_the_server(secured):
     async def main():
         async with as_role(secured, "gateway") as (nc, errors):
             with pytest.raises(nats.errors.TimeoutError):            # the API request never reaches JetStream
-                await nc.jetstream(timeout=1).add_consumer(subjects.WORK_STREAM, subjects.worker_consumer("w0"))
+                await nc.jetstream(timeout=1).add_consumer(subjects.WORK_STREAM, nats_bus.worker_consumer("w0"))
             assert refusal("publish", "$JS.API.CONSUMER.DURABLE.CREATE.TB_WORK.worker-w0") in errors.violations()[0]
             assert refusal("subscription", "tb.work.>") in (await subscribed(nc, errors, "tb.work.>"))[0]
-            await subjects.publish(nc.jetstream(), subjects.request_new("acme"), b"request",
+            await nats_bus.publish(nc.jetstream(), subjects.request_new("acme"), b"request",
                                    subjects.msg_id("r1"), errors)                      # its own job
         assert await stored(secured, subjects.REQUESTS_STREAM) == 1
 
@@ -178,7 +179,7 @@ def test_a_router_moves_a_departed_workers_queue_and_a_worker_answers_its_snapsh
     async def main():
         async with as_role(secured, "router") as (router, r_errors), as_role(secured, "worker") as (worker, w_errors):
             js = router.jetstream()
-            await subjects.publish(js, subjects.work("w0"), b"item", subjects.msg_id("r1"), r_errors)
+            await nats_bus.publish(js, subjects.work("w0"), b"item", subjects.msg_id("r1"), r_errors)
             name = "reroute-w0-abc"
             await js.add_consumer(subjects.WORK_STREAM, api.ConsumerConfig(
                 name=name, filter_subject=subjects.work("w0"), ack_policy=api.AckPolicy.EXPLICIT))
@@ -211,7 +212,7 @@ def test_the_usage_command_reads_with_its_own_seed_from_the_environment(secured,
     async def main():
         async with as_role(secured, "gateway") as (nc, errors):
             u = Usage("a", "acme", "k1", "tiny", "chat", "stop", 1, 0, 1, {}, 1.0, 2.0)
-            await subjects.publish(nc.jetstream(), subjects.usage("acme"), encode(u), subjects.msg_id("a"), errors)
+            await nats_bus.publish(nc.jetstream(), subjects.usage("acme"), encode(u), subjects.msg_id("a"), errors)
         return await read(url)
 
     assert [u.id for u in asyncio.run(asyncio.wait_for(main(), 30))] == ["a"]
@@ -247,19 +248,19 @@ def test_the_rarer_jobs_of_each_service_are_allowed(secured):
             assert (await gw.request(subjects.resend("r1"), b"", timeout=5)).data == b"answer"
             assert (await w.request(subjects.progress("r1"), b"", timeout=5)).data == b"answer"
 
-            await subjects.publish(w.jetstream(), subjects.dead("acme"), b"letter", subjects.msg_id("r1"), w_errors)
-            registry = await subjects.registry(w.jetstream())
+            await nats_bus.publish(w.jetstream(), subjects.dead("acme"), b"letter", subjects.msg_id("r1"), w_errors)
+            registry = await nats_bus.registry(w.jetstream())
             await registry.put("w0", b"beat")
             assert (await registry.get("w0")).value == b"beat"
-            await (await subjects.outcomes(w.jetstream())).create("r1", b"done")
-            await (await subjects.outcomes(router.jetstream())).create("r2", b"timeout")
-            assert (await (await subjects.outcomes(gw.jetstream())).get("r2")).value == b"timeout"
-            watcher = await (await subjects.registry(router.jetstream())).watchall()
+            await (await nats_bus.outcomes(w.jetstream())).create("r1", b"done")
+            await (await nats_bus.outcomes(router.jetstream())).create("r2", b"timeout")
+            assert (await (await nats_bus.outcomes(gw.jetstream())).get("r2")).value == b"timeout"
+            watcher = await (await nats_bus.registry(router.jetstream())).watchall()
             assert (await watcher.updates(5)).key == "w0"
             await watcher.stop()
-            assert await (await subjects.registry(gw.jetstream())).keys() == ["w0"]
+            assert await (await nats_bus.registry(gw.jetstream())).keys() == ["w0"]
             await registry.delete("w0")
-            await (await subjects.suspects(w.jetstream())).put("w0", b"r1")
+            await (await nats_bus.suspects(w.jetstream())).put("w0", b"r1")
             assert await service.last_suspect(w, "w0") == "r1"             # read and deleted
             assert g_errors.violations() == w_errors.violations() == r_errors.violations() == []
 
@@ -283,7 +284,7 @@ def test_a_server_without_authorization_ignores_the_seeds_a_process_finds(nats_u
     bus.seeds(tmp_path / "creds")
 
     async def main():
-        nc = await subjects.connect(nats_url, "test-worker", role="worker", credentials=Credentials(tmp_path / "creds"))
+        nc = await nats_bus.connect(nats_url, "test-worker", role="worker", credentials=Credentials(tmp_path / "creds"))
         await nc.publish(subjects.request_new("acme"), b"anything goes here")
         await nc.flush()
         await nc.close()

@@ -7,8 +7,8 @@ import nats
 import orjson
 import pytest
 
+import bus as nats_bus
 from ops import bus, procs
-from schemas import subjects
 from schemas.credentials import CA_ENV
 from tests.ops.pki import make_pki
 
@@ -38,7 +38,7 @@ def test_a_client_without_the_ca_is_refused_and_one_with_it_connects(tls_server,
         with pytest.raises(ssl.SSLCertVerificationError):         # a CA that did not sign it
             await connects(url, tls=ssl.create_default_context(cafile=str(other.ca)))
         monkeypatch.setenv(CA_ENV, str(pki.ca))                  # how `tokenbus up --tls-ca` hands it to services
-        nc = await subjects.connect(url, "test-tls")
+        nc = await nats_bus.connect(url, "test-tls")
         sub = await nc.subscribe("tb.out.r1")
         await nc.publish("tb.out.r1", b"hi")
         assert (await sub.next_msg(timeout=5)).data == b"hi"

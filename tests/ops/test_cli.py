@@ -112,15 +112,15 @@ def test_a_fixed_k_without_speculative_is_refused_by_up_and_by_the_worker(capsys
 
 
 def test_status_shows_whether_each_worker_speculates_with_its_method_k_and_acceptance(nats_url, capsys):
+    import bus
     from ops.cli import main
-    from schemas import subjects
     from schemas.messages import Heartbeat, Speculation, encode
 
     spec = Speculation("ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65])
 
     async def register():
-        nc = await subjects.connect(nats_url, "test")
-        kv = await subjects.registry(nc.jetstream())
+        nc = await bus.connect(nats_url, "test")
+        kv = await bus.registry(nc.jetstream())
         await kv.put("w0", encode(Heartbeat("w0", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)))
         await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0, speculation=spec)))
         await nc.close()

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from nats.js import api
 
+import bus as nats_bus
 from ops import bus, cli, cluster, procs
 from schemas import roles, subjects
 
@@ -54,11 +55,11 @@ def test_a_cluster_makes_every_stream_and_bucket_with_3_replicas_spread_over_its
     nodes, _ = nodes
 
     async def main():
-        nc = await subjects.connect(cluster.url(nodes), "test-cluster")
+        nc = await nats_bus.connect(cluster.url(nodes), "test-cluster")
         js = nc.jetstream()
         await js.add_stream(api.StreamConfig(name=subjects.DEAD_STREAM, subjects=[subjects.DEAD_SUBJECTS],
                                              max_age=60.0, num_replicas=1))       # made before, as R1
-        await subjects.ensure_streams(js)
+        await nats_bus.ensure_streams(js)
         infos = {name: await js.stream_info(name) for name in roles.ALL_STREAMS}
         await nc.close()
         return infos
@@ -74,29 +75,29 @@ def test_a_cluster_makes_every_stream_and_bucket_with_3_replicas_spread_over_its
 
 def test_a_single_server_gets_every_stream_and_bucket_with_one_replica(nats_url):
     async def main():
-        nc = await subjects.connect(nats_url, "test-single")
+        nc = await nats_bus.connect(nats_url, "test-single")
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
-        await subjects.ensure_streams(js)                       # again: nothing changes, nothing fails
+        await nats_bus.ensure_streams(js)
+        await nats_bus.ensure_streams(js)                       # again: nothing changes, nothing fails
         counts = [(await js.stream_info(name)).config.num_replicas for name in roles.ALL_STREAMS]
         await nc.close()
         return counts
 
-    assert asyncio.run(main()) == [1] * (len(subjects.STREAMS) + 5)          # and 5 KV buckets
+    assert asyncio.run(main()) == [1] * (len(nats_bus.STREAMS) + 5)          # and 5 KV buckets
 
 
 def test_a_connection_given_the_server_list_moves_on_when_its_server_dies_and_stores_again(nodes):
     nodes, children = nodes
 
     async def main():
-        nc = await subjects.connect(cluster.url(nodes), "test-failover")
+        nc = await nats_bus.connect(cluster.url(nodes), "test-failover")
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await nats_bus.ensure_streams(js)
         first = nc.connected_url.port
         children[[n.port for n in nodes].index(first)].kill()
-        ack = await subjects.publish(js, subjects.dead("t"), b"x", subjects.msg_id("r1"), _Log())
+        ack = await nats_bus.publish(js, subjects.dead("t"), b"x", subjects.msg_id("r1"), _Log())
         assert nc.connected_url.port != first and nc.stats["reconnects"] == 1
-        again = await subjects.publish(js, subjects.dead("t"), b"x", subjects.msg_id("r1"), _Log())
+        again = await nats_bus.publish(js, subjects.dead("t"), b"x", subjects.msg_id("r1"), _Log())
         await nc.close()
         return ack, again
 
@@ -120,10 +121,10 @@ class _Log:
 
 
 def test_servers_of_splits_a_comma_separated_list_and_refuses_an_empty_one():
-    assert subjects.servers_of(" nats://a:4222, nats://b:4222,,nats://c:4222 ") == [
+    assert nats_bus.servers_of(" nats://a:4222, nats://b:4222,,nats://c:4222 ") == [
         "nats://a:4222", "nats://b:4222", "nats://c:4222"]
     with pytest.raises(ValueError, match="names no server"):
-        subjects.servers_of(" , ")
+        nats_bus.servers_of(" , ")
 
 
 def test_every_node_reports_an_fsync_before_every_acknowledgement(nodes):

@@ -7,6 +7,7 @@ import sys
 import orjson
 from tokenizers import Tokenizer
 
+import bus
 from schemas import subjects
 from schemas.messages import Cancel, FinalChunk, GenerateRequest, TokenChunk, encode
 from schemas.sampling import SamplingParams
@@ -24,7 +25,7 @@ def start(nats_url: str, *args: str) -> subprocess.Popen:
 
 
 async def publish(nats_url: str, msgs: list[tuple[str, bytes]], js: bool = False) -> None:
-    nc = await subjects.connect(nats_url, "test")
+    nc = await bus.connect(nats_url, "test")
     for subject, data in msgs:
         if js:
             await nc.jetstream().publish(subject, data)
@@ -76,8 +77,8 @@ def test_inspect_json_is_one_object_per_message_with_decoded_fields(nats_url, ti
 
 def test_inspect_reads_a_stream_from_a_sequence_and_stops_at_its_end(nats_url):
     async def fill():
-        nc = await subjects.connect(nats_url, "test")
-        await subjects.ensure_streams(nc.jetstream())
+        nc = await bus.connect(nats_url, "test")
+        await bus.ensure_streams(nc.jetstream())
         await nc.close()
         reqs = [GenerateRequest(f"q{i}", "acme", SamplingParams(max_tokens=i + 1), prompt=f"prompt {i}")
                 for i in range(4)]

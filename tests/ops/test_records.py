@@ -9,6 +9,7 @@ import time
 import orjson
 import pytest
 
+import bus
 from ops import records
 from ops.procs import free_port, start_nats, stop
 from ops.replay import Replay, first_difference, replayable, report, request
@@ -26,16 +27,16 @@ def completion(i: int, tenant: str = "acme", **kw) -> Completion:
 
 
 async def store(nats_url: str, payloads: list[bytes]) -> None:
-    nc = await subjects.connect(nats_url, "test")
+    nc = await bus.connect(nats_url, "test")
     js = nc.jetstream()
-    await subjects.ensure_streams(js)
+    await bus.ensure_streams(js)
     for data in payloads:
         await js.publish(subjects.done("acme"), data)
     await nc.close()
 
 
 async def window(nats_url: str, **kw) -> list[Completion]:
-    nc = await subjects.connect(nats_url, "test")
+    nc = await bus.connect(nats_url, "test")
     try:
         return await records.select(nc.jetstream(), **kw)
     finally:

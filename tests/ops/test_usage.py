@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import bus
 from ops.cli import main
 from ops.usage import since
 from schemas import subjects
@@ -20,9 +21,9 @@ def record(rid: str, tenant: str, key: str, prompt: int, cached: int, completion
 
 
 async def store(nats_url: str, records: list[Usage]) -> None:
-    nc = await subjects.connect(nats_url, "test-usage")
+    nc = await bus.connect(nats_url, "test-usage")
     js = nc.jetstream()
-    await subjects.ensure_streams(js)
+    await bus.ensure_streams(js)
     for u in records:
         await js.publish(subjects.usage(u.tenant), encode(u), headers=subjects.msg_id(u.id))
     await nc.close()

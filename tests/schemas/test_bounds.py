@@ -11,13 +11,13 @@ from schemas.messages import (
     GenerateRequest,
     Progress,
     TokenizedRequest,
-    WireError,
     WorkItem,
     decode,
     encode,
 )
 from schemas.sampling import MAX_STOP, SamplingParams
 from schemas.subjects import MAX_STOP as SUBJECTS_MAX_STOP
+from schemas.wire import WireError
 
 U64 = 2**64 - 1
 POISON_SAMPLING = [

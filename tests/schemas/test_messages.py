@@ -31,12 +31,12 @@ from schemas.messages import (
     TokenChunk,
     TokenizedRequest,
     Usage,
-    WireError,
     WorkItem,
     decode,
     encode,
 )
 from schemas.sampling import SamplingParams
+from schemas.wire import WireError
 
 INTS = st.integers(-2**63, 2**64 - 1)
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("\n\n",), stop_token_ids=(2,))

@@ -11,6 +11,7 @@ import nats
 import uvicorn
 from tokenizers import Tokenizer
 
+import bus
 from ops.procs import free_port
 from schemas import subjects
 from schemas.messages import Cancel, FinalChunk, GenerateRequest, Heartbeat, Outcome, Resend, TokenChunk, decode, encode
@@ -51,7 +52,7 @@ class Downstream:
             await self.nc.jetstream().subscribe(      # the streams were created can miss them (at-most-once)
                 "tb.req.new.>", cb=self.on_request, ordered_consumer=True)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
-        self.kv = await subjects.registry(self.nc.jetstream())
+        self.kv = await bus.registry(self.nc.jetstream())
         for i in range(workers):
             await self.register(heartbeat(f"fake{i}"))
         self.spawn(self.beat())
@@ -123,7 +124,7 @@ class Downstream:
             await self.publish(req.id, self.chunk(req.id, i, part))
             sent = i + len(part)
             await asyncio.sleep(pace)
-        kv = await subjects.outcomes(self.nc.jetstream())
+        kv = await bus.outcomes(self.nc.jetstream())
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}
         await kv.create(req.id, encode(Outcome(req.id, req.tenant, "fake0", "length", ids, None, usage, {}, self.tail)))
         await sub.unsubscribe()

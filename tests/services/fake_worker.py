@@ -7,8 +7,9 @@ import contextlib
 import time
 from types import SimpleNamespace
 
+import bus
+from bus.log import configure
 from schemas import subjects
-from schemas.log import configure
 from schemas.messages import Completion, Heartbeat, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
 from workers.engine.kv_cache import KVCacheManager
@@ -29,14 +30,14 @@ class FakeWorker:
         self.sub = None
 
     async def start(self, serve: bool = False) -> None:
-        await subjects.ensure_streams(self.js)
-        self.registry = await subjects.registry(self.js)
+        await bus.ensure_streams(self.js)
+        self.registry = await bus.registry(self.js)
         self.sub = await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.service.on_snapshot)
         await self.heartbeat()
         self.tasks.append(asyncio.create_task(self.heartbeat_loop()))
         if serve:
-            self.tasks.append(asyncio.create_task(subjects.consume(
-                self.nc, subjects.WORK_STREAM, subjects.worker_consumer(self.id), self.take, self.service.log)))
+            self.tasks.append(asyncio.create_task(bus.consume(
+                self.nc, subjects.WORK_STREAM, bus.worker_consumer(self.id), self.take, self.service.log)))
 
     async def stop(self) -> None:
         for t in self.tasks:

@@ -9,6 +9,7 @@ import time
 import orjson
 from websockets.asyncio.client import connect
 
+import bus
 from ops.procs import free_port, python_module
 from schemas import subjects
 from schemas.messages import Cancel, ErrorChunk, GenerateRequest, Heartbeat, decode, encode
@@ -398,7 +399,7 @@ def test_healthz_is_503_without_workers_and_200_once_a_heartbeat_is_registered(n
         async with gateway(nats_url, tiny_model, tok, workers=0) as down:
             assert await asyncio.to_thread(get, down.http + "/healthz") == (
                 503, {"status": "unavailable", "workers": 0})
-            kv = await subjects.registry(down.nc.jetstream())
+            kv = await bus.registry(down.nc.jetstream())
             await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)))
             assert await asyncio.to_thread(get, down.http + "/healthz") == (200, {"status": "ok", "workers": 1})
     run(body())

@@ -11,10 +11,10 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
+import bus
 from ops.cli import parser as tokenbus
 from ops.procs import free_port, start_nats, stop
 from ops.up import FALLBACK, given
-from schemas import subjects
 from services.gateway import app, keys
 from services.gateway.fallback import Breaker, Upstream
 from tests.services.fake_pipeline import gateway, said, served
@@ -275,14 +275,14 @@ def test_with_the_nats_server_gone_a_request_is_answered_by_the_fallback_at_once
 
 def test_a_request_whose_publish_is_not_stored_goes_to_the_fallback_and_a_cancel_follows_it(
         nats_url, tiny_model, tok, monkeypatch):
-    real = subjects.publish
+    real = bus.publish
 
     async def refusing(js, subject, *args, **kw):
         if subject.startswith("tb.req.new."):
-            raise subjects.NotStored(f"{subject}: refused by the stream: told to")
+            raise bus.NotStored(f"{subject}: refused by the stream: told to")
         return await real(js, subject, *args, **kw)
 
-    monkeypatch.setattr(subjects, "publish", refusing)
+    monkeypatch.setattr(bus, "publish", refusing)
 
     async def body():
         with upstream() as up:

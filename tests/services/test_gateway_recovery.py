@@ -12,6 +12,7 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
+import bus
 from schemas import subjects
 from schemas.messages import Outcome, Progress, Resend, TokenChunk, decode, encode
 from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
@@ -55,7 +56,7 @@ async def resender(down, rid: str, ids: list[int]) -> list[Resend]:
 
 
 async def record_outcome(down, rid: str, ids: list[int], reason: str = "length") -> None:
-    kv = await subjects.outcomes(down.nc.jetstream())
+    kv = await bus.outcomes(down.nc.jetstream())
     usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}
     await kv.create(rid, encode(Outcome(rid, "default", "fake0", reason, ids, None, usage, {}, down.tail)))
 

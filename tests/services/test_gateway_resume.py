@@ -15,12 +15,13 @@ import openai
 import orjson
 from websockets.asyncio.client import connect
 
+import bus
 from schemas import subjects
-from schemas.detokenizer import Detokenizer
 from schemas.messages import GenerateRequest, Usage, decode, encode
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import text, tokens
 from tests.services.fake_pipeline import gateway, said
+from text.detokenizer import Detokenizer
 
 TEXT = " Héllo wörld 🙂 and more words xyz end"   # é, ö and 🙂 are split across tokens
 STOP = "a stop that never comes"                  # the gateway holds back len(STOP) - 1 characters
@@ -146,13 +147,13 @@ def test_accepted_frames_carry_the_resume_id_only_for_requests_that_ask(nats_url
 
 def test_tokens_that_come_before_the_publish_ack_wait_for_the_accepted_frame(nats_url, tiny_model, tok,
                                                                             monkeypatch):
-    publish = subjects.publish
+    publish = bus.publish
 
     async def slow_ack(*a, **kw):                   # a worker took the request and streamed before the ack came
         ack = await publish(*a, **kw)
         await asyncio.sleep(0.5)
         return ack
-    monkeypatch.setattr(subjects, "publish", slow_ack)
+    monkeypatch.setattr(bus, "publish", slow_ack)
 
     async def quick(down, req) -> None:
         await down.stream(req, TEXT, 0.0)

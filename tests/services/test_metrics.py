@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
+import bus
 from schemas import subjects
 from schemas.messages import Heartbeat, KvTransfer, RouterStats, Speculation, encode
 from services.gateway.metrics import Metrics
@@ -83,7 +84,7 @@ def test_worker_metrics_come_from_the_heartbeats_of_live_workers(nats_url, tiny_
     async def body():
         async with gateway(nats_url, tiny_model, tok, workers=0) as down:
             empty = await asyncio.to_thread(scrape, down.http)
-            kv = await subjects.registry(down.nc.jetstream())
+            kv = await bus.registry(down.nc.jetstream())
             await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, running=3, waiting=2,
                                                 kv_blocks_total=64, kv_blocks_free=40, prefix_cache_queries=100,
                                                 prefix_cache_hits=25, requests_finished=7, preemptions=1,
@@ -113,7 +114,7 @@ def test_speculation_metrics_come_from_the_workers_that_speculate_and_are_absent
 
     async def body():
         async with gateway(nats_url, tiny_model, tok, workers=0) as down:
-            kv = await subjects.registry(down.nc.jetstream())
+            kv = await bus.registry(down.nc.jetstream())
             await kv.put("w1", encode(dataclasses.replace(plain, ts=time.time())))
             without = await asyncio.to_thread(scrape_text, down.http)
             await kv.put("w2", encode(dataclasses.replace(plain, worker="w2", ts=time.time(), speculation=spec)))

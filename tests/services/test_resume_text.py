@@ -8,7 +8,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.log import configure
+from bus.log import configure
 from schemas.messages import FinalChunk, TokenChunk
 from services.gateway import keys
 from services.gateway.admission import Ticket

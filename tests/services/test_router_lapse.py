@@ -6,6 +6,7 @@ import time
 
 import nats
 
+import bus
 from ops.procs import free_port, start_nats, stop
 from schemas import subjects
 from schemas.messages import ErrorChunk, Heartbeat, Outcome, TokenizedRequest, decode, encode
@@ -38,7 +39,7 @@ def test_a_heartbeat_lapse_counts_only_once_the_connection_is_up_worker_ttl_afte
     procs = [start_nats(port, tmp_path / "nats")]
 
     async def main():
-        nc = await subjects.connect(f"nats://127.0.0.1:{port}", "router-test")
+        nc = await bus.connect(f"nats://127.0.0.1:{port}", "router-test")
         router = RouterService(nc, router_id="r0")
         left = watching_leaves(router)
         procs[0] = (stop(procs) or start_nats(port, tmp_path / "nats"))  # the broker restarts
@@ -63,7 +64,7 @@ def test_a_lapsed_heartbeat_while_the_connection_is_down_is_not_a_departure(tmp_
     procs = [start_nats(port, tmp_path / "nats")]
 
     async def main():
-        nc = await subjects.connect(f"nats://127.0.0.1:{port}", "router-test")
+        nc = await bus.connect(f"nats://127.0.0.1:{port}", "router-test")
         router = RouterService(nc, router_id="r0")
         left = watching_leaves(router)
         stop(procs)
@@ -99,7 +100,7 @@ async def routed(js, created: float):
     """The router's delivery of a tokenized request "late", accepted at `created`."""
     req = TokenizedRequest("late", "t", SamplingParams(seed=1), [1, 2, 3], created=created)
     await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id("late"))
-    await js.add_consumer(subjects.ROUTE_STREAM, subjects.ROUTER)
+    await js.add_consumer(subjects.ROUTE_STREAM, bus.ROUTER)
     (msg,) = await (await js.pull_subscribe_bind(stream=subjects.ROUTE_STREAM, durable="router")).fetch(1)
     return msg
 
@@ -110,14 +111,14 @@ def test_a_request_no_worker_took_within_its_deadline_is_answered_timeout_record
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         answers = await nc.subscribe(subjects.out("late"))
         msg = await routed(js, created=time.time())
         router = RouterService(nc, router_id="r0")             # no worker ever registers
         await asyncio.wait_for(router.handle(msg), 5)
         err = decode((await answers.next_msg(2)).data, ErrorChunk)
         assert err.code == "timeout" and "REQUEST_DEADLINE=0.5 s" in err.message
-        outcome = decode((await (await subjects.outcomes(js)).get("late")).value, Outcome)
+        outcome = decode((await (await bus.outcomes(js)).get("late")).value, Outcome)
         assert (outcome.finish_reason, outcome.error_code) == ("error", "timeout")
         assert (await js.stream_info(subjects.ROUTE_STREAM)).state.messages == 0     # acked: never routed
         await nc.close()
@@ -130,12 +131,12 @@ def test_a_timed_out_request_keeps_the_outcome_of_its_first_end(nats_url, monkey
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         first = Outcome("late", "t", "w1", "stop", [7, 8])
-        await (await subjects.outcomes(js)).create("late", encode(first))
+        await (await bus.outcomes(js)).create("late", encode(first))
         msg = await routed(js, created=time.time() - 1)
         await RouterService(nc, router_id="r0").handle(msg)
-        assert decode((await (await subjects.outcomes(js)).get("late")).value, Outcome) == first
+        assert decode((await (await bus.outcomes(js)).get("late")).value, Outcome) == first
         assert (await js.stream_info(subjects.ROUTE_STREAM)).state.messages == 0
         await nc.close()
     asyncio.run(asyncio.wait_for(main(), 30))

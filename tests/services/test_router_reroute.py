@@ -6,6 +6,7 @@ import time
 
 import nats
 
+import bus
 from schemas import subjects
 from schemas.messages import Heartbeat, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
@@ -20,10 +21,10 @@ def item(rid: str, strikes: int = 0) -> WorkItem:
 async def setup(nats_url: str, ids: list[str], taken: int, strikes: int = 0):
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    await subjects.ensure_streams(js)
+    await bus.ensure_streams(js)
     for rid in ids:
         await js.publish(subjects.work("gone"), encode(item(rid, strikes)), headers=subjects.msg_id(rid))
-    await js.add_consumer(subjects.WORK_STREAM, subjects.worker_consumer("gone"))
+    await js.add_consumer(subjects.WORK_STREAM, bus.worker_consumer("gone"))
     sub = await js.pull_subscribe_bind(stream=subjects.WORK_STREAM, durable="worker-gone")
     if taken:
         await sub.fetch(taken, timeout=2)                 # the worker took these, then died

@@ -4,8 +4,8 @@ import contextlib
 
 import nats
 
+from bus.log import configure
 from schemas import subjects
-from schemas.log import configure
 from workers.engine.engine import LLMEngine
 from workers.service import WorkerService
 

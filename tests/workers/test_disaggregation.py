@@ -10,6 +10,7 @@ import nats
 import pytest
 import torch
 
+import bus
 from schemas import subjects
 from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, TokenizedRequest, decode, encode
 from schemas.sampling import SamplingParams
@@ -57,11 +58,11 @@ class Cluster:
     async def __aenter__(self):
         self.nc = await nats.connect(self.url)
         self.js = self.nc.jetstream()
-        await subjects.ensure_streams(self.js)
+        await bus.ensure_streams(self.js)
         self.conns, self.tasks, self.workers = [], [], {}
         for name, role in zip(self.names, self.roles):
             nc = await nats.connect(self.url)
-            from schemas.log import configure
+            from bus.log import configure
             service = WorkerService(nc, self.engines[name], name, "tiny", configure("worker").bind(worker=name),
                                     role=role, kv_load_failure_policy=self.policy)
             self.conns.append(nc)

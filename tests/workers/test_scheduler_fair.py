@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.messages import GenerateRequest, TokenizedRequest, WireError, decode, encode
+from schemas.messages import GenerateRequest, TokenizedRequest, decode, encode
 from schemas.sampling import SamplingParams
+from schemas.wire import WireError
 from tests.workers.engine_helpers import check_invariants, make_request, make_scheduler, scheduled, step
 from workers.engine import fair
 
@@ -417,7 +418,7 @@ def test_weight_round_trips_and_out_of_range_is_refused_naming_the_field_and_bou
 
 
 def test_the_worker_passes_tenant_and_weight_to_the_engine_and_takes_the_fair_policy(model_dir):
-    from schemas.log import configure
+    from bus.log import configure
     from workers.engine.engine import EngineConfig, LLMEngine
     from workers.service import WorkerService, engine_config, parser
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", num_kv_blocks=16, scheduling_policy="fair"))

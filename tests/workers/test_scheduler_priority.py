@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.messages import GenerateRequest, TokenizedRequest, WireError, decode, encode
+from schemas.messages import GenerateRequest, TokenizedRequest, decode, encode
 from schemas.sampling import SamplingParams
+from schemas.wire import WireError
 from tests.workers.engine_helpers import check_invariants, make_request, make_scheduler, scheduled, step
 from workers.engine.request import Status
 from workers.engine.scheduler import rank
@@ -319,7 +320,7 @@ def test_the_tokenizer_carries_priority_and_weight_into_the_tokenized_request(ti
     async def publish(js, subject, data, msg_id, log):
         published.append(decode(data, TokenizedRequest))
 
-    monkeypatch.setattr(tokenizer.subjects, "publish", publish)
+    monkeypatch.setattr(tokenizer.bus, "publish", publish)
     acked = []
     msg = SimpleNamespace(data=encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority=-3, weight=3)),
                           subject="tb.requests.t", ack=lambda: asyncio.sleep(0, acked.append(True)))
@@ -329,7 +330,7 @@ def test_the_tokenizer_carries_priority_and_weight_into_the_tokenized_request(ti
 
 
 def test_the_worker_passes_priority_to_the_engine(model_dir):
-    from schemas.log import configure
+    from bus.log import configure
     from workers.engine.engine import EngineConfig, LLMEngine
     from workers.service import WorkerService, engine_config, parser
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", num_kv_blocks=16, scheduling_policy="priority"))

@@ -9,6 +9,7 @@ import time
 import nats
 import pytest
 
+import bus
 from schemas import subjects
 from schemas.messages import (
     DeadLetter,
@@ -75,14 +76,14 @@ async def dead_letters(js) -> list[DeadLetter]:
 
 
 async def outcome_of(js, rid: str) -> Outcome:
-    return decode((await (await subjects.outcomes(js)).get(rid)).value, Outcome)
+    return decode((await (await bus.outcomes(js)).get(rid)).value, Outcome)
 
 
 def test_an_engine_failure_is_dead_lettered_and_acked_and_the_worker_keeps_serving(nats_url, engine):
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         bad, good = await stream(nc, "bad"), await stream(nc, "good")
         async with worker(nats_url, engine) as service:
             await submit(js, "bad", [5, FAULT, 6])
@@ -105,7 +106,7 @@ def test_an_item_with_max_strikes_is_dead_lettered_without_running(nats_url, eng
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         q = await stream(nc, "struck")
         steps = engine.num_steps
         async with worker(nats_url, engine):
@@ -126,7 +127,7 @@ def test_a_moved_item_continues_after_the_tokens_the_gateway_reports(nats_url, e
         have = ref.output_token_ids[:3]
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
 
         async def answer(msg):
             await nc.publish(msg.reply, encode(Progress("moved", have)))
@@ -148,7 +149,7 @@ def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_u
     async def body():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         async with worker(nats_url, engine):
             for rid, gateway_metered in (("orphan", False), ("metered", True)):
                 q = await stream(nc, rid)
@@ -177,7 +178,7 @@ def test_an_item_reaching_the_worker_past_its_deadline_is_answered_timeout_recor
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         q = await stream(nc, "late")
         steps = engine.num_steps
         item = WorkItem(TokenizedRequest("late", "t", PARAMS, [5, 6], created=time.time() - 1), "w0", time.time())
@@ -199,9 +200,9 @@ def test_a_dead_lettered_request_that_had_ended_keeps_its_first_outcome(nats_url
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         first = Outcome("struck", "t", "w9", "error", [], error_code="timeout", error_message="late")
-        await (await subjects.outcomes(js)).create("struck", encode(first))
+        await (await bus.outcomes(js)).create("struck", encode(first))
         item = WorkItem(TokenizedRequest("struck", "t", PARAMS, [5, 6]), "w0", time.time())
         q = await stream(nc, "struck")
         async with worker(nats_url, engine) as service:
@@ -245,7 +246,7 @@ def test_a_request_run_alone_is_named_in_tb_suspects_until_its_first_token_and_t
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         q = await stream(nc, "suspect")
         async with worker(nats_url, engine) as service:
             while not hasattr(service, "suspects"):                         # the worker is up
@@ -254,7 +255,7 @@ def test_a_request_run_alone_is_named_in_tb_suspects_until_its_first_token_and_t
             await submit(js, "suspect", [5, 6], attempt=1, strikes=1)
             assert (await until_end(q))[-1].finish_reason == "length"
         assert spy.calls == [("put", "w0", "suspect"), ("delete", "w0")]
-        kv = await subjects.suspects(js)
+        kv = await bus.suspects(js)
         await kv.put("w0", b"suspect")                  # a life that died running it alone
         assert [await service_module.last_suspect(nc, "w0") for _ in range(2)] == ["suspect", ""]
         await nc.close()

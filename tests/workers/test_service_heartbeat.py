@@ -9,6 +9,7 @@ import time
 import nats
 import pytest
 
+import bus
 from schemas import subjects
 from schemas.messages import TokenizedRequest, WorkItem, encode
 from schemas.sampling import SamplingParams
@@ -49,7 +50,7 @@ def test_a_heartbeat_counts_the_requests_waiting_for_the_step_under_way_as_waiti
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         async with worker(nats_url, engine) as w:
             await submit(js, "first", shared, SamplingParams(max_tokens=2, ignore_eos=True))
             await until(lambda: w.finished == 1, "the first request ends")

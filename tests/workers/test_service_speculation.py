@@ -10,6 +10,7 @@ import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import bus
 from schemas import subjects
 from schemas.messages import FinalChunk, Heartbeat, Speculation, TokenChunk, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
@@ -61,7 +62,7 @@ async def generate(js, nc, rid: str, speculative: bool) -> FinalChunk:
 async def beat(service, js) -> Heartbeat:
     """The heartbeat the worker writes now, as the registry holds it."""
     await service.heartbeat()
-    return decode((await (await subjects.registry(js)).get("w0")).value, Heartbeat)
+    return decode((await (await bus.registry(js)).get("w0")).value, Heartbeat)
 
 
 @contextlib.contextmanager
@@ -82,14 +83,14 @@ def test_a_speculating_worker_reports_its_drafts_in_its_heartbeat_and_metrics_an
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         async with worker(nats_url, engine, log=log) as service:
             with slow_steps(engine, monkeypatch):
                 steps = engine.num_steps
                 final = await generate(js, nc, "spec", speculative=True)
                 steps = engine.num_steps - steps
             after_spec, counted = await beat(service, js), speculation_of(engine.stats())
-            scraped = await Metrics().render(await subjects.registry(js), log)
+            scraped = await Metrics().render(await bus.registry(js), log)
             await generate(js, nc, "plain", speculative=False)
             after_plain = await beat(service, js)
         await nc.close()

@@ -10,6 +10,7 @@ import time
 import nats
 import pytest
 
+import bus
 from schemas import subjects
 from schemas.messages import FinalChunk, TokenChunk, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
@@ -75,7 +76,7 @@ def test_a_burst_of_work_items_enters_the_engine_together_not_a_step_apart(nats_
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         rids = [f"burst{i}" for i in range(12)]
         queues = await chunks(nc, rids)
         with slow_steps(engine, monkeypatch) as added:
@@ -102,7 +103,7 @@ def test_an_item_whose_checks_outlast_the_wait_between_steps_joins_the_next_step
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         queues = await chunks(nc, ["long", "late"])
         with slow_steps(engine, monkeypatch, pause) as added:
             async with worker(nats_url, engine, 0) as service:
@@ -136,7 +137,7 @@ def test_chunks_carry_every_token_once_in_order_the_first_at_once(nats_url, engi
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         queues = await chunks(nc, list(prompts))
         with slow_steps(engine, monkeypatch):
             async with worker(nats_url, engine, chunk_rate):

@@ -9,6 +9,7 @@ import nats
 import nats.js.errors
 import pytest
 
+import bus
 from schemas import subjects
 from schemas.messages import Heartbeat, TokenizedRequest, WorkItem, decode, encode
 from schemas.sampling import SamplingParams
@@ -30,7 +31,7 @@ def watch(nats_url: str, stop: threading.Event, ages: list[float]) -> None:
     old at its next expiry pass: a lapse may show as the entry gone, not as an age over WORKER_TTL."""
     async def main():
         nc = await nats.connect(nats_url)
-        registry = await subjects.registry(nc.jetstream())
+        registry = await bus.registry(nc.jetstream())
         while not stop.is_set():
             try:
                 ages.append(time.time() - decode((await registry.get("w0")).value, Heartbeat).ts)
@@ -60,7 +61,7 @@ def run_one_slow_step(nats_url: str, engine: LLMEngine, monkeypatch) -> list[flo
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         async with worker(nats_url, engine):
             watcher.start()
             await asyncio.sleep(1.0)

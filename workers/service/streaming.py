@@ -22,11 +22,11 @@ from schemas.messages import (
     Resend,
     TokenChunk,
     TokenizedRequest,
-    WireError,
     WorkItem,
     decode,
     encode,
 )
+from schemas.wire import WireError
 from text.detokenizer import PROMPT_CONTEXT
 from workers.engine.request import Request
 

@@ -3,7 +3,7 @@ cut and never leaked while streaming."""
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from schemas.detokenizer import Detokenizer
+from text.detokenizer import Detokenizer
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
 

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+import bus
+from bus.log import configure
 from ops.procs import free_port, start_nats, stop
 from schemas import subjects
-from schemas.log import configure
 from schemas.messages import encode
 from tests.services.fake_pipeline import heartbeat
 
@@ -50,22 +51,22 @@ def broker(tmp_path):
 
 def test_a_pull_consumer_resumes_after_a_broker_restart_without_losing_or_repeating(broker):
     async def main():
-        nc = await subjects.connect(broker.url, "test", LOG)
+        nc = await bus.connect(broker.url, "test", LOG)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         got = asyncio.Queue()
 
         async def handle(msg):
             await msg.ack_sync()
             got.put_nowait(msg.data)
 
-        task = asyncio.create_task(subjects.consume(nc, subjects.WORK_STREAM, subjects.worker_consumer("w0"), handle,
+        task = asyncio.create_task(bus.consume(nc, subjects.WORK_STREAM, bus.worker_consumer("w0"), handle,
                                                     LOG))
-        await subjects.publish(js, subjects.work("w0"), b"1", subjects.msg_id("r1"), LOG)
+        await bus.publish(js, subjects.work("w0"), b"1", subjects.msg_id("r1"), LOG)
         assert await asyncio.wait_for(got.get(), 5) == b"1"
         await broker.restart()
         t0 = time.monotonic()
-        await subjects.publish(js, subjects.work("w0"), b"2", subjects.msg_id("r2"), LOG)
+        await bus.publish(js, subjects.work("w0"), b"2", subjects.msg_id("r2"), LOG)
         assert await asyncio.wait_for(got.get(), 10) == b"2"
         assert time.monotonic() - t0 < 5                # well before a pull's own expiry would notice
         await asyncio.sleep(0.5)
@@ -78,16 +79,16 @@ def test_a_pull_consumer_resumes_after_a_broker_restart_without_losing_or_repeat
 
 def test_a_publish_retried_through_the_outage_is_stored_once(broker):
     async def main():
-        nc = await subjects.connect(broker.url, "test", LOG)
+        nc = await bus.connect(broker.url, "test", LOG)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         broker.kill()
-        pub = asyncio.create_task(subjects.publish(js, subjects.request_new("t"), b"x", subjects.msg_id("r1"), LOG))
+        pub = asyncio.create_task(bus.publish(js, subjects.request_new("t"), b"x", subjects.msg_id("r1"), LOG))
         await asyncio.sleep(3.0)                    # attempts fail or wait meanwhile
         assert not pub.done()
         broker.start()
         await asyncio.wait_for(pub, 20)
-        await subjects.publish(js, subjects.request_new("t"), b"x", subjects.msg_id("r1"), LOG)   # a retry of it
+        await bus.publish(js, subjects.request_new("t"), b"x", subjects.msg_id("r1"), LOG)   # a retry of it
         assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 1
         await nc.close()
 
@@ -97,11 +98,11 @@ def test_a_publish_retried_through_the_outage_is_stored_once(broker):
 @pytest.mark.parametrize("wipe", [False, True], ids=["same-store", "wiped-store"])
 def test_the_registry_survives_or_is_made_again_and_a_watcher_sees_it_after_a_restart(broker, wipe):
     async def main():
-        nc = await subjects.connect(broker.url, "test", LOG)
-        await subjects.ensure_streams(nc.jetstream())
+        nc = await bus.connect(broker.url, "test", LOG)
+        await bus.ensure_streams(nc.jetstream())
         seen = []
-        watching = asyncio.create_task(subjects.watch(nc, lambda e: seen.append(e and e.key), LOG))
-        kv = await subjects.registry(nc.jetstream())
+        watching = asyncio.create_task(bus.watch(nc, lambda e: seen.append(e and e.key), LOG))
+        kv = await bus.registry(nc.jetstream())
         await kv.put("w0", encode(heartbeat("w0")))
         while "w0" not in seen:
             await asyncio.sleep(0.05)
@@ -121,7 +122,7 @@ def test_the_registry_survives_or_is_made_again_and_a_watcher_sees_it_after_a_re
             assert time.monotonic() < deadline, f"the watcher did not see w1 after the restart: {seen}"
             await asyncio.sleep(0.05)
         streams = {s.config.name for s in await nc.jetstream().streams_info()}
-        assert {c.name for c in subjects.STREAMS} <= streams
+        assert {c.name for c in bus.STREAMS} <= streams
         watching.cancel()
         await nc.close()
 

@@ -1,10 +1,11 @@
-"""subjects.consume on a real nats-server."""
+"""bus.consume on a real nats-server."""
 import asyncio
 
 import nats
 
+import bus
+from bus.log import configure
 from schemas import subjects
-from schemas.log import configure
 
 
 def test_a_consumer_deleted_under_a_running_stage_is_made_again_and_its_messages_keep_coming(nats_url):
@@ -13,15 +14,15 @@ def test_a_consumer_deleted_under_a_running_stage_is_made_again_and_its_messages
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await subjects.ensure_streams(js)
+        await bus.ensure_streams(js)
         got = asyncio.Queue()
 
         async def handle(msg):
             await msg.ack_sync()     # acked before the deletion below: a plain ack may race it (then "1" comes again)
             got.put_nowait(msg.data)
 
-        config = subjects.worker_consumer("w0")
-        task = asyncio.create_task(subjects.consume(nc, subjects.WORK_STREAM, config, handle, configure("test")))
+        config = bus.worker_consumer("w0")
+        task = asyncio.create_task(bus.consume(nc, subjects.WORK_STREAM, config, handle, configure("test")))
         await js.publish(subjects.work("w0"), b"1")
         assert await asyncio.wait_for(got.get(), 5) == b"1"
         await js.delete_consumer(subjects.WORK_STREAM, config.durable_name)

@@ -1,4 +1,4 @@
-"""Structured JSON logs for every service (structlog + orjson), one line per event on stderr."""
+"""Structured JSON logs for every process on the bus (structlog + orjson), one line per event on stderr."""
 import logging
 import sys
 

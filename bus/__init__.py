@@ -1,0 +1,34 @@
+"""The NATS runtime that services, workers and ops share: what a process does on the bus, where
+schemas/ says what travels on it. Callers use the package (bus.connect, bus.publish, bus.consume, ...);
+each job has its module:
+
+  bus/connection.py  connect (reconnecting, streams made again), run on uvloop, run_until_signal, close
+  bus/streams.py     the streams, the stages' consumers and the KV buckets, as nats.js.api configs
+  bus/publish.py     JetStream publish retried under one Nats-Msg-Id until stored, or NotStored
+  bus/consume.py     a durable pull consumer streamed into a handler, made again when lost
+  bus/heartbeats.py  the worker registry: watch, live_workers, and when a worker has left or has room
+  bus/log.py         structured JSON logs (structlog)"""
+from bus.connection import BUS_ERRORS, CLUSTER_PING, CLUSTER_PINGS, close, connect, run, run_until_signal, servers_of
+from bus.consume import add_consumer, consume, gone, recreate
+from bus.heartbeats import lapsed, live_workers, restated, spare, watch
+from bus.publish import PUBLISH_ATTEMPT, PUBLISH_DEADLINE, PUBLISH_RETRY, NotStored, publish, refused
+from bus.streams import (
+                         NOT_CLUSTERED,
+                         ROUTER,
+                         STREAMS,
+                         TOKENIZER,
+                         ensure_streams,
+                         gateways,
+                         limits,
+                         outcomes,
+                         registry,
+                         replicated,
+                         suspects,
+                         worker_consumer,
+)
+
+__all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT", "PUBLISH_DEADLINE",
+           "PUBLISH_RETRY", "ROUTER", "STREAMS", "TOKENIZER", "NotStored", "add_consumer", "close", "connect",
+           "consume", "ensure_streams", "gateways", "gone", "lapsed", "limits", "live_workers", "outcomes", "publish",
+           "recreate", "refused", "registry", "replicated", "restated", "run", "run_until_signal", "servers_of",
+           "spare", "suspects", "watch", "worker_consumer"]

@@ -1,0 +1,128 @@
+"""What JetStream stores, as this build configures it: the six streams, the durable pull consumers of
+the stages, and the five KV buckets (worker heartbeats, request outcomes, tenants' shared limits, live
+gateways, suspects). ensure_streams() creates them or brings them to this build's config, each with
+REPLICAS copies on a cluster and one on a single server; the bucket functions find or make one bucket.
+Names, subjects and sizes are schemas/subjects.py's: this module turns them into nats.js.api configs."""
+import dataclasses
+
+import nats.js.errors
+from nats.js import api
+
+from schemas import subjects as s
+
+NOT_CLUSTERED = 10074                    # JetStream's "replicas > 1 not supported in non-clustered mode"
+
+STREAMS = [
+    api.StreamConfig(name=s.REQUESTS_STREAM, subjects=[s.REQUESTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.ROUTE_STREAM, subjects=[s.ROUTE_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
+                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, duplicate_window=s.DUPLICATE_WINDOW,
+                     max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.WORK_STREAM, subjects=[s.WORK_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
+                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, duplicate_window=s.DUPLICATE_WINDOW,
+                     max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.RESULTS_STREAM, subjects=[s.RESULTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.USAGE_STREAM, subjects=[s.USAGE_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=s.USAGE_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.DEAD_STREAM, subjects=[s.DEAD_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
+]
+
+
+def consumer(durable: str, filter_subject: str, ack_wait: float = s.ACK_WAIT) -> api.ConsumerConfig:
+    """A durable pull consumer with explicit acks: any number of replicas fetch from it."""
+    return api.ConsumerConfig(durable_name=durable, filter_subject=filter_subject, ack_policy=api.AckPolicy.EXPLICIT,
+                              deliver_policy=api.DeliverPolicy.ALL, ack_wait=ack_wait, max_deliver=s.MAX_DELIVER,
+                              max_ack_pending=10_000)
+
+
+TOKENIZER = consumer(s.TOKENIZER_DURABLE, "tb.req.new.>")   # on REQUESTS_STREAM
+ROUTER = consumer(s.ROUTER_DURABLE, s.ROUTE_SUBJECTS)        # on ROUTE_STREAM
+
+
+def worker_consumer(worker: str) -> api.ConsumerConfig:
+    return consumer(s.worker_durable(worker), s.work(worker), s.WORK_ACK_WAIT)
+
+
+async def ensure_streams(js) -> None:
+    """Creates the streams and the buckets, or updates them to this build's config."""
+    for config in STREAMS:
+        try:
+            await replicated(js.add_stream, config, "num_replicas")
+        except nats.js.errors.BadRequestError:      # exists with another config: this build's, its copies kept
+            kept = (await js.stream_info(config.name)).config.num_replicas
+            await js.update_stream(dataclasses.replace(config, num_replicas=kept))
+    await registry(js)
+    await outcomes(js)
+    await limits(js)
+    await gateways(js)
+    await suspects(js)
+
+
+async def replicated(create, config, field: str):
+    """create(config) with REPLICAS copies, or with one where the server is not in a cluster (it says so).
+    A cluster of fewer than REPLICAS servers, or with too few of them up, refuses: that is an error."""
+    try:
+        return await create(dataclasses.replace(config, **{field: s.REPLICAS}))
+    except nats.js.errors.APIError as e:
+        if e.err_code != NOT_CLUSTERED:
+            raise
+        return await create(dataclasses.replace(config, **{field: 1}))
+
+
+async def registry(js):
+    """The KV bucket of worker heartbeats; an entry not refreshed within WORKER_TTL expires. On disk, so
+    a restarted broker still has it (and its sequence: a watcher started before goes on)."""
+    try:
+        return await js.key_value(s.WORKERS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=s.WORKERS_BUCKET, ttl=s.WORKER_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+
+
+async def outcomes(js):
+    """The KV bucket of request outcomes (key = request id), on disk: one entry per request, kept
+    OUTCOME_TTL, written with create() so the first end of a request is the only one recorded."""
+    try:
+        return await js.key_value(s.OUTCOMES_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=s.OUTCOMES_BUCKET, ttl=s.OUTCOME_TTL, history=1, storage=api.StorageType.FILE,
+            max_value_size=s.MAX_MSG_SIZE), "replicas")
+
+
+async def limits(js):
+    """The KV bucket of tenants' token buckets shared by the gateways (key = tenant, a TenantBucket), on
+    disk, changed by compare-and-set. An entry untouched for LIMITS_TTL is gone: its bucket has refilled."""
+    try:
+        return await js.key_value(s.LIMITS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=s.LIMITS_BUCKET, ttl=s.LIMITS_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+
+
+async def gateways(js):
+    """The KV bucket of live gateways (key = gateway id): each puts its key every GATEWAY_TTL / 3; its
+    count of entries is the number of gateways sharing the tenants' limits."""
+    try:
+        return await js.key_value(s.GATEWAYS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=s.GATEWAYS_BUCKET, ttl=s.GATEWAY_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+
+
+async def suspects(js):
+    """The KV bucket of suspects (key = worker id, value = the id of the request it runs alone; none when
+    it runs none). A worker restarted under the same id reads what its previous life said, however long
+    the restart took (its heartbeat in tb_workers is gone WORKER_TTL after its last), so only that request
+    takes a strike for the crash when their items are delivered again."""
+    try:
+        return await js.key_value(s.SUSPECTS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=s.SUSPECTS_BUCKET, ttl=s.SUSPECT_TTL, history=1, storage=api.StorageType.FILE), "replicas")
