@@ -130,7 +130,7 @@ MAX_MSG_SIZE = 4 << 20
 STREAM_NAMES = (REQUESTS_STREAM, ROUTE_STREAM, WORK_STREAM, RESULTS_STREAM, USAGE_STREAM, DEAD_STREAM)
 REPLICAS = 3                             # copies of every stream and bucket on a cluster: one server may die
 
-TOKENIZER_DURABLE = "tokenizer"           # the tokenizers' pull consumer on REQUESTS_STREAM (tb.req.new.>)
+TOKENIZER_DURABLE = "tokenizer"           # the tokenizer stage's pull consumer on REQUESTS_STREAM
 ROUTER_DURABLE = "router"                 # the routers' on ROUTE_STREAM
 
 
