@@ -16,7 +16,7 @@ ENVIRONMENT = """environment:
 COMMANDS = (models.register, commands.generate, commands.evaluate, commands.plan, commands.up, bus.register,
             logs.register, chat.register, status.register, usage.register, inspector.register, replay.register,
             records.register)
-GROUP = "tokenbus.commands"                # entry points: name = "module:register", register(subparsers)
+GROUP = "tokenbus.commands"                # entry points: NAME = "module:function", function(subparsers)
 
 
 class Help(argparse.RawDescriptionHelpFormatter):
