@@ -105,7 +105,7 @@ class Stack:
     router_args: list[str] = field(default_factory=list)     # e.g. ["--policy", "round-robin"]
     tokenizer_args: list[str] = field(default_factory=list)  # e.g. ["--max-model-len", "512"]
     gateway_args: list[str] = field(default_factory=list)    # e.g. ["--request-timeout", "30"]
-    worker_env: dict[str, str] = field(default_factory=dict)  # e.g. a test hook of the workers
+    worker_env: dict[str, str] = field(default_factory=dict)  # e.g. OMP_NUM_THREADS
     nats_host: str = "127.0.0.1"                  # the embedded nats-server's address
     bus_creds: Path | None = None                 # nkey seeds, <role>.nk (missing ones generated): the bus authorizes
     tls: bus.Tls | None = None                    # the embedded nats-server's certificate

@@ -212,17 +212,21 @@ class Intake:
         if not pulled.error:
             self.log.info("kv pulled", **fields)
             return True
-        if self.kv_load_failure_policy == "fail":
-            async with self.engine_lock:
-                self.engine.kv.unpin(r.id)
-            self.log.error("kv pull failed; the request fails (--kv-load-failure-policy fail)", error=pulled.error,
-                           **fields)
-            await self.give_up(item, msg, "kv_transfer_failed", f"the KV of the prompt could not be pulled from "
-                               f"prefill worker {p.worker}: {pulled.error} (--kv-load-failure-policy fail)")
-            return False
-        self.transport.stats.recomputes += 1
-        self.log.warning("kv pull failed; recomputing what is missing", error=pulled.error, **fields)
-        return True
+        return await self.pull_failed(item, msg, pulled.error, fields)
+
+    async def pull_failed(self, item: WorkItem, msg, error: str, fields: dict) -> bool:
+        """As --kv-load-failure-policy says: what is missing is recomputed (True), or the request fails (False)."""
+        if self.kv_load_failure_policy != "fail":
+            self.transport.stats.recomputes += 1
+            self.log.warning("kv pull failed; recomputing what is missing", error=error, **fields)
+            return True
+        r = item.request
+        async with self.engine_lock:
+            self.engine.kv.unpin(r.id)
+        self.log.error("kv pull failed; the request fails (--kv-load-failure-policy fail)", error=error, **fields)
+        await self.give_up(item, msg, "kv_transfer_failed", f"the KV of the prompt could not be pulled from "
+                           f"prefill worker {r.prefilled.worker}: {error} (--kv-load-failure-policy fail)")
+        return False
 
     async def intake(self, step_seconds: float) -> None:
         """Between steps: the work items whose checks finished during the step, and the cancels, take the
@@ -332,6 +336,7 @@ def prompt_hashes(r: TokenizedRequest, block_size: int) -> list[int]:
     except (TypeError, OverflowError):
         return []
 
+
 def metadata(msg):
     """The JetStream metadata of a work item; None for a message that is not JetStream's (e.g. in a test)."""
     try:
@@ -339,10 +344,12 @@ def metadata(msg):
     except Exception:
         return None
 
+
 def stored_at(msg) -> float:
     """When JetStream stored this work item (time.time()); 0.0 when not known."""
     m = metadata(msg)
     return m.timestamp.timestamp() if m is not None else 0.0
+
 
 def num_delivered(msg) -> int:
     """How many times JetStream delivered this work item (1 the first time)."""

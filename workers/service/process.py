@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     faults.add_flag(p)
     return p
 
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory,
@@ -84,12 +85,14 @@ def engine_config(args) -> EngineConfig:
                         tensor_parallel_size=args.tp, speculative=speculative_config(args),
                         scheduling_policy=args.scheduling_policy)
 
+
 def speculative_config(args) -> dict | None:
     """EngineConfig.speculative from --speculative and --no-speculative-adaptive."""
     if args.speculative is None:
         return None
     return {**dataclasses.asdict(speculative.SpeculativeConfig.parse(args.speculative)),
             "adaptive": not args.no_speculative_adaptive}
+
 
 async def serve(args) -> None:
     model = catalogue.resolve(args.model)
@@ -119,6 +122,7 @@ async def serve(args) -> None:
     if service.failed:
         sys.exit(1)
 
+
 def warm_up(engine: LLMEngine) -> None:
     """One short request through the engine before the worker registers, so the first real request
     does not pay for lazy initialisation (allocator, kernels, thread pools). It does not speculate:
@@ -128,6 +132,7 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
     engine.kv.reset_prefix_cache()
     engine.kv.prefix_queries = engine.kv.prefix_hits = 0
+
 
 def main(argv=None) -> None:
     p = parser()

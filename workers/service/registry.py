@@ -168,6 +168,7 @@ async def last_suspect(nc, worker: str) -> str:
     except (nats.errors.Error, asyncio.TimeoutError, UnicodeDecodeError):
         return ""
 
+
 def speculation_of(stats: dict) -> Speculation | None:
     """The heartbeat's Speculation from the engine's spec_* stats; None when it does not speculate."""
     if "spec_method" not in stats:

@@ -53,6 +53,7 @@ class Running:
         """The detokenizer's context, sent with the first chunk only."""
         return self.item.request.prompt_token_ids[-PROMPT_CONTEXT:] if self.seq == 0 else []
 
+
 class Streaming:
     """WorkerService's streams: chunks, resends, progress, handoffs."""
 
