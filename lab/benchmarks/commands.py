@@ -3,12 +3,11 @@ entry-point group tokenbus.commands: their parsers only, each benchmark imported
 slow to import)."""
 import os
 
+from lab.common.options import BENCH_MODEL
 from ops.args import MODEL, delegate
 from ops.models import DEFAULT_MODEL
 from schemas.subjects import chunk_rate
 from services.router.policy import POLICIES
-
-BENCH_MODEL = f"{MODEL} (default: tiny, random weights: it measures the machinery, not a language model)"
 
 
 def bench(sub) -> None:

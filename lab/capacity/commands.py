@@ -1,6 +1,6 @@
 """`tokenbus sim` and `tokenbus sim-check`, registered through the entry-point group tokenbus.commands:
 their parsers only, the simulator imported when one runs (it imports torch)."""
-from lab.benchmarks.commands import BENCH_MODEL
+from lab.common.options import BENCH_MODEL
 from ops.args import delegate
 from schemas.messages import SCHEDULING_POLICIES
 

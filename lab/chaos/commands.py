@@ -1,6 +1,6 @@
 """`tokenbus chaos`, registered through the entry-point group tokenbus.commands: its parser only, the
 scenarios imported when they run."""
-from lab.benchmarks.commands import BENCH_MODEL
+from lab.common.options import BENCH_MODEL
 from ops.args import delegate
 
 

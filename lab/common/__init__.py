@@ -9,4 +9,5 @@ imports these and the product, never another benchmark.
 - turns.py     Turn, Workload, warmup, closed_loop, figures, EngineLoop: token-id workloads, greedy
 - engine.py    workload, run_engine, timed_engine_run, hf_generate: the engine and HF in this process
 - records.py   results_seq, records, router_stats: what the cluster recorded of a run
+- options.py   BENCH_MODEL: what the lab's commands say alike in their parsers
 """
