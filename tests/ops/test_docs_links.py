@@ -73,3 +73,19 @@ def test_the_readme_quotes_the_test_command_the_makefile_runs():
     line = next(cmd.strip() for cmd in makefile.splitlines() if "-m pytest" in cmd)
     quoted = line.replace("$(BIN)", ".venv/bin").replace("$(VENV)", ".venv")
     assert "--durations" in quoted and f"`{quoted}`" in (ROOT / "README.md").read_text(), quoted
+
+
+PATH_NAMED = re.compile(r"`([a-z_]+/[\w./]*)`")             # `workers/service/`, `schemas/messages.py`
+
+
+def test_the_architecture_map_names_only_modules_that_exist_and_every_package():
+    """docs/architecture.md's map of modules matches the tree: each path it names is there, and each
+    package of ours (a folder with an __init__.py, tests aside) is named in it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = {p.rstrip("/") for p in PATH_NAMED.findall(text)}
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+    packages = {str(init.parent.relative_to(ROOT)) for init in ROOT.glob("*/**/__init__.py")
+                if init.parts[len(ROOT.parts)] not in ("tests", ".venv") and ".egg-info" not in str(init)}
+    unnamed = sorted(p for p in packages if p not in named)
+    assert not unnamed, f"packages missing from docs/architecture.md's map: {unnamed}"
