@@ -75,45 +75,37 @@ async def replicated(create, config, field: str):
         return await create(dataclasses.replace(config, **{field: 1}))
 
 
+async def bucket(js, name: str, **config):
+    """The KV bucket `name`, created on disk with one entry per key (and `config`) if it is not there."""
+    try:
+        return await js.key_value(name)
+    except nats.js.errors.BucketNotFoundError:
+        return await replicated(js.create_key_value, api.KeyValueConfig(
+            bucket=name, history=1, storage=api.StorageType.FILE, **config), "replicas")
+
+
 async def registry(js):
     """The KV bucket of worker heartbeats; an entry not refreshed within WORKER_TTL expires. On disk, so
     a restarted broker still has it (and its sequence: a watcher started before goes on)."""
-    try:
-        return await js.key_value(s.WORKERS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await replicated(js.create_key_value, api.KeyValueConfig(
-            bucket=s.WORKERS_BUCKET, ttl=s.WORKER_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+    return await bucket(js, s.WORKERS_BUCKET, ttl=s.WORKER_TTL)
 
 
 async def outcomes(js):
     """The KV bucket of request outcomes (key = request id), on disk: one entry per request, kept
     OUTCOME_TTL, written with create() so the first end of a request is the only one recorded."""
-    try:
-        return await js.key_value(s.OUTCOMES_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await replicated(js.create_key_value, api.KeyValueConfig(
-            bucket=s.OUTCOMES_BUCKET, ttl=s.OUTCOME_TTL, history=1, storage=api.StorageType.FILE,
-            max_value_size=s.MAX_MSG_SIZE), "replicas")
+    return await bucket(js, s.OUTCOMES_BUCKET, ttl=s.OUTCOME_TTL, max_value_size=s.MAX_MSG_SIZE)
 
 
 async def limits(js):
     """The KV bucket of tenants' token buckets shared by the gateways (key = tenant, a TenantBucket), on
     disk, changed by compare-and-set. An entry untouched for LIMITS_TTL is gone: its bucket has refilled."""
-    try:
-        return await js.key_value(s.LIMITS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await replicated(js.create_key_value, api.KeyValueConfig(
-            bucket=s.LIMITS_BUCKET, ttl=s.LIMITS_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+    return await bucket(js, s.LIMITS_BUCKET, ttl=s.LIMITS_TTL)
 
 
 async def gateways(js):
     """The KV bucket of live gateways (key = gateway id): each puts its key every GATEWAY_TTL / 3; its
     count of entries is the number of gateways sharing the tenants' limits."""
-    try:
-        return await js.key_value(s.GATEWAYS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await replicated(js.create_key_value, api.KeyValueConfig(
-            bucket=s.GATEWAYS_BUCKET, ttl=s.GATEWAY_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+    return await bucket(js, s.GATEWAYS_BUCKET, ttl=s.GATEWAY_TTL)
 
 
 async def suspects(js):
@@ -121,8 +113,4 @@ async def suspects(js):
     it runs none). A worker restarted under the same id reads what its previous life said, however long
     the restart took (its heartbeat in tb_workers is gone WORKER_TTL after its last), so only that request
     takes a strike for the crash when their items are delivered again."""
-    try:
-        return await js.key_value(s.SUSPECTS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await replicated(js.create_key_value, api.KeyValueConfig(
-            bucket=s.SUSPECTS_BUCKET, ttl=s.SUSPECT_TTL, history=1, storage=api.StorageType.FILE), "replicas")
+    return await bucket(js, s.SUSPECTS_BUCKET, ttl=s.SUSPECT_TTL)
