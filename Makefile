@@ -15,4 +15,4 @@ run: $(BIN)/tokenbus
 
 test: $(BIN)/tokenbus
 	sh tests/install-chromium.sh
-	$(BIN)/python -m pytest --durations=40
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=40

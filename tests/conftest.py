@@ -1,5 +1,8 @@
+import contextlib
+import fcntl
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,61 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU, in
 # A suite started as a background job (`make test &`) inherits SIGINT ignored, and so would every command
 # the tests start and then stop with Ctrl-C; the commands get Python's own handler back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+if "PYTEST_XDIST_WORKER" in os.environ:
+    import torch
+
+    # Two test processes on two cores: one torch thread each, not two each that wait on each other at every
+    # step (a test that times or compares thread counts sets its own, and one marked serial runs alone).
+    torch.set_num_threads(1)
+
+
+# The longest files, dealt out first when the suite runs in parallel (make test: -n 2 --dist loadfile), so that
+# none is left to run on its own at the end; then the other files marked slow, then the rest.
+FIRST = ("tests/e2e/test_readme_snippets.py", "tests/e2e/test_fair_share.py", "tests/lab/test_peer_clients.py",
+         "tests/workers/test_smollm2_vs_hf.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: a test that measures time or load, and so runs with no other test "
+                                       "beside it when the suite runs in parallel (make test's -n)")
+    if getattr(config.option, "dist", "no") != "no":
+        config.option.loadscopereorder = False      # files in the order collected, not by their count of tests
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:         # the order of a worker's collection is the order dealt
+        items.sort(key=dealt)
+
+
+def dealt(item) -> tuple[int, bool]:
+    path = item.location[0]
+    return FIRST.index(path) if path in FIRST else len(FIRST), item.get_closest_marker("slow") is None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In parallel (pytest-xdist), a test runs beside others, and one marked serial alone: its setup,
+    call and teardown (its module's stack too) hold an exclusive lock that the others share. Outside the
+    timeout's own wrapper, so that waiting for the lock is not counted against the test."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return (yield)
+    with alone(Path(tempfile.gettempdir()) / f"tokenbus-tests-{run}", item.get_closest_marker("serial") is not None):
+        return (yield)
+
+
+@contextlib.contextmanager
+def alone(path: Path, exclusive: bool):
+    """A readers-writer lock between the suite's processes that prefers the writer: a serial test takes the
+    gate, so that no test starts while it waits for those running to end, and then the lock itself."""
+    with open(path.with_suffix(".gate"), "a") as gate, open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        yield                                   # closing the files lets go of both
 
 
 @pytest.fixture(scope="session")

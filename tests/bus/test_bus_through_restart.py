@@ -49,6 +49,7 @@ def broker(tmp_path):
     stop(b.procs)
 
 
+@pytest.mark.serial
 def test_a_pull_consumer_resumes_after_a_broker_restart_without_losing_or_repeating(broker):
     async def main():
         nc = await bus.connect(broker.url, "test", LOG)

@@ -16,7 +16,7 @@ from schemas.sampling import SamplingParams
 from tests.e2e.conftest import WORKER_ARGS, collect, completions, connect, receive, send
 from workers import LLM
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
 
 GREEDY = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
 BEFORE, DURING = 12, 4                       # requests in flight at the kill, and sent while the broker is down

@@ -19,7 +19,7 @@ from ops.procs import free_port
 from ops.up import Stack
 from tests.e2e.conftest import WORKER_ARGS, running
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(120)]
 
 KEYS = {"sk-flood": {"tenant": "flood"}, "sk-steady": {"tenant": "steady"},
         "sk-heavy": {"tenant": "heavy", "weight": 2}}

@@ -22,7 +22,7 @@ from schemas.sampling import SamplingParams
 from tests.e2e.conftest import WORKER_ARGS, collect, connect, receive, send, started
 from workers import LLM
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
 
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 BEFORE, DURING = 8, 4                    # requests in flight at the fault, and sent while it lasts

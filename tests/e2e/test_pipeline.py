@@ -115,6 +115,7 @@ async def abort_seen(nc) -> asyncio.Future:
     return seen
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["cancel", "disconnect"])
 def test_cancel_and_disconnect_stop_generation_within_a_second_and_free_the_kv(stack, how):
     long = {"prompt": "The engine", "max_tokens": 3000, "temperature": 0.8, "seed": 1, "ignore_eos": True}

@@ -13,7 +13,7 @@ from schemas import subjects
 from schemas.messages import RouterStats, decode
 from tests.e2e.conftest import completions, connect, receive, send, start_stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180)]
 
 TURNS = 3
 

@@ -11,7 +11,7 @@ from schemas.sampling import SamplingParams
 from tests.e2e.conftest import collect, completions, connect, receive, send, start_stack
 from workers import LLM
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180)]
 
 LONG = {"max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
 

@@ -53,6 +53,7 @@ def silent_port():
 
 # -- no nats-server -------------------------------------------------------------------------------
 
+@pytest.mark.serial
 @pytest.mark.parametrize("nothing", ["refused", "silent"])
 def test_every_nats_command_fails_within_seconds_naming_the_url_it_tried(tmp_path, nothing):
     with silent_port() as silent:

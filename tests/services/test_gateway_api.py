@@ -337,6 +337,7 @@ def test_keys_map_to_tenants_and_a_missing_or_wrong_key_is_401_on_http_and_webso
 
 # -- rate limits, concurrency, admission -----------------------------------------------------------
 
+@pytest.mark.serial
 def test_over_the_token_rate_is_429_with_retry_after_fast_and_unused_tokens_are_refunded(
         nats_url, tiny_model, tok, keys_file):
     async def body():

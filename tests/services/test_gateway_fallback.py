@@ -192,6 +192,7 @@ def test_the_upstream_s_refusals_and_a_stream_it_cuts_are_clear_errors_that_do_n
 
 # -- the circuit breaker, end to end -----------------------------------------------------------------
 
+@pytest.mark.serial
 def test_k_failures_open_the_breaker_then_503s_come_at_once_and_a_probe_after_the_cooldown_closes_or_reopens_it(
         nats_url, tiny_model, tok):
     async def ask(down, stream=False):
@@ -250,6 +251,7 @@ def test_k_failures_open_the_breaker_then_503s_come_at_once_and_a_probe_after_th
 
 # -- the bus unreachable -------------------------------------------------------------------------------
 
+@pytest.mark.serial
 def test_with_the_nats_server_gone_a_request_is_answered_by_the_fallback_at_once(tiny_model, tok, tmp_path):
     async def body(nats_url, proc):
         with upstream() as up:

@@ -83,6 +83,7 @@ def test_chunks_past_a_gap_are_held_until_the_worker_resends_the_missing_tokens(
     run(body())
 
 
+@pytest.mark.serial
 def test_a_lost_final_chunk_is_read_from_the_outcome_when_the_stream_stalls(nats_url, tiny_model, tok, quick_stall):
     async def script(down, req):
         ids = down.ids(TEXT)

@@ -13,6 +13,7 @@ import urllib.request
 
 import openai
 import orjson
+import pytest
 from websockets.asyncio.client import connect
 
 import bus
@@ -292,6 +293,7 @@ def test_resumes_of_another_tenant_an_unknown_id_or_a_bad_offset_are_refused(nat
     run(body())
 
 
+@pytest.mark.serial
 def test_dropped_streams_are_cancelled_after_the_grace_and_left_ones_at_once(nats_url, tiny_model, tok):
     async def body():
         async with gateway(nats_url, tiny_model, tok, worker, resume_grace=0.5) as down:

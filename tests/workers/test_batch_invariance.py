@@ -62,6 +62,7 @@ def batch_of_5(tiny_model):
 
 
 @pytest.mark.slow
+@pytest.mark.serial            # two threads: alone, or they wait on the other tests
 def test_2000_token_generations_are_identical_alone_and_in_batches_of_5_and_20(tiny_model, batch_of_5):
     with threads(2):
         alone = {**generate(tiny_model, 1, ("greedy",)), **generate(tiny_model, 1, ("seeded",))}
@@ -74,6 +75,7 @@ def test_2000_token_generations_are_identical_alone_and_in_batches_of_5_and_20(t
 
 
 @pytest.mark.slow
+@pytest.mark.serial            # two threads: alone, or they wait on the other tests
 def test_2000_token_generations_are_identical_with_1_and_2_threads(tiny_model, batch_of_5):
     with threads(1):
         one_thread = generate(tiny_model, 5)
