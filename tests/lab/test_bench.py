@@ -24,6 +24,7 @@ def run(url: str, tiny_model: str, tmp_path, *extra: str) -> dict:
     return report
 
 
+@pytest.mark.serial                   # it times the fake's stream
 @pytest.mark.parametrize("proto", ["ws", "openai"])
 def test_bench_measures_a_known_stream_and_writes_the_json_and_the_png(proto, tiny_model, tmp_path, capsys):
     with serving(ttft=TTFT, itl=ITL) as port:

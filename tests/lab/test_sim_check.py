@@ -26,6 +26,7 @@ def check_args(model: str, **kw) -> Namespace:
 
 
 @pytest.mark.slow
+@pytest.mark.serial                   # it times a real stack
 def test_the_simulator_predicts_the_real_stack_within_a_generous_bound(tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TOKENBUS_HOME", str(tmp_path))
     assert sim_check.main(check_args(tiny_model, json=True, steps=True)) == 0
@@ -187,6 +188,7 @@ def test_the_simulated_figures_are_the_means_of_replays_each_drawing_its_own_jit
     assert len(still["ttft_samples"]) == len(sent)
 
 
+@pytest.mark.serial                   # it meters CPU time
 def test_the_other_processes_are_metered_over_spans_of_the_stack_s_life():
     """A span counts the CPU the metered processes took during it; cores are CPU seconds over seconds."""
     meter, spans = sim_check.Meter([os.getpid()]), []

@@ -68,6 +68,7 @@ def test_the_fit_gives_steps_of_few_tokens_seconds_of_their_own():
     assert cost.quality["median_rel_error"] < 1e-3
 
 
+@pytest.mark.serial                   # it times engine steps
 def test_the_cpu_fit_predicts_held_out_engine_steps_and_round_trips_its_cache(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBUS_HOME", str(tmp_path))
     cost = sim_cost.load_or_fit(tiny_model, threads=1)
