@@ -1,7 +1,8 @@
 """A worker without a model, for router tests on a real nats-server. Its KV cache is a real
 KVCacheManager; a work item's prompt is 'computed' at once (prefix hits taken, every full block
 stored) and its blocks freed, then its completion record goes to TB_RESULTS. KV events and
-snapshots go through the real worker's code (WorkerService.publish_kv / on_snapshot)."""
+snapshots go through the real worker's code (its Registry's publish_kv / on_snapshot,
+workers/service/registry.py)."""
 import asyncio
 import contextlib
 import time
@@ -32,7 +33,7 @@ class FakeWorker:
     async def start(self, serve: bool = False) -> None:
         await bus.ensure_streams(self.js)
         self.registry = await bus.registry(self.js)
-        self.sub = await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.service.on_snapshot)
+        self.sub = await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.service.registry.on_snapshot)
         await self.heartbeat()
         self.tasks.append(asyncio.create_task(self.heartbeat_loop()))
         if serve:
@@ -69,9 +70,9 @@ class FakeWorker:
         """One KV event with what changed since the last; `lose` drops it on the floor (a gap)."""
         if lose:
             self.kv.take_changes()
-            self.service.kv_seq += 1
+            self.service.registry.kv_seq += 1
         else:
-            await self.service.publish_kv()
+            await self.service.registry.publish_kv()
 
     async def take(self, msg) -> None:
         item = decode(msg.data, WorkItem)

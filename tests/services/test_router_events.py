@@ -40,7 +40,7 @@ async def router(nats_url: str, name: str, **options):
 def follows(r: RouterService, w: FakeWorker) -> bool:
     """The router's index of w is exactly what w's cache holds, at w's last event."""
     held = r.index.workers.get(w.id)
-    return held is not None and held.seq == w.service.kv_seq and set(held.hashes) == set(w.kv.cached)
+    return held is not None and held.seq == w.service.registry.kv_seq and set(held.hashes) == set(w.kv.cached)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

@@ -423,7 +423,7 @@ def test_the_worker_passes_tenant_and_weight_to_the_engine_and_takes_the_fair_po
     from workers.service import WorkerService, engine_config, parser
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", num_kv_blocks=16, scheduling_policy="fair"))
     service = WorkerService(SimpleNamespace(jetstream=lambda: None), engine, "w0", "tiny", configure("worker"))
-    service.add(TokenizedRequest("r1", "acme", SamplingParams(seed=1), [5, 6, 7], priority=4, weight=2.5), [], 0)
+    service.intake.add(TokenizedRequest("r1", "acme", SamplingParams(seed=1), [5, 6, 7], priority=4, weight=2.5), [], 0)
     req = engine.requests["r1"]
     assert (req.tenant, req.weight, req.priority) == ("acme", 2.5, 4)
     args = parser().parse_args(["--model", "m", "--scheduling-policy", "fair"])

@@ -335,7 +335,7 @@ def test_the_worker_passes_priority_to_the_engine(model_dir):
     from workers.service import WorkerService, engine_config, parser
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", num_kv_blocks=16, scheduling_policy="priority"))
     service = WorkerService(SimpleNamespace(jetstream=lambda: None), engine, "w0", "tiny", configure("worker"))
-    service.add(TokenizedRequest("r1", "t", SamplingParams(seed=1), [5, 6, 7], priority=4), [], 0)
+    service.intake.add(TokenizedRequest("r1", "t", SamplingParams(seed=1), [5, 6, 7], priority=4), [], 0)
     assert engine.requests["r1"].priority == 4
     assert engine_config(parser().parse_args(["--model", "m"])).scheduling_policy == "fcfs"
     args = parser().parse_args(["--model", "m", "--scheduling-policy", "priority"])

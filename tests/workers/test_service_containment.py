@@ -206,10 +206,10 @@ def test_a_dead_lettered_request_that_had_ended_keeps_its_first_outcome(nats_url
         item = WorkItem(TokenizedRequest("struck", "t", PARAMS, [5, 6]), "w0", time.time())
         q = await stream(nc, "struck")
         async with worker(nats_url, engine) as service:
-            while not hasattr(service, "outcomes"):                         # the worker is up
+            while service.records.outcomes is None:                         # the worker is up
                 await asyncio.sleep(0.05)
             msg = _Acked()
-            await service.dead_letter(item, msg, "dead_lettered", "twice", subjects.MAX_STRIKES)
+            await service.records.dead_letter(item, msg, "dead_lettered", "twice", subjects.MAX_STRIKES)
             (err,) = await until_end(q)
             await asyncio.sleep(0.5)
         assert err.code == "dead_lettered" and msg.acked
@@ -249,9 +249,9 @@ def test_a_request_run_alone_is_named_in_tb_suspects_until_its_first_token_and_t
         await bus.ensure_streams(js)
         q = await stream(nc, "suspect")
         async with worker(nats_url, engine) as service:
-            while not hasattr(service, "suspects"):                         # the worker is up
+            while service.registry.suspects is None:                         # the worker is up
                 await asyncio.sleep(0.05)
-            service.suspects = spy = _Spy(service.suspects)
+            service.registry.suspects = spy = _Spy(service.registry.suspects)
             await submit(js, "suspect", [5, 6], attempt=1, strikes=1)
             assert (await until_end(q))[-1].finish_reason == "length"
         assert spy.calls == [("put", "w0", "suspect"), ("delete", "w0")]

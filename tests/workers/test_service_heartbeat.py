@@ -53,17 +53,17 @@ def test_a_heartbeat_counts_the_requests_waiting_for_the_step_under_way_as_waiti
         await bus.ensure_streams(js)
         async with worker(nats_url, engine) as w:
             await submit(js, "first", shared, SamplingParams(max_tokens=2, ignore_eos=True))
-            await until(lambda: w.finished == 1, "the first request ends")
+            await until(lambda: w.state.counts.finished == 1, "the first request ends")
             async with w.engine_lock:                    # a step under way: the next items wait for it
                 await submit(js, "hit", shared[:32] + list(range(500, 520)), LONG)    # 4 blocks, 2 cached
                 await submit(js, "cold", list(range(600, 640)), LONG)                 # 3 blocks
-                await until(lambda: len(w.taken) == 2, "both items wait for the engine")
-                w.build_beat()
-                waiting = w.beat
+                await until(lambda: len(w.intake.taken) == 2, "both items wait for the engine")
+                w.registry.build_beat()
+                waiting = w.registry.beat
             await until(lambda: len(w.running) == 2, "both items are in the engine")
             async with w.engine_lock:
-                w.build_beat()
-                inside = w.beat
+                w.registry.build_beat()
+                inside = w.registry.beat
         await nc.close()
         return waiting, inside
     waiting, inside = asyncio.run(main())

@@ -61,7 +61,7 @@ async def generate(js, nc, rid: str, speculative: bool) -> FinalChunk:
 
 async def beat(service, js) -> Heartbeat:
     """The heartbeat the worker writes now, as the registry holds it."""
-    await service.heartbeat()
+    await service.registry.heartbeat()
     return decode((await (await bus.registry(js)).get("w0")).value, Heartbeat)
 
 
@@ -138,7 +138,7 @@ def test_the_worker_logs_k_when_it_changes_between_looks_and_not_after_a_step_wh
     async def main():
         async with worker(nats_url, engine, log=log) as service:
             for k, rows in [(2, 1), (2, 3), (1, 3), (0, 0), (1, 2), (0, 5)]:
-                service.watch_k(look(k, rows))
+                service.registry.watch_k(look(k, rows))
 
     asyncio.run(asyncio.wait_for(main(), 30))
     assert [(c["previous_k"], c["k"], c["spec_rows"]) for c in log.changes()] == [(None, 2, 1), (2, 1, 3), (1, 0, 5)]

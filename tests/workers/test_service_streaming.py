@@ -86,7 +86,7 @@ def test_a_burst_of_work_items_enters_the_engine_together_not_a_step_apart(nats_
                 await asyncio.gather(*(submit(js, rid, [7, i + 8, 9]) for i, rid in enumerate(rids)))
                 for q in queues.values():
                     assert type((await until_end(q))[-1]) is FinalChunk
-                assert service.admitting == 0
+                assert service.intake.admitting == 0
         burst = added[1:]
         assert len(burst) == len(rids)
         assert max(burst) - min(burst) <= 2, f"the burst entered over steps {burst}"   # one at a time: 12+ steps
@@ -107,12 +107,12 @@ def test_an_item_whose_checks_outlast_the_wait_between_steps_joins_the_next_step
         queues = await chunks(nc, ["long", "late"])
         with slow_steps(engine, monkeypatch, pause) as added:
             async with worker(nats_url, engine, 0) as service:
-                ended = service.already_ended
+                ended = service.records.already_ended
 
                 async def slow_check(item, msg):
                     await asyncio.sleep(check)
                     return await ended(item, msg)
-                monkeypatch.setattr(service, "already_ended", slow_check)
+                monkeypatch.setattr(service.records, "already_ended", slow_check)
                 short = SamplingParams(max_tokens=6, ignore_eos=True)
                 await submit(js, "long", [3, 4, 5], short)
                 await queues["long"].get()                  # its first token: the engine is stepping

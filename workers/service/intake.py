@@ -5,23 +5,27 @@ the bus while a step runs on the step thread, and it enters the engine under the
 joins the next step. The checks, in order (`admit`): it decodes; it has not ended already
 (records.py) and does not run here already; it is not past its deadline; its strikes (workers it
 failed or crashed) are fewer than MAX_STRIKES, else it is dead-lettered; then the output its client
-has (a moved request) and its prefill worker's KV (a handed-off one). A request that ends for good
-with an error ends here: an error chunk, an Outcome "error", a DeadLetter. Also here: cancels, and
-the in-progress acks that keep JetStream from redelivering what runs.
+has (a moved request) and its prefill worker's KV (a handed-off one). A request its checks end is
+given up or dead-lettered by records.py. Also here: cancels, and the in-progress acks that keep
+JetStream from redelivering what runs.
 
-Part of WorkerService (worker.py, where the shared state is set up)."""
+Given the shared State (state.py), whose `running` table it adds entering requests to and whose
+`prompt_tokens` it counts; records.py (has the request ended already; give up, dead-letter);
+streaming.py (what a moved request's client has; a cancelled request's end); the KV transport (a
+handed-off request's pull); the step loop's `wake`. It owns the items on their way in (`taken`,
+which the heartbeat counts, `checking`, `pulling`), the cancels that came first, and `blamed`."""
 import asyncio
 import contextlib
 import time
 
-import nats.errors
-
 import bus
 from schemas import subjects
 from schemas.hashing import hash_blocks
-from schemas.messages import Cancel, DeadLetter, ErrorChunk, Outcome, TokenizedRequest, WorkItem, encode, received
-from workers.engine.request import Request
-from workers.service.streaming import Running
+from schemas.messages import Cancel, ErrorChunk, TokenizedRequest, WorkItem, encode, received
+from workers.kv_transfer import NatsKvTransport
+from workers.service.records import Records
+from workers.service.state import Running, State
+from workers.service.streaming import Streaming
 
 CANCEL_MEMORY = 120.0          # seconds a cancel for a request not seen yet is remembered
 FETCH_BATCH = 64
@@ -31,7 +35,23 @@ MAX_INTAKE_WAIT = 0.1          # seconds
 
 
 class Intake:
-    """WorkerService's intake: work items in, cancels, dead letters."""
+    """The worker's intake: work items in, their checks and strikes, cancels, in-progress acks."""
+
+    def __init__(self, state: State, records: Records, streaming: Streaming, transport: NatsKvTransport,
+                 wake: asyncio.Event, kv_load_failure_policy: str = "recompute", blamed: str = ""):
+        self.nc, self.id, self.log, self.spawn = state.nc, state.id, state.log, state.spawn
+        self.engine, self.engine_lock, self.running = state.engine, state.engine_lock, state.running
+        self.counts, self.records, self.streaming, self.transport = state.counts, records, streaming, transport
+        self.wake = wake                             # the step loop's: set when work arrives for an idle engine
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.blamed = blamed                         # the request this worker's previous life ran alone, if any
+        self.cancelled: dict[str, float] = {}        # cancels that came before their request
+        self.admitting = 0                           # work items being taken (their checks on the bus)
+        self.taken: dict[int, tuple[int, list[int]]] = {}   # by id() of the message: the requests on their
+        #                   way into the engine, (prompt tokens, their block hashes), which a heartbeat counts
+        self.checking: set[int] = set()              # id() of the work items whose checks are under way
+        self.checked = asyncio.Event()               # set when none is
+        self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
 
     async def fetch_loop(self) -> None:
         limit = 4 * self.engine.config.max_num_seqs   # beyond this, work waits in the stream
@@ -66,7 +86,7 @@ class Intake:
     async def admit(self, msg) -> None:
         """A work item into the engine, unless one of its checks ends it first."""
         item = await self.decoded(msg)
-        if item is None or await self.already_ended(item, msg) or self.holds(item, msg):
+        if item is None or await self.records.already_ended(item, msg) or self.holds(item, msg):
             return
         delivered = num_delivered(msg)
         strikes = item.strikes + self.redelivery_strikes(item.request.id, delivered)
@@ -90,16 +110,16 @@ class Intake:
         """A request past its REQUEST_DEADLINE is given up, not run."""
         if not subjects.past_deadline(item.request.created, time.time()):
             return False
-        await self.give_up(item, msg, "timeout", f"the request reached a worker after its REQUEST_DEADLINE="
-                           f"{subjects.REQUEST_DEADLINE:g} s; it is not run")
+        await self.records.give_up(item, msg, "timeout", f"the request reached a worker after its "
+                                   f"REQUEST_DEADLINE={subjects.REQUEST_DEADLINE:g} s; it is not run")
         return True
 
     async def struck_out(self, item: WorkItem, msg, strikes: int) -> bool:
         """A request that crashed or failed MAX_STRIKES workers is dead-lettered, not run again."""
         if strikes < subjects.MAX_STRIKES:
             return False
-        await self.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} workers "
-                               f"(MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
+        await self.records.dead_letter(item, msg, "dead_lettered", f"the request crashed or failed {strikes} "
+                                       f"workers (MAX_STRIKES={subjects.MAX_STRIKES}); it is not run again", strikes)
         return True
 
     def count_taken(self, item: WorkItem, msg) -> None:
@@ -112,7 +132,7 @@ class Intake:
         """The output the request continues after: what a moved or redelivered request's client has, or
         what its prefill worker sent, whichever is longer."""
         r = item.request
-        output = await self.progress(r.id) if item.attempt > 0 or delivered > 1 else []
+        output = await self.streaming.progress(r.id) if item.attempt > 0 or delivered > 1 else []
         if r.prefilled is not None and len(output) < len(r.prefilled.output_token_ids):
             output = list(r.prefilled.output_token_ids)
         return output
@@ -154,7 +174,7 @@ class Intake:
     async def started(self, item: WorkItem, run: Running) -> None:
         """Counted, logged, cancelled at once if its cancel came first, and the engine woken."""
         r = item.request
-        self.prompt_tokens += len(r.prompt_token_ids)
+        self.counts.prompt_tokens += len(r.prompt_token_ids)
         self.log.info("request started", request_id=r.id, tenant=r.tenant, weight=r.weight, priority=r.priority,
                       attempt=item.attempt, strikes=run.strikes, prompt_tokens=len(r.prompt_token_ids),
                       resumed=run.sent)
@@ -224,11 +244,11 @@ class Intake:
         async with self.engine_lock:
             self.engine.kv.unpin(r.id)
         self.log.error("kv pull failed; the request fails (--kv-load-failure-policy fail)", error=error, **fields)
-        await self.give_up(item, msg, "kv_transfer_failed", f"the KV of the prompt could not be pulled from "
-                           f"prefill worker {r.prefilled.worker}: {error} (--kv-load-failure-policy fail)")
+        await self.records.give_up(item, msg, "kv_transfer_failed", f"the KV of the prompt could not be pulled "
+                                   f"from prefill worker {r.prefilled.worker}: {error} (--kv-load-failure-policy fail)")
         return False
 
-    async def intake(self, step_seconds: float) -> None:
+    async def between_steps(self, step_seconds: float) -> None:
         """Between steps: the work items whose checks finished during the step, and the cancels, take the
         engine lock before the next step does; the items whose checks are still on the bus (a reply that
         lands as the step ends) get up to INTAKE_WAIT × the step's time to finish. Since the engine steps
@@ -271,49 +291,7 @@ class Intake:
         async with self.engine_lock:
             req = self.engine.abort(rid)
         if req is not None:                      # out of the engine: no step touches it any more
-            await self.emit(req, time.time())
-
-    # -- ends for good --------------------------------------------------------------------------
-
-    async def failed_request(self, run: Running, req: Request) -> None:
-        """The engine failed this request alone: it is dead-lettered at once (error chunk, outcome,
-        dead letter) and its work item acked, so no worker runs it again."""
-        del self.running[req.request_id]
-        self.log.error("request failed", request_id=req.request_id, tenant=run.item.request.tenant,
-                       error=req.error, output_tokens=req.num_output_tokens)
-        await self.dead_letter(run.item, run.msg, "engine_error", req.error, run.strikes + 1, req.output_token_ids)
-
-    async def dead_letter(self, item: WorkItem, msg, code: str, reason: str, strikes: int,
-                          output: list[int] = ()) -> None:
-        """Ends a request with an error for good, with a DeadLetter in TB_DEAD naming the reason."""
-        letter = DeadLetter(item.request, reason, strikes, self.id, time.time())
-        await self.give_up(item, msg, code, reason, output, letter)
-
-    async def give_up(self, item: WorkItem, msg, code: str, reason: str, output: list[int] = (),
-                      letter: DeadLetter | None = None) -> None:
-        """Ends a request with an error: ErrorChunk on tb.out, an Outcome "error" in tb_outcomes, the
-        dead letter if any, then the work item is acked."""
-        r = item.request
-        await self.nc.publish(subjects.out(r.id), encode(ErrorChunk(r.id, code, reason)))
-        self.spawn(self.bury(r, msg, code, reason, list(output), letter))
-
-    async def bury(self, r: TokenizedRequest, msg, code: str, reason: str, output: list[int],
-                   letter: DeadLetter | None) -> None:
-        """Stores the end (the first end of a request is the one kept) and the dead letter, each retried
-        through a broker restart, then acks; not stored: not acked, so it comes again and ends again."""
-        outcome = Outcome(r.id, r.tenant, self.id, "error", output, error_code=code, error_message=reason,
-                          ts=time.time())
-        try:
-            await self.create_outcome(outcome)
-            if letter is not None:
-                await bus.publish(self.js, subjects.dead(r.tenant), encode(letter),
-                                  subjects.msg_id(r.id, f"{r.id}.dead"), self.log)
-            await msg.ack()
-        except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:
-            self.log.error("request end not stored", request_id=r.id, code=code, error=str(e) or type(e).__name__)
-            return
-        self.log.warning("request dead-lettered" if letter else "request given up", request_id=r.id,
-                         tenant=r.tenant, code=code, strikes=letter.strikes if letter else None, reason=reason)
+            await self.streaming.emit(req, time.time())
 
 
 def running(item: WorkItem, msg, output: list[int], strikes: int, delivered: int) -> Running:

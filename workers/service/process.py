@@ -110,8 +110,7 @@ async def serve(args) -> None:
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
         service = WorkerService(nc, engine, args.id, name, log, args.chunk_rate, args.role,
                                 args.kv_load_failure_policy, args.nats_url, revision_of(model), stepper,
-                                injected, args.step_trace)
-        service.blamed = blamed
+                                injected, args.step_trace, blamed)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop.set)

@@ -5,7 +5,11 @@ router's prefix index), and its leaving.
 Runs on the event loop, except `stand_in_beats`, which runs on the side thread (workers/sideline.py):
 it re-sends the last heartbeat while a long step holds the engine.
 
-Part of WorkerService (worker.py, where the shared state is set up)."""
+Given the shared State (state.py), whose counts and `running` load it reports; the KV transport (its
+leases expire on the heartbeat's turn; a disaggregated worker's beat carries its stats); intake's
+`taken` (the requests on their way into the engine, counted as waiting); the step loop's `fail` (a
+dead tensor-parallel rank); what the heartbeat names (model, role, revision). It owns the tb_workers
+and tb_suspects buckets (`open`), the last heartbeat, the suspect, and the KV events' seq."""
 import asyncio
 import contextlib
 import dataclasses
@@ -18,23 +22,43 @@ import bus
 from schemas import subjects
 from schemas.messages import Heartbeat, KvEvent, KvSnapshot, Speculation, encode
 from workers.distributed import WorkerFailure
-from workers.sideline import MAX_STEP_SECONDS
+from workers.kv_transfer import NatsKvTransport
+from workers.service.state import State
+from workers.sideline import MAX_STEP_SECONDS, Sideline
 
 LEAVE_WAIT = 2.0               # seconds a stopping worker waits for the ends it is storing
 
 
 class Registry:
-    """WorkerService's presence: heartbeats, suspects, KV events, leaving."""
+    """The worker's presence: heartbeats, suspects, KV events, leaving."""
 
-    async def leave(self) -> None:
+    def __init__(self, state: State, transport: NatsKvTransport, taken: dict, fail, model_name: str,
+                 role: str = "both", revision: str = ""):
+        self.nc, self.js, self.id, self.log = state.nc, state.js, state.id, state.log
+        self.engine, self.engine_lock = state.engine, state.engine_lock
+        self.counts, self.tasks = state.counts, state.tasks
+        self.transport, self.taken, self.fail = transport, taken, fail   # taken: intake's; fail: the step loop's
+        self.model_name, self.role, self.revision = model_name, role, revision   # of the model it serves
+        self.bucket = self.suspects = None           # tb_workers, tb_suspects, once open()
+        self.beat: Heartbeat | None = None           # the last heartbeat built, and when
+        self.beat_at = 0.0
+        self.suspect = ""                            # the request the last heartbeat said runs alone
+        self.spec_k: int | None = None               # k at the last look where some request could draft
+        self.kv_seq = 0                              # KV events published
+
+    async def open(self) -> None:
+        self.bucket = await bus.registry(self.js)
+        self.suspects = await bus.suspects(self.js)
+
+    async def leave(self, side: Sideline | None) -> None:
         """Lets the ends being stored (outcomes, records, dead letters) finish for up to LEAVE_WAIT
         seconds (what is left stays unacked and is redelivered), deregisters, closes."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=LEAVE_WAIT)
-        if self.side is not None:                # before the deregistration: it could write a heartbeat after it
-            await self.side.stop()
+        if side is not None:                     # before the deregistration: it could write a heartbeat after it
+            await side.stop()
         try:
-            await self.registry.delete(self.id)
+            await self.bucket.delete(self.id)
             await bus.close(self.nc)
         except Exception as e:                   # the server may be gone already
             self.log.warning("leaving uncleanly", error=str(e))
@@ -57,7 +81,7 @@ class Registry:
             except nats.js.errors.NoStreamResponseError:     # the bucket is gone (a wiped store): make it again
                 self.log.warning("registry bucket missing; creating it")
                 with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                    self.registry = await bus.registry(self.js)
+                    self.bucket = await bus.registry(self.js)
             except bus.BUS_ERRORS as e:
                 self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
 
@@ -70,20 +94,20 @@ class Registry:
     async def put_beat(self) -> None:
         """Writes the last heartbeat built; one not acknowledged within two heartbeat periods (a cluster
         electing the bucket's leader) is given up for the next, which carries a fresh time."""
-        await asyncio.wait_for(self.registry.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
+        await asyncio.wait_for(self.bucket.put(self.id, encode(self.beat)), 2 * subjects.HEARTBEAT_SECONDS)
 
     def build_beat(self) -> None:
         """The heartbeat from the engine's counts now, the requests on their way into it counted as waiting
         (`taken_blocks`), kept for the side thread's stand-in beats."""
-        s = self.engine.stats()
+        s, c = self.engine.stats(), self.counts
         spec = speculation_of(s)
         if spec is not None:
             self.watch_k(spec)
         self.beat, self.beat_at = Heartbeat(
             self.id, time.time(), self.model_name, self.engine.config.block_size, self.engine.config.max_num_seqs,
             s["running"], s["waiting"] + len(self.taken), s["kv_blocks_total"], s["kv_blocks_free"],
-            s["prefix_cache_queries"], s["prefix_cache_hits"], self.finished, s["preemptions"], self.prompt_tokens,
-            self.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec,
+            s["prefix_cache_queries"], s["prefix_cache_hits"], c.finished, s["preemptions"], c.prompt_tokens,
+            c.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec,
             self.role, self.transport.snapshot() if self.role != "both" else None,
             self.engine.config.scheduling_policy, self.revision), \
             time.monotonic()
@@ -96,11 +120,12 @@ class Registry:
         for a whole step and sent it the next ones too (measured: docs/capacity.md, "The router's view")."""
         return sum(self.engine.kv.new_blocks(hashes, n) for n, hashes in self.taken.values())
 
-    async def stand_in_beats(self) -> None:
-        """(side thread) While a step holds the engine for longer than a heartbeat period (a long prefill
-        on a CPU), the last heartbeat goes out again with a fresh time: a long step is not a departure.
-        Not once the loop has been silent MAX_STEP_SECONDS: a hung engine lapses, and its work moves."""
-        registry = await bus.registry(self.side.nc.jetstream())
+    async def stand_in_beats(self, side_nc) -> None:
+        """(side thread, on its connection `side_nc`) While a step holds the engine for longer than a
+        heartbeat period (a long prefill on a CPU), the last heartbeat goes out again with a fresh time: a
+        long step is not a departure. Not once the loop has been silent MAX_STEP_SECONDS: a hung engine
+        lapses, and its work moves."""
+        registry = await bus.registry(side_nc.jetstream())
         while True:
             await asyncio.sleep(subjects.HEARTBEAT_SECONDS)
             hb, age = self.beat, time.monotonic() - self.beat_at
@@ -111,7 +136,7 @@ class Registry:
                                        2 * subjects.HEARTBEAT_SECONDS)
             except nats.js.errors.NoStreamResponseError:
                 with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                    registry = await bus.registry(self.side.nc.jetstream())
+                    registry = await bus.registry(side_nc.jetstream())
             except bus.BUS_ERRORS as e:
                 self.log.warning("heartbeat failed (side thread)", error=str(e) or type(e).__name__)
 

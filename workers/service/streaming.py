@@ -5,10 +5,12 @@ for; a remote prefill handed off to a decode worker once its first chunk is out.
 Runs on the event loop, between engine steps: the step loop calls `emit` for each request a step
 updated. `on_resend` is a subscription callback on the same loop; it takes the engine lock.
 
-Part of WorkerService (worker.py, where the shared state is set up)."""
+Given the shared State (state.py), whose `running` table it reads and takes ended requests off, and
+whose `generation_tokens` it counts; the KV transport (a handoff's lease); records.py, which stores
+each end; the chunk rate and the injected faults. It owns nothing else: a stream's state is its
+Running entry."""
 import asyncio
 import dataclasses
-from dataclasses import dataclass
 
 import nats.errors
 
@@ -22,40 +24,30 @@ from schemas.messages import (
     Resend,
     TokenChunk,
     TokenizedRequest,
-    WorkItem,
     decode,
     encode,
 )
 from schemas.wire import WireError
 from text.detokenizer import PROMPT_CONTEXT
 from workers.engine.request import Request
+from workers.faults import Faults
+from workers.kv_transfer import NatsKvTransport
+from workers.service.records import Records
+from workers.service.state import Running, State
 
 PROGRESS_TIMEOUT = 0.5         # seconds a worker waits for the gateway to say what a moved request's client has
 
 
-@dataclass(slots=True)
-class Running:
-    """What the service knows of a request in the engine."""
-    item: WorkItem
-    msg: object                     # the JetStream message, acked when the request ends
-    received: float                 # time.time() it arrived
-    first_token: float = 0.0
-    sent: int = 0                   # output tokens published
-    seq: int = 0                    # chunks published
-    published: float = 0.0          # time.time() of its last chunk
-    subject: str = ""               # tb.out.<request id>
-    strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
-    cached_tokens: int = -1         # a handed-off request: the prefill worker's prefix hit (-1: the engine's)
-    stored: float = 0.0             # time.time() its work item was stored in the stream (0: not known)
-
-    @property
-    def tail(self) -> list[int]:
-        """The detokenizer's context, sent with the first chunk only."""
-        return self.item.request.prompt_token_ids[-PROMPT_CONTEXT:] if self.seq == 0 else []
-
-
 class Streaming:
-    """WorkerService's streams: chunks, resends, progress, handoffs."""
+    """The worker's streams: chunks, resends, progress, handoffs."""
+
+    def __init__(self, state: State, records: Records, transport: NatsKvTransport, chunk_rate: float,
+                 faults: Faults):
+        self.nc, self.js, self.id, self.log = state.nc, state.js, state.id, state.log
+        self.engine, self.engine_lock, self.running = state.engine, state.engine_lock, state.running
+        self.spawn, self.counts = state.spawn, state.counts
+        self.records, self.transport, self.faults = records, transport, faults
+        self.chunk_rate = chunk_rate             # 0: a chunk per stream per step, however many streams
 
     def chunk_interval(self) -> float:
         """Seconds between two chunks of a stream, at least: under load (more streams than chunk_rate
@@ -75,7 +67,7 @@ class Streaming:
             run.first_token = now
         if not req.finished and (not new or (run.seq and now - run.published < interval)):
             return                               # nothing new, or held for the stream's next chunk
-        self.generation_tokens += len(new)
+        self.counts.generation_tokens += len(new)
         if req.finished:
             await self.end(run, req, new, now)
         else:
@@ -90,7 +82,7 @@ class Streaming:
     async def end(self, run: Running, req: Request, new: list[int], now: float) -> None:
         """The final chunk, then the request's records (records.py); one the engine failed is dead-lettered."""
         if req.finish_reason == "error":
-            await self.failed_request(run, req)
+            await self.failed(run, req)
             return
         del self.running[req.request_id]
         usage, timing = usage_of(run, req), timing_of(run, now)
@@ -98,7 +90,16 @@ class Streaming:
                            self.id, run.tail, logprobs(req, run.sent))
         if "final" not in self.faults.drop_chunks:
             await self.nc.publish(run.subject, encode(final))
-        self.store_end(run, req, usage, timing)
+        self.records.store_end(run, req, usage, timing)
+
+    async def failed(self, run: Running, req: Request) -> None:
+        """The engine failed this request alone: it is dead-lettered at once (error chunk, outcome,
+        dead letter) and its work item acked, so no worker runs it again."""
+        del self.running[req.request_id]
+        self.log.error("request failed", request_id=req.request_id, tenant=run.item.request.tenant,
+                       error=req.error, output_tokens=req.num_output_tokens)
+        await self.records.dead_letter(run.item, run.msg, "engine_error", req.error, run.strikes + 1,
+                                       req.output_token_ids)
 
     async def on_resend(self, msg) -> None:
         """A gateway missed chunks of a request running here: its output tokens from the asked offset, up

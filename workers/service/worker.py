@@ -8,10 +8,13 @@ reaches the engine before the next one. The engine lock keeps every other use of
 aborts, pins, stats) out of a step. A side thread (workers/sideline.py) sends the heartbeat while a
 step runs for seconds, and serves KV transfer bytes (workers/kv_transfer.py).
 
-WorkerService is one object; its methods live by job in the modules beside this one: intake.py (work
-items into the engine, strikes, dead letters), streaming.py (token chunks, resends, handoffs),
-records.py (outcomes, completion and usage records), registry.py (heartbeats, suspects, KV events,
-leaving). The state they share is set up in `__init__` below; this module holds the step loop."""
+WorkerService builds the parts, each a module beside this one with the threads it runs on stated at
+its top, and hands each the shared State (state.py: the bus, the engine and its lock, the `running`
+table, the counts) and the parts it calls: records.py (outcomes, completion and usage records, dead
+letters; it calls no other part), streaming.py (token chunks, resends, handoffs; calls records),
+intake.py (work items into the engine, strikes, cancels; calls streaming and records), registry.py
+(heartbeats, suspects, KV events, leaving; reads intake's `taken`, calls back `fail`). This module
+holds the step loop, the side thread and the bus's subscriptions."""
 import asyncio
 import time
 
@@ -19,7 +22,6 @@ import orjson
 
 import bus
 from schemas import subjects
-from schemas.messages import Heartbeat
 from workers.distributed import WorkerFailure
 from workers.engine.engine import LLMEngine
 from workers.faults import NO_FAULTS, Faults
@@ -27,48 +29,35 @@ from workers.kv_transfer import NatsKvTransport
 from workers.service.intake import Intake
 from workers.service.records import Records
 from workers.service.registry import LEAVE_WAIT, Registry
-from workers.service.streaming import Running, Streaming
+from workers.service.state import State
+from workers.service.streaming import Streaming
 from workers.sideline import Sideline
 from workers.stepper import Stepper
 
 
-class WorkerService(Intake, Streaming, Records, Registry):
+class WorkerService:
     def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
                  chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
                  kv_load_failure_policy: str = "recompute", nats_url: str | None = None, revision: str = "",
-                 stepper: Stepper | None = None, faults: Faults = NO_FAULTS, step_trace: str | None = None):
-        self.nc, self.js = nc, nc.jetstream()
-        self.engine, self.id, self.model_name, self.log = engine, subjects.token("worker", worker_id), model_name, log
-        self.chunk_rate = chunk_rate                 # 0: a chunk per stream per step, however many streams
-        self.running: dict[str, Running] = {}
-        self.cancelled: dict[str, float] = {}        # cancels that came before their request
-        self.finished = 0
-        self.admitting = 0                           # work items being taken (their checks on the bus)
-        self.taken: dict[int, tuple[int, list[int]]] = {}   # by id() of the message: the requests on their
-        #                   way into the engine, (prompt tokens, their block hashes), which a heartbeat counts
-        self.checking: set[int] = set()              # id() of the work items whose checks are under way
-        self.checked = asyncio.Event()               # set when none is
-        self.prompt_tokens = self.generation_tokens = 0     # counters for the heartbeat (metrics)
-        self.tasks: set[asyncio.Task] = set()
+                 stepper: Stepper | None = None, faults: Faults = NO_FAULTS, step_trace: str | None = None,
+                 blamed: str = ""):
+        self.state = s = State(nc, nc.jetstream(), engine, asyncio.Lock(), subjects.token("worker", worker_id), log)
+        self.nc, self.engine, self.engine_lock, self.id, self.log = nc, engine, s.engine_lock, s.id, log
+        self.running = s.running
+        self.model_name, self.role, self.revision = model_name, role, revision   # revision: schemas/revision.py
         self.wake = asyncio.Event()                  # set when work arrives for an idle engine
         self.stop = asyncio.Event()
         self.failed = False
-        self.kv_seq = 0                              # KV events published
-        self.suspect = ""                            # the request the last heartbeat said runs alone
-        self.blamed = ""                             # the one this worker's previous life said so of, if any
-        self.spec_k: int | None = None               # k at the last look where some request could draft
-        self.faults = faults                         # injected on purpose (tests, chaos): workers/faults.py
-        self.role, self.kv_load_failure_policy = role, kv_load_failure_policy
-        self.engine_lock = asyncio.Lock()           # held for each step; taken by whatever else touches the engine
         self.stepper = stepper                       # the step thread (run() starts one if none is given)
-        self.transport = NatsKvTransport(nc, self.id, engine, log, self.engine_lock, faults)
-        self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
         self.nats_url = nats_url                     # for the side thread's connection (default: nc's servers)
         self.side: Sideline | None = None
-        self.beat: Heartbeat | None = None           # the last heartbeat the step loop built, and when
-        self.revision = revision                     # of the model it serves (schemas/revision.py)
-        self.beat_at = 0.0
-        if faults:
+        self.transport = NatsKvTransport(nc, self.id, engine, log, self.engine_lock, faults)
+        self.records = Records(s)
+        self.streaming = Streaming(s, self.records, self.transport, chunk_rate, faults)
+        self.intake = Intake(s, self.records, self.streaming, self.transport, self.wake, kv_load_failure_policy,
+                             blamed)
+        self.registry = Registry(s, self.transport, self.intake.taken, self.fail, model_name, role, revision)
+        if faults:                                   # injected on purpose (tests, chaos): workers/faults.py
             log.warning("injected faults on (tests and chaos only)", faults=str(faults))
         self.step_trace = step_trace                 # a file for each step's shape and times (--step-trace)
         if step_trace is not None:
@@ -77,32 +66,31 @@ class WorkerService(Intake, Streaming, Records, Registry):
     async def run(self) -> None:
         await self.open_bus()
         await self.start_side()
-        await self.heartbeat()
-        self.side.spawn(self.stand_in_beats())
+        await self.registry.heartbeat()
+        self.side.spawn(self.registry.stand_in_beats(self.side.nc))
         self.log.info("worker ready", model=self.model_name, revision=self.revision,
                       kv_blocks=self.engine.kv.num_blocks, role=self.role)
         own = self.stepper is None               # a stepper given is its giver's to close (after the engine)
         self.stepper = self.stepper or Stepper(self.engine)
-        loops = [asyncio.create_task(f()) for f in (self.step_loop, self.fetch_loop, self.heartbeat_loop,
-                                                     self.progress_loop)]
+        loops = [asyncio.create_task(f()) for f in (self.step_loop, self.intake.fetch_loop,
+                                                     self.registry.heartbeat_loop, self.intake.progress_loop)]
         await self.stop.wait()
         for t in loops:
             t.cancel()
         await self.stepper.finish(LEAVE_WAIT)   # the engine is closed after this: no step may be under way
         if own:
             self.stepper.close()
-        await self.leave()
+        await self.registry.leave(self.side)
 
     async def open_bus(self) -> None:
         """The streams and buckets the worker uses, and its subscriptions (cancels, resends, KV snapshots)."""
-        await bus.ensure_streams(self.js)
-        self.registry = await bus.registry(self.js)
-        self.suspects = await bus.suspects(self.js)
-        self.outcomes = await bus.outcomes(self.js)
-        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
-        await self.nc.subscribe(subjects.RESEND_ALL, cb=self.on_resend)
+        await bus.ensure_streams(self.state.js)
+        await self.registry.open()
+        await self.records.open()
+        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.intake.on_cancel)
+        await self.nc.subscribe(subjects.RESEND_ALL, cb=self.streaming.on_resend)
         self.engine.kv.record_changes()
-        await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.on_snapshot)
+        await self.nc.subscribe(subjects.kv_snapshot(self.id), cb=self.registry.on_snapshot)
 
     async def start_side(self) -> None:
         """The side thread, on a connection of its own; the KV transfers' bytes move there."""
@@ -119,7 +107,7 @@ class WorkerService(Intake, Streaming, Records, Registry):
                 self.wake.clear()
                 await self.wake.wait()
             async with self.engine_lock:         # behind the adds and cancels that came during the last step
-                await self.announce_suspect()
+                await self.registry.announce_suspect()
                 started = time.monotonic()
                 try:
                     updated = await self.stepper.step()
@@ -127,12 +115,12 @@ class WorkerService(Intake, Streaming, Records, Registry):
                     self.fail(e)
                     return
             seconds = time.monotonic() - started
-            now, interval = time.time(), self.chunk_interval()
+            now, interval = time.time(), self.streaming.chunk_interval()
             for req in updated:
-                await self.emit(req, now, interval)
+                await self.streaming.emit(req, now, interval)
             if self.engine.kv.changes:
-                await self.publish_kv()
-            await self.intake(seconds)
+                await self.registry.publish_kv()
+            await self.intake.between_steps(seconds)
             if self.step_trace is not None:
                 self.trace_steps(started)
 
@@ -156,9 +144,3 @@ class WorkerService(Intake, Streaming, Records, Registry):
             self.log.error("request held at failure", request_id=rid, tenant=run.item.request.tenant,
                            attempt=run.item.attempt, strikes=run.strikes, sent=run.sent)
         self.stop.set()
-
-    def spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
