@@ -5,7 +5,7 @@ router's prefix index), and its leaving.
 Runs on the event loop, except `stand_in_beats`, which runs on the side thread (workers/sideline.py):
 it re-sends the last heartbeat while a long step holds the engine.
 
-Given the shared State (state.py), whose counts and `running` load it reports; the KV transport (its
+Given the shared State (state.py), whose counts it reports; the KV transport (its
 leases expire on the heartbeat's turn; a disaggregated worker's beat carries its stats); intake's
 `taken` (the requests on their way into the engine, counted as waiting); the step loop's `fail` (a
 dead tensor-parallel rank); what the heartbeat names (model, role, revision). It owns the tb_workers
