@@ -1,17 +1,22 @@
 """Builds a small random-weight Llama checkpoint with its own byte-level BPE tokenizer, offline and
 byte-for-byte deterministic, so the whole stack can run without downloading a model."""
+from __future__ import annotations
+
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:       # transformers takes seconds to import: only building a model imports it
+    from transformers import GenerationConfig, LlamaConfig
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 BOS, PAD, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -64,6 +69,8 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def llama_config(size: str, tok: Tokenizer) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     dims = SIZES[size] | {"vocab_size": tok.get_vocab_size()}
     return LlamaConfig(
         **dims, tie_word_embeddings=False, max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0,
@@ -73,12 +80,16 @@ def llama_config(size: str, tok: Tokenizer) -> LlamaConfig:
 
 
 def generation_config(config: LlamaConfig) -> GenerationConfig:
+    from transformers import GenerationConfig
+
     return GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
     )
 
 
 def write_weights(config: LlamaConfig, seed: int, path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).float()
