@@ -34,6 +34,14 @@ def count(text: str) -> int:
     raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 0 up")
 
 
+def deployment(p: argparse.ArgumentParser, gpu_help: str) -> None:
+    """The model and GPU of a planned or simulated deployment (`tokenbus plan`, `tokenbus sim`): the
+    presets are ops.plan's MODELS and GPUS, named here since importing it imports torch."""
+    p.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
+                   "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
+    p.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4", "cpu"], help=gpu_help)
+
+
 def nats_url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the stack's nats-server")
 

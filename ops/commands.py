@@ -2,7 +2,7 @@
 module is imported when its command runs."""
 import sys
 
-from ops.args import MODEL, count, delegate, size
+from ops.args import MODEL, count, delegate, deployment, size
 from ops.models import DEFAULT_MODEL
 from schemas.messages import SCHEDULING_POLICIES
 from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
@@ -58,11 +58,8 @@ def plan(sub) -> None:
     pn = sub.add_parser("plan", help="capacity arithmetic of a deployment: weights and KV per GPU, concurrency, "
                                      "roofline step times, one node's rate within the SLOs, nodes at the peak, "
                                      "GPU-hours and $ per 1M tokens")
-    pn.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
-                    "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
-    pn.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4", "cpu"],
-                    help="a GPU preset, or cpu: this machine, its matmul peak and copy bandwidth measured now "
-                         "(default h100-sxm)")
+    deployment(pn, "a GPU preset, or cpu: this machine, its matmul peak and copy bandwidth measured now "
+                   "(default h100-sxm)")
     pn.add_argument("--cpu-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="with --gpu cpu: the dtype the matmul peak is measured and the weights are sized in "
                          "(default float32)")

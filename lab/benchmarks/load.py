@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from lab.common.clients import HttpClient, WsClient
 from lab.common.corpus import Corpus, length
-from lab.common.results import Result, stats
+from lab.common.results import Result, show, stats
 from ops.tokenizer import load_tokenizer
 
 SEED_INPUT, SEED_OUTPUT = 3000, 400      # the production turn: 3k tokens in, 400 out
@@ -285,9 +285,5 @@ def main(args) -> dict:
     convs = workload(args, Corpus(load_tokenizer(args.model)))
     results, duration, cpu = asyncio.run(bench(args, convs))
     report = summarize(args, results, duration, cpu)
-    print(table(report))
-    if args.json:
-        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    if args.plot:
-        plot(results, args.plot)
+    show(report, args, table, plot, results)
     return report

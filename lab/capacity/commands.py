@@ -1,7 +1,7 @@
 """`tokenbus sim` and `tokenbus sim-check`, registered through the entry-point group tokenbus.commands:
 their parsers only, the simulator imported when one runs (it imports torch)."""
 from lab.common.options import BENCH_MODEL
-from ops.args import delegate
+from ops.args import delegate, deployment
 from schemas.messages import SCHEDULING_POLICIES
 
 
@@ -18,12 +18,9 @@ def sim(sub) -> None:
 
 def sim_hardware(sm) -> None:
     """sim's options: the model, its GPUs and how well a step uses them."""
-    sm.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
-                    "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
-    sm.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4", "cpu"],
-                    help="the GPU preset a step's roofline cost is computed for, or cpu: this machine, the real "
-                         "engine's steps on --model measured and fitted (cached under $TOKENBUS_HOME/sim; "
-                         "default h100-sxm)")
+    deployment(sm, "the GPU preset a step's roofline cost is computed for, or cpu: this machine, the real "
+                   "engine's steps on --model measured and fitted (cached under $TOKENBUS_HOME/sim; "
+                   "default h100-sxm)")
     sm.add_argument("--threads", type=int, default=1, help="with --gpu cpu: torch threads of a worker (default 1)")
     sm.add_argument("--cores", type=float, default=0.0, help="with --gpu cpu: cores the workers share, each busy "
                     "worker an equal share (default 0: a core each)")

@@ -64,13 +64,19 @@ def best_ms(fns: dict, rounds: int = 7, number: int = 10) -> dict[str, float]:
     return best
 
 
-def finish(command: str, report: dict, args, table, plot, failures: list[str]) -> int:
-    """The end of a bench command's run: its table, --json, --plot, then what failed on stderr (exit 1)."""
+def show(report: dict, args, table, plot, plotted=None) -> None:
+    """A bench run's report: its table on stdout, the report as JSON to --json, and a plot of `plotted`
+    (the report unless given) to --plot."""
     print(table(report))
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     if args.plot:
-        plot(report, args.plot)
+        plot(report if plotted is None else plotted, args.plot)
+
+
+def finish(command: str, report: dict, args, table, plot, failures: list[str]) -> int:
+    """The end of a bench command's run: its report shown, then what failed on stderr (exit 1)."""
+    show(report, args, table, plot)
     for message in failures:
         print(f"{command}: {message}", file=sys.stderr)
     return 1 if failures else 0

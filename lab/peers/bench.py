@@ -49,10 +49,8 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-import orjson
-
 from lab.common.clients import HttpClient, WsClient
-from lab.common.results import Result, fmt, ratio
+from lab.common.results import Result, fmt, ratio, show
 from lab.common.turns import BLOCK_SIZE, OPTIONS, EngineLoop, Turn, Workload, closed_loop, figures, warmup
 from lab.peers import llamacpp
 from workers.models import catalogue
@@ -455,11 +453,7 @@ def main(args) -> dict:
                                           "engines": rows}
     report["llama_cpp_build"] = llamacpp.build_info()
     report["ceiling"] = ceiling(cfg, report)
-    print(table(report))
-    if args.json:
-        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    if args.plot:
-        plot(report, args.plot)
+    show(report, args, table, plot)
     return report
 
 

@@ -85,3 +85,17 @@ def test_a_config_json_a_preset_in_any_case_and_every_gpu_preset_plan(tmp_path, 
         r = json.loads(capsys.readouterr().out)
         assert r["gpu"]["memory"] == memory and r["gpu"]["bandwidth"] == bandwidth
         assert r["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 and r["nodes_at_peak"] >= 1
+
+
+def test_the_gpu_choices_of_plan_and_sim_are_the_presets_and_this_cpu():
+    """ops.args.deployment names the presets without importing ops.plan (torch): they must agree."""
+    import argparse
+
+    from ops.args import deployment
+
+    p = argparse.ArgumentParser()
+    deployment(p, "")
+    gpu = next(a for a in p._actions if a.dest == "gpu")
+    model = next(a for a in p._actions if a.dest == "model")
+    assert gpu.choices == [*plan.GPUS, "cpu"]
+    assert all(name in model.help for name in plan.MODELS)
