@@ -2,7 +2,7 @@
 
     python -m workers.service ... --inject-fault drop-chunks=2,final --inject-fault kv-die-after=1
 
-Each `--inject-fault NAME[=VALUE]` (repeatable) turns on one fault (docs/containment.md, "Injected faults"):
+Each `--inject-fault NAME=VALUE` (repeatable) turns on one fault (docs/containment.md, "Injected faults"):
 
 - `drop-chunks=2,final`: the listed token chunks of every request (chunk numbers, and `final`) are not
   published on tb.out; the gateway must recover them (Resend, the request's Outcome).
