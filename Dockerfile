@@ -9,6 +9,9 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# The dependencies first, in a layer of their own: a change to the sources reinstalls only tokenbus.
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], \
+    sep='\n')" >/tmp/requirements.txt && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY schemas schemas
 COPY bus bus
 COPY text text
@@ -16,7 +19,7 @@ COPY services services
 COPY workers workers
 COPY kernels kernels
 COPY ops ops
-RUN pip install . && useradd --create-home tokenbus
+RUN pip install --no-deps . && useradd --create-home tokenbus
 USER tokenbus
 
 EXPOSE 8000

@@ -1,17 +1,16 @@
 """compose.yaml and the Dockerfile, checked without Docker: compose.yaml (interpolated as compose does)
 validates against the compose-spec JSON schema, names every service, and runs the same entry points with
 the same flags as `tokenbus up`. The schema is vendored from the docker-compose 1.29.2 wheel on PyPI
-(compose/config/compose_spec.json, Apache-2.0), the last compose that shipped it as a file."""
+(compose/config/compose_spec.json, Apache-2.0), the last compose that shipped it as a file. The stack run for
+real in containers: tests/e2e/test_compose_stack.py."""
 import importlib
 import json
 import re
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
 import jsonschema
-import pytest
 import yaml
 
 from ops import cluster, procs, up
@@ -159,20 +158,5 @@ def test_the_dockerfile_copies_every_package_and_installs_tokenbus():
     copied = re.findall(r"^COPY (\S+)", text, re.M)
     assert all((ROOT / c).exists() for c in copied)
     packages = {"schemas", "services", "workers", "kernels", "ops"}
-    assert packages <= set(copied) and "pyproject.toml" in copied and "pip install ." in text
+    assert packages <= set(copied) and "pyproject.toml" in copied and "pip install --no-deps ." in text
     assert text.startswith("#") and re.search(r"^FROM python:3\.1[1-9]", text, re.M)
-
-
-@pytest.mark.skipif(not (shutil.which("docker-compose") or shutil.which("docker")), reason="no docker CLI here")
-def test_docker_compose_config_accepts_the_file_where_a_compose_cli_exists():
-    for cmd in (["docker", "compose"], ["docker-compose"]):
-        if shutil.which(cmd[0]) is None:
-            continue
-        probe = subprocess.run([*cmd, "version"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            continue
-        p = subprocess.run([*cmd, "-f", str(ROOT / "compose.yaml"), "config", "-q"], capture_output=True, text=True,
-                           cwd=ROOT)
-        assert p.returncode == 0, p.stderr
-        return
-    pytest.skip("no compose plugin or docker-compose here")

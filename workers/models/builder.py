@@ -93,7 +93,20 @@ def write_weights(config: LlamaConfig, seed: int, path: Path) -> None:
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).float()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata={"format": "pt"})
+    save_weights({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+
+
+def save_weights(tensors: dict, path: Path) -> None:
+    """model.safetensors, readable as any file the user writes (safetensors writes it 0600), so that a
+    container's own user can read a model directory mounted into it."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~umask())
+
+
+def umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_tokenizer(tok: Tokenizer, out: Path) -> None:
@@ -137,6 +150,7 @@ def build_once(final: Path, done, build) -> Path:
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         try:
+            os.chmod(tmp, 0o777 & ~umask())    # mkdtemp's 0700 would hide the model from a container's user
             build(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -23,11 +23,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, TokenType
 from gguf.quants import dequantize
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from workers.models.builder import build_once, tokenbus_home, write_json
+from workers.models.builder import build_once, save_weights, tokenbus_home, write_json
 
 Q = GGMLQuantizationType
 TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1)  # the tensor types dequantized
@@ -281,4 +280,4 @@ def convert(path, out: Path, dtype: str, progress: bool = True) -> None:
     weights = {name: t[:].to(getattr(torch, dtype))
                for name, t in tqdm(tensors(path), desc=f"converting {Path(path).name}", unit="tensor",
                                    disable=not progress)}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(weights, out / "model.safetensors")
