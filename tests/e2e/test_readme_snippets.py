@@ -6,7 +6,8 @@ parsed (and an --api-keys file is loaded as the gateway loads it). Two things in
 replaced: the default ports (8000, 4222) by the test stack's free ones, and the log-grep example's
 request id by one the stack served. A block right after `<!-- not run: reason -->` is skipped; a fenced
 block without a language, or in `text`/`console`, shows output or a diagram. Blocks are found by their
-language and marker, not by position."""
+language and marker, not by position. A block that runs `docker compose` runs in a copy of the checkout, in
+the compose tests' container world (tests/e2e/containers.py), on free ports of its own."""
 import json
 import os
 import re
@@ -16,12 +17,14 @@ import stat
 import subprocess
 import sys
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
 
 from ops.procs import free_port
 from services.gateway import keys
+from tests.e2e.containers import Compose, container_world
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"(?:<!--\s*not run:(?P<why>.*?)-->\s*\n)?^```(?P<lang>\S*)\n(?P<code>.*?)^```\s*$", re.S | re.M)
@@ -66,14 +69,15 @@ class Readme:
         env = {k: v for k, v in os.environ.items() if k != "TOKENBUS_HOME"}
         return {**env, "HOME": str(self.home), "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}:{env['PATH']}"}
 
-    def filled(self, code: str) -> str:
-        code = code.replace(":8000", f":{self.port}").replace(":4222", f":{self.nats_port}")
+    def filled(self, code: str, port: int | None = None, nats_port: int | None = None) -> str:
+        code = code.replace(":8000", f":{port or self.port}").replace(":4222", f":{nats_port or self.nats_port}")
         return code.replace(EXAMPLE_ID, self.request_id)
 
-    def run(self, lang: str, code: str) -> subprocess.CompletedProcess:
+    def run(self, lang: str, code: str, cwd: Path | None = None, env: dict | None = None, port: int | None = None,
+            nats_port: int | None = None) -> subprocess.CompletedProcess:
         argv = ["bash", "-e", "-o", "pipefail", "-c"] if lang in SHELL else [sys.executable, "-c"]
-        return subprocess.run([*argv, self.filled(code)], cwd=self.work, env=self.env(), capture_output=True,
-                              text=True, timeout=400)
+        return subprocess.run([*argv, self.filled(code, port, nats_port)], cwd=cwd or self.work,
+                              env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=900)
 
 
 def served_request(port: int) -> str:
@@ -118,7 +122,32 @@ def test_readme_block_runs_as_written(readme, lang, code):
             path.write_text(code)
             assert keys.load(str(path))
         return
+    if "docker compose" in code:
+        run_in_containers(readme, lang, code)
+        return
     p = readme.run(lang, code)
     assert p.returncode == 0 and "Traceback" not in p.stderr, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}"
     if readme.request_id in readme.filled(code):      # the log grep follows the request through every service
         assert all(f'"service":"{s}"' in p.stdout for s in ("gateway", "tokenizer", "router", "worker")), p.stdout
+
+
+def run_in_containers(readme: Readme, lang: str, code: str) -> None:
+    """A compose block runs in a checkout of its own (a user's clone: tracked and new files), on ports and under
+    a project name of its own, and its stack is taken down and gone whatever the block did."""
+    checkout = readme.work / f"checkout-{uuid.uuid4().hex[:8]}"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    for f in files:
+        if (ROOT / f).is_file():
+            (checkout / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, checkout / f)
+    port, nats_port = free_port(), free_port()
+    stack = Compose(checkout.name, checkout, {"TB_PORT": str(port), "TB_NATS_PORT": str(nats_port)})
+    with container_world():
+        try:
+            p = readme.run(lang, code, cwd=checkout, port=port, nats_port=nats_port,
+                           env={k: stack.env[k] for k in ("TB_PORT", "TB_NATS_PORT", "COMPOSE_PROJECT_NAME")})
+            assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+        finally:
+            stack.down()
+        assert stack.leftovers() == {"containers": [], "networks": [], "volumes": []}
