@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import threading
+from pathlib import Path
 
 import orjson
 from websockets.asyncio.client import connect
@@ -59,8 +60,9 @@ class Link:
 
 
 async def chat(url: str | list[str], max_tokens: int = 256, temperature: float = 0.7, system: str | None = None,
-               input_fn=input, output=sys.stdout, api_key: str | None = None) -> None:
-    history: list[dict[str, str]] = []
+               input_fn=input, output=sys.stdout, api_key: str | None = None, tools: list[dict] | None = None,
+               tool_choice: str | None = None) -> None:
+    history: list[dict] = []
     head = [{"role": "system", "content": system}] if system else []
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     link = Link([url] if isinstance(url, str) else list(url), auth)
@@ -85,12 +87,12 @@ async def chat(url: str | list[str], max_tokens: int = 256, temperature: float =
             turn += 1
             history.append({"role": "user", "content": line})
             frame = {"type": "generate", "id": f"t{turn}", "messages": head + history, "max_tokens": max_tokens,
-                     "temperature": temperature, "resumable": True}
+                     "temperature": temperature, "resumable": True, **tooling(tools, tool_choice)}
             reply = await stream(link, frame, output)
             if reply is None:
                 history.pop()                     # the turn failed: ask again without it
             else:
-                history.append({"role": "assistant", "content": reply})
+                history.append(reply)
     finally:
         await link.close()
 
@@ -121,11 +123,12 @@ def settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
 
 
-async def stream(link: Link, frame: dict, output) -> str | None:
-    """Prints a reply as its deltas arrive, then its stats; the reply's text, or None after an error frame.
-    A dropped connection resumes the reply on the next gateway from the tokens received (a reply not yet
-    accepted is asked for again)."""
+async def stream(link: Link, frame: dict, output) -> dict | None:
+    """Prints a reply as its deltas arrive (a tool call as `[tool call NAME ARGUMENTS]`), then its stats; the
+    reply as an assistant message, or None after an error frame. A dropped connection resumes the reply on the
+    next gateway from the tokens received (a reply not yet accepted is asked for again)."""
     cid, parts, received, resume_id, resumed = frame["id"], [], 0, None, 0
+    calls: list[dict] = []
     await link.send(frame)
     while True:
         try:
@@ -144,15 +147,36 @@ async def stream(link: Link, frame: dict, output) -> str | None:
         elif f["type"] == "delta" and f["id"] == cid:
             parts.append(f["text"])
             received += len(f["token_ids"])
-            output.write(f["text"])
+            output.write(f["text"] + "".join(shown(calls, p) for p in f.get("tool_calls", ())))
             output.flush()
         elif f["type"] == "done" and f["id"] == cid:
-            print(f"\n{stats(f, resumed)}", file=output, flush=True)
-            return "".join(parts)
+            print(f"{']' if calls else ''}\n{stats(f, resumed)}", file=output, flush=True)
+            return {"role": "assistant", "content": "".join(parts), **({"tool_calls": calls} if calls else {})}
         elif f["type"] == "error" and f["id"] in (cid, None):
             end = "\n" if parts else ""
             print(f"{end}[error {f['code']}: {f['message']}]", file=output, flush=True)
             return None
+
+
+def tooling(tools: list[dict] | None, choice: str | None) -> dict:
+    """A generate frame's tools and tool_choice (auto, none, required, or a function's name)."""
+    if not tools:
+        return {}
+    if choice in (None, "auto", "none", "required"):
+        return {"tools": tools, **({"tool_choice": choice} if choice else {})}
+    return {"tools": tools, "tool_choice": {"type": "function", "function": {"name": choice}}}
+
+
+def shown(calls: list[dict], piece: dict) -> str:
+    """A tool call's piece as printed (and kept in `calls`, OpenAI's objects): its name opens it, the
+    arguments follow as they come, the next call closes it."""
+    fn = piece.get("function", {})
+    if piece.get("id") is not None:
+        calls.append({"id": piece["id"], "type": "function", "function": {"name": fn.get("name", ""),
+                                                                          "arguments": fn.get("arguments", "")}})
+        return f"{']' if len(calls) > 1 else ''}\n[tool call {fn.get('name', '')} {fn.get('arguments', '')}"
+    calls[-1]["function"]["arguments"] += fn.get("arguments", "")
+    return fn.get("arguments", "")
 
 
 def stats(done: dict, resumed: int = 0) -> str:
@@ -193,9 +217,17 @@ def register(sub) -> None:
     c.add_argument("--system", help="a system message that starts every conversation")
     c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
                    help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
+    c.add_argument("--tools", metavar="FILE", help="a JSON array of OpenAI function tools the model may call "
+                                                   "(calls are shown, not run)")
+    c.add_argument("--tool-choice", metavar="CHOICE", help="with --tools: auto (default), none, required, or the "
+                                                           "name of the function to call")
     c.set_defaults(func=main)
 
 
 def main(args) -> None:
+    try:
+        tools = orjson.loads(Path(args.tools).read_bytes()) if args.tools else None
+    except (OSError, orjson.JSONDecodeError) as e:
+        sys.exit(f"chat: --tools {args.tools}: {e}")
     sys.exit(run(args.url or ["ws://127.0.0.1:8000/ws"], max_tokens=args.max_tokens, temperature=args.temperature,
-                 system=args.system, api_key=args.api_key))
+                 system=args.system, api_key=args.api_key, tools=tools, tool_choice=args.tool_choice))

@@ -7,6 +7,7 @@ from ops.models import DEFAULT_MODEL
 from schemas.messages import SCHEDULING_POLICIES
 from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
 from services.router.policy import POLICIES, Options
+from text.toolcalls import PARSERS
 
 ROUTER = Options()                         # the router's defaults, named in up's help
 
@@ -168,6 +169,8 @@ def up_gateway(u) -> None:
                    "--model directory's)")
     u.add_argument("--max-tokens", type=int,
                    help=f"the gateway's cap on a request's max_tokens (default: {MAX_TOKENS})")
+    u.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="how the models write tool calls (default: chosen from each checkpoint's chat template)")
     u.add_argument("--fallback-url", metavar="URL",
                    help="every gateway's fallback: an OpenAI-compatible upstream's base URL (e.g. http://host:8000/v1) "
                         "that answers what the cluster cannot take, behind a circuit breaker; docs/api.md "

@@ -512,7 +512,7 @@ def main(args) -> None:
     model = entries[0].model
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens", *FALLBACK), gateways=args.gateways,
+                  gateway_args=given(args, "max-tokens", "tool-call-parser", *FALLBACK), gateways=args.gateways,
                   nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
                   decode_workers=args.decode_workers, models=entries, **security)
     stack.plan()                                  # a models file's mistakes before anything starts

@@ -1,6 +1,7 @@
 """Every message that crosses NATS: one dataclass each, msgpack on the wire with a type tag `t`
 and a version `v`. `decode` checks every field against its annotation (schemas/wire.py), so a bad
 message is a WireError that names the field, never an exception deep inside a service."""
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from schemas.subjects import MAX_MESSAGES, MAX_PROMPT_CHARS
 from schemas.wire import WireError, build, check_name, check_token_ids, in_range, limit, to_dict
 
 VERSION = 1
+MAX_TOOLS = 128                         # function tools of one request
 MAX_PROMPT_TOKENS = 1 << 20             # token ids of one prompt (the engine holds it to max_model_len)
 MAX_SALT_CHARS = 256
 MAX_ATTEMPTS = 1 << 10                  # re-routes of one request; strikes are far fewer (MAX_STRIKES)
@@ -53,6 +55,7 @@ class GenerateRequest:
     model: str = ""                               # the served model's name ("": the tokenizer's first model)
     revision: str = ""                            # the revision that must serve it ("": any of the model's)
     weight: float = 1.0                           # the tenant's (its key's): its share under the fair policy
+    tools: list[dict] | None = None               # OpenAI function tools the chat template shows the model
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
@@ -67,6 +70,9 @@ class GenerateRequest:
             limit(len(self.messages), MAX_MESSAGES, "messages", "MAX_MESSAGES", "messages")
             chars = sum(len(k) + len(v) for m in self.messages for k, v in m.items())
             limit(chars, MAX_PROMPT_CHARS, "messages", "MAX_PROMPT_CHARS", "characters")
+        if self.tools is not None:
+            limit(len(self.tools), MAX_TOOLS, "tools", "MAX_TOOLS", "tools")
+            limit(len(json.dumps(self.tools)), MAX_PROMPT_CHARS, "tools", "MAX_PROMPT_CHARS", "characters")
         if self.prompt is not None:
             limit(len(self.prompt), MAX_PROMPT_CHARS, "prompt", "MAX_PROMPT_CHARS", "characters")
         if self.prompt_token_ids is not None:
@@ -474,9 +480,24 @@ class TenantBucket:
     ts: float
 
 
+@dataclass(slots=True)
+class Tokens:
+    """tokenizer → the asker of tb.tokenize (request-reply on a GenerateRequest): the prompt's token ids as the
+    pipeline would run them (the chat template applied), and the model's context; or the error (code, message)."""
+    TYPE: typing.ClassVar[str] = "tokens"
+    token_ids: list[int]
+    max_model_len: int
+    code: str = ""
+    message: str = ""
+
+    def check(self) -> None:
+        check_token_ids("token_ids", self.token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS", empty=True)
+        limit(len(self.message), MAX_TEXT_CHARS, "message", "MAX_TEXT_CHARS", "characters")
+
+
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
            | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
-           | DeadLetter | Resumed | KvFetch | TenantBucket)
+           | DeadLetter | Resumed | KvFetch | TenantBucket | Tokens)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 

@@ -71,14 +71,14 @@ ROLES: dict[str, Permissions] = {
     "gateway": Permissions(
         publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, s.RESUMED_ALL, each(s.usage),
                  *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES), *kv_get(LIMITS),
-                 *kv_write(LIMITS), *kv_write(GATEWAYS),
+                 *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE,
                  f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
         subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL], replies=1),
-    # the request log → tokenized requests
+    # the request log → tokenized requests; answers tb.tokenize
     "tokenizer": Permissions(
         publish=[each(s.route), each(s.out), *keep_streams(),
                  *durable(s.REQUESTS_STREAM, s.TOKENIZER_DURABLE)],
-        subscribe=[]),
+        subscribe=[s.TOKENIZE], replies=1),
     # tokenized requests → one worker's work queue; moves a departed worker's work; ends requests past
     # their deadline
     "router": Permissions(

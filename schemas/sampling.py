@@ -41,6 +41,7 @@ class SamplingParams:
     engine draws a seed when the request is added, so every request's randomness is still a
     pure function of its seed and output position)."""
     max_tokens: int = 16
+    min_tokens: int = 0          # output tokens before EOS or a stop token id may be sampled (vLLM's)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -70,6 +71,8 @@ class SamplingParams:
             self.top_k = 0
         check(1 <= self.max_tokens <= MAX_TOKENS_BOUND, "max_tokens", f"must be in [1, {MAX_TOKENS_BOUND}]",
               self.max_tokens)
+        check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens={self.max_tokens}]",
+              self.min_tokens)
         check(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE, "temperature",
               f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]", self.temperature)
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -105,7 +108,7 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
-INTS = ("max_tokens", "top_k")
+INTS = ("max_tokens", "min_tokens", "top_k")
 FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 

@@ -25,6 +25,7 @@ CANCEL_ALL = "tb.cancel.*"
 RESEND_ALL = "tb.resend.*"
 PROGRESS_ALL = "tb.progress.*"
 RESUMED_ALL = "tb.resumed.*"
+TOKENIZE = "tb.tokenize"                                           # request-reply: a prompt's tokens
 
 TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -131,6 +132,7 @@ STREAM_NAMES = (REQUESTS_STREAM, ROUTE_STREAM, WORK_STREAM, RESULTS_STREAM, USAG
 REPLICAS = 3                             # copies of every stream and bucket on a cluster: one server may die
 
 TOKENIZER_DURABLE = "tokenizer"           # the tokenizer stage's pull consumer on REQUESTS_STREAM
+TOKENIZE_QUEUE = "tokenizer"              # the tokenizers' queue group on TOKENIZE: one answers each ask
 ROUTER_DURABLE = "router"                 # the routers' on ROUTE_STREAM
 
 

@@ -151,9 +151,10 @@ class Cluster:
         fit = [hb for hb in live if math.ceil(tokens / hb.block_size) <= hb.kv_blocks_total]
         if not fit:
             largest = max(live, key=lambda hb: hb.kv_blocks_total)
-            raise ApiError(503, f"the request may need {math.ceil(tokens / largest.block_size)} KV blocks (prompt + "
-                           f"max_tokens = {tokens} tokens); the largest worker holds {largest.kv_blocks_total}; "
-                           "lower max_tokens", "unavailable", "max_tokens", BUSY_RETRY)
+            raise ApiError(400, f"the request may need {tokens} tokens (its prompt, estimated, and max_tokens) in "
+                           f"{math.ceil(tokens / largest.block_size)} KV blocks; the largest worker holds "
+                           f"{largest.kv_blocks_total} blocks ({largest.kv_blocks_total * largest.block_size} "
+                           "tokens): shorten the prompt or lower max_tokens", "context_length_exceeded", "max_tokens")
         if batch:
             fit = [hb for hb in fit if self.spare(hb)]
             if not fit:

@@ -32,7 +32,7 @@ from schemas import served, subjects
 from schemas.messages import Heartbeat, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from schemas.wire import WireError
-from services.gateway import api, keys, openapi
+from services.gateway import api, http_tokens, keys, openapi
 from services.gateway.errors import ApiError
 from services.gateway.fallback import COOLDOWN, FAILURES, KEY_ENV, Upstream
 from services.gateway.limits import Limits
@@ -40,6 +40,7 @@ from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.models import Models
 from services.gateway.owners import Connection
 from services.gateway.session import Gateway
+from text import toolcalls
 
 PAGE = Path(__file__).with_name("chat.html")
 SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish when the gateway stops
@@ -48,11 +49,13 @@ SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish wh
 def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None,
                max_tokens: int = subjects.MAX_TOKENS, model_name: str | None = None,
                request_timeout: float = subjects.REQUEST_DEADLINE, resume_grace: float = subjects.RESUME_GRACE,
-               models_file: str | None = None, upstream: Upstream | None = None) -> Starlette:
+               models_file: str | None = None, upstream: Upstream | None = None,
+               tool_parser: str | None = None) -> Starlette:
     """The app of one model (model_dir, served as model_name) or of every model of a served models file;
     ValueError (naming the file and the key) for a bad keys or models file. upstream: the fallback, if any."""
     key_table = keys.load(api_keys) if api_keys else None
-    models = Models(served.load(models_file)) if models_file else Models.one(model_dir, model_name)
+    models = Models(served.load(models_file), tool_parser) if models_file else Models.one(model_dir, model_name,
+                                                                                          tool_parser)
     model = models.default
     default = models.by_name[model].revisions[0]
 
@@ -104,7 +107,9 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
               Route("/openapi.json", openapi_json), Route("/v1/models", api.models),
               Route("/v1/models/{model:path}", api.models),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-              Route("/v1/completions", api.completions, methods=["POST"]), WebSocketRoute("/ws", chat)]
+              Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/tokenize", http_tokens.tokenize, methods=["POST"]),
+              Route("/detokenize", http_tokens.detokenize, methods=["POST"]), WebSocketRoute("/ws", chat)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
                      exception_handlers={HTTPException: http_error, Exception: server_error})
 
@@ -319,6 +324,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback-cooldown", type=float, default=COOLDOWN, metavar="SECONDS",
                    help=f"seconds an open breaker forwards nothing before one request probes the upstream "
                         f"(default: {COOLDOWN:g})")
+    p.add_argument("--tool-call-parser", choices=toolcalls.PARSERS,
+                   help="how the models write tool calls (default: chosen from each checkpoint's chat template)")
     return p
 
 
@@ -336,7 +343,7 @@ def main(argv=None) -> None:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
                          args.request_timeout, args.resume_grace, args.models,
-                         fallback(args))
+                         fallback(args), args.tool_call_parser)
     except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json, a bad --fallback-*
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))

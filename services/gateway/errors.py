@@ -10,8 +10,8 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
 # the websocket protocol's codes; else invalid_request
 FRAME_CODES = {403: "forbidden", 404: "not_found", 429: "too_many_requests", 503: "unavailable"}
 # pipeline error codes → HTTP
-STATUS = {"invalid_request": 400, "forbidden": 403, "not_found": 404, "resumed": 409, "too_many_requests": 429,
-          "unavailable": 503, "timeout": 504}
+STATUS = {"invalid_request": 400, "context_length_exceeded": 400, "forbidden": 403, "not_found": 404, "resumed": 409,
+          "too_many_requests": 429, "unavailable": 503, "timeout": 504}
 
 
 class ApiError(Exception):
@@ -36,8 +36,8 @@ class ApiError(Exception):
 
     def frame(self, cid: str | None) -> dict:
         """The websocket's error frame; retry_after (seconds, as Retry-After) when a retry will pass."""
-        frame = {"type": "error", "id": cid, "code": FRAME_CODES.get(self.status, "invalid_request"),
-                 "message": self.message}
+        code = self.code if self.code == "context_length_exceeded" else FRAME_CODES.get(self.status, "invalid_request")
+        frame = {"type": "error", "id": cid, "code": code, "message": self.message}
         if self.retry_after is not None:
             frame["retry_after"] = seconds(self.retry_after)
         return frame

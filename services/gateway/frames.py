@@ -44,6 +44,7 @@ def is_stop(v) -> bool:
 
 SAMPLING = {  # field -> (check, what it must be)
     "max_tokens": (is_int, "an integer"),
+    "min_tokens": (is_int, "an integer"),
     "temperature": (is_num, "a number"),
     "top_p": (is_num, "a number"),
     "top_k": (is_int, "an integer"),
@@ -66,7 +67,9 @@ SAMPLING = {  # field -> (check, what it must be)
 ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
-FIELDS = {"generate": {"type", "id", "resumable", "priority", "model", *PROMPTS, *SAMPLING}, "cancel": {"type", "id"},
+TOOLING = ("tools", "tool_choice", "parallel_tool_calls")     # as the HTTP API's (services/gateway/tools.py)
+FIELDS = {"generate": {"type", "id", "resumable", "priority", "model", *PROMPTS, *SAMPLING, *TOOLING},
+          "cancel": {"type", "id"},
           "resume": {"type", "id", "offset"}}
 DIGITS = re.compile(r"[0-9]{1,15}")           # a sequence or an offset in a resume point
 
@@ -182,14 +185,18 @@ def point(s: str, parts: int, name: str, cid: str | None) -> tuple:
 
 
 def messages(v, cid: str) -> list[dict[str, str]]:
+    """Chat messages whose every value is a string; an assistant message's `tool_calls` (OpenAI's objects) are
+    checked and carried as their JSON text."""
     if not isinstance(v, list) or not v:
         raise FrameError(f"messages: expected a non-empty array of {{role, content}} objects, got {kind(v)}", cid)
     if len(v) > MAX_MESSAGES:
         raise FrameError(f"messages: {len(v)} messages is more than MAX_MESSAGES={MAX_MESSAGES}", cid)
-    chars = 0
+    chars, out = 0, []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise FrameError(f"messages[{i}]: expected an object, got {kind(m)}", cid)
+        if isinstance(m.get("tool_calls"), list):
+            m = {**m, "tool_calls": orjson.dumps(tool_calls(m["tool_calls"], f"messages[{i}]", cid)).decode()}
         for key in ("role", "content"):
             if key not in m:
                 raise FrameError(f"messages[{i}].{key}: missing", cid)
@@ -197,8 +204,22 @@ def messages(v, cid: str) -> list[dict[str, str]]:
             if not isinstance(value, str):
                 raise FrameError(f"messages[{i}].{key[:40]}: expected a string, got {kind(value)}", cid)
             chars += len(value)
+        out.append(m)
     too_long("messages", chars, "characters", cid)
-    return v
+    return out
+
+
+def tool_calls(calls: list, where: str, cid: str | None = None) -> list[dict]:
+    """An assistant message's tool calls, checked: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+            raise FrameError(f'{where}.tool_calls[{j}]: expected {{"id", "type": "function", "function": '
+                             f'{{"name": string, "arguments": string}}}}', cid)
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": f["name"], "arguments": f["arguments"]}})
+    return out
 
 
 def text(v, cid: str) -> str:
@@ -245,11 +266,14 @@ KINDS = {type(None): "null", bool: "a boolean", int: "an integer", float: "a flo
 
 
 def wrong(name: str, v, want: str, cid: str) -> FrameError:
-    """The error for a value of the wrong type; for an array, it names the first bad element."""
+    """The error for a value of the wrong type; for an array, it names the first bad element. An integer past
+    64 bits (which JSON parsing reads as a float) is out of range, not of the wrong type."""
     if isinstance(v, list) and name in ITEMS:
         ok, item = ITEMS[name]
         i = next(i for i, x in enumerate(v) if not ok(x))
-        return FrameError(f"{name}[{i}]: expected {item}, got {kind(v[i])}", cid)
+        return wrong(f"{name}[{i}]", v[i], item, cid)
+    if "integer" in want and isinstance(v, float) and v.is_integer() and abs(v) >= 2 ** 63:
+        return FrameError(f"{name}: {v:.0f} is out of range (integers here have at most 64 bits)", cid)
     return FrameError(f"{name}: expected {want}, got {kind(v)}", cid)
 
 

@@ -9,7 +9,7 @@ import orjson
 from starlette.responses import Response
 from tokenizers import Tokenizer
 
-from services.gateway import errors, frames
+from services.gateway import errors, frames, tools
 from services.gateway.http_parse import Call
 from services.gateway.owners import Exchange, leave
 from services.gateway.session import Gateway
@@ -40,7 +40,11 @@ def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
     choice = {"index": 0, "finish_reason": got[-1]["finish_reason"], "logprobs": None}
     if call.logprobs:
         choice["logprobs"] = logprobs(call, [f for f in got if f["type"] == "delta"], r.tokenizer)
-    if call.api == "chat":
+    if call.api == "chat" and call.tools is not None:
+        choice["message"], called = tools.message(call.tools, text)
+        if called and choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
+    elif call.api == "chat":
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -88,15 +92,22 @@ def delta_choice(call: Call, text: str, lp: dict | None = None, finish: str | No
     return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
-def sse(call: Call, r: Request, f: dict, gw: Gateway, offset: int) -> list[bytes]:
-    """The data of the events of one frame, which brings the output to `offset` tokens."""
+def sse(call: Call, r: Request, f: dict, gw: Gateway, offset: int, ts: tools.ToolStream | None = None) -> list[bytes]:
+    """The data of the events of one frame, which brings the output to `offset` tokens (ts: the answer's tool
+    calls, found as its text comes)."""
     so_far = usage_so_far(r, offset) if call.continuous_usage else None
     if f["type"] == "delta":
         lp = logprobs(call, [f], r.tokenizer) if call.logprobs else None
+        if ts is not None:
+            return [chunk(call, [{"index": 0, "delta": d, "logprobs": lp, "finish_reason": None}], so_far)
+                    for d in ts.feed(f["text"])]
         return [chunk(call, [delta_choice(call, f["text"], lp)], so_far)]
     if f["type"] == "error":
         return [orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body())]
-    out = [chunk(call, [delta_choice(call, "", None, f["finish_reason"])], so_far)]
+    out = [] if ts is None else [chunk(call, [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}],
+                                       so_far) for d in ts.finish()]
+    finish = "tool_calls" if ts is not None and ts.called and f["finish_reason"] == "stop" else f["finish_reason"]
+    out.append(chunk(call, [delta_choice(call, "", None, finish)], so_far))
     if call.include_usage:
         out.append(chunk(call, [], usage(r)))
     return [*out, b"[DONE]"]
@@ -108,12 +119,13 @@ async def events(ex: Exchange, call: Call, r: Request, first: dict):
     role = call.api == "chat" and not r.resumed
     so_far = usage_so_far(r, 0) if call.continuous_usage else None
     out = [event(chunk(call, [delta_choice(call, "", role=True)], so_far), point(r, 0))] if role else []
+    ts = tools.ToolStream(call.tools) if call.tools is not None else None
     pending = [first]
     while True:
         for f in pending:
             offset += len(f.get("token_ids", ()))
             eid = point(r, offset)
-            out += [event(data, eid) for data in sse(call, r, f, gw, offset)]
+            out += [event(data, eid) for data in sse(call, r, f, gw, offset, ts)]
         yield b"".join(out)
         if pending[-1]["type"] in ("done", "error"):
             return

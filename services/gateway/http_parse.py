@@ -5,26 +5,31 @@ import re
 import uuid
 from dataclasses import dataclass
 
+import orjson
+
 from schemas.messages import GenerateRequest
-from services.gateway import frames
+from schemas.sampling import CONSTRAINTS
+from services.gateway import frames, tools
 from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
 from services.gateway.session import Gateway
+from services.gateway.tools import Tools
 
-EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative"}
+EXTENSIONS = {"ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "speculative", "min_tokens"}
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}     # vLLM's structured-output extensions -> SamplingParams' fields
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # OpenAI's fields that change nothing a completion says: checked for their type, then ignored (docs/api.md)
 IGNORED = {"store": (frames.is_bool, "true or false"), "metadata": (lambda v: isinstance(v, dict), "an object"),
-           "service_tier": (frames.is_str, "a string"), "parallel_tool_calls": (frames.is_bool, "true or false"),
-           "tool_choice": (lambda v: v == "none", '"none" (tools are not implemented)')}
+           "service_tier": (frames.is_str, "a string")}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "presence_penalty",
           "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "priority", *EXTENSIONS, *IGNORED,
           "response_format", *GUIDED}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
-FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"}, "completions": COMMON | {"prompt"}}
-ROLES = ("system", "developer", "user", "assistant")
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                            "parallel_tool_calls"},
+          "completions": COMMON | {"prompt"}}
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
 
@@ -43,6 +48,7 @@ class Call:
     created: int
     model: str
     fingerprint: str | None = None                # the served revision (OpenAI's system_fingerprint)
+    tools: Tools | None = None                    # how the answer's tool calls are found (None: no tools)
 
 
 
@@ -63,16 +69,24 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     stream = flag(b, "stream")
     opts = stream_options(b, stream)
     fields, top = sampling_fields(api, b, gw)
+    spec, shown, constraint = tools.parse(b, "") if api == "chat" else (None, None, {})
+    if constraint and any(k in fields for k in CONSTRAINTS):
+        raise bad("tool_choice: a required or named tool constrains the output; response_format or guided_* "
+                  "cannot constrain it too", "tool_choice")
     prompt = messages(b.get("messages")) if api == "chat" else dict([completion_prompt(b.get("prompt"))])
     try:
-        req = frames.request({"id": "http", **fields, **prompt}, uuid.uuid4().hex, "default")
+        req = frames.request({"id": "http", **fields, **constraint, **prompt}, uuid.uuid4().hex, "default")
     except FrameError as e:
         raise bad(str(e), param_of(str(e))) from None
     req.sampling.logprobs = top
+    req.tools = shown
     gw.choose(req, model)
+    revision = gw.served(req)[1]
+    if spec is not None:
+        spec.parser = revision.tool_parser if revision is not None else "hermes"   # a gateway of no models file
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model,
-                gw.served(req)[1].revision or None)
+                revision.revision if revision is not None else None, spec)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -157,7 +171,8 @@ def response_format(b: dict) -> dict:
 
 
 def messages(v) -> dict:
-    """The chat messages with text content; content parts of type text are joined."""
+    """The chat messages with text content (content parts of type text joined). An assistant message's
+    tool_calls travel as their JSON text, a tool message's tool_call_id as it is: every value a string."""
     if not isinstance(v, list) or not v:
         raise bad(f"messages: required, a non-empty array of {{role, content}} objects (got {frames.kind(v)})",
                   "messages")
@@ -165,16 +180,37 @@ def messages(v) -> dict:
     for i, m in enumerate(v[:frames.MAX_MESSAGES + 1]):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]: expected an object, got {frames.kind(m)}", "messages")
-        extra = sorted(m.keys() - {"role", "content", "name"})
+        m = {k: x for k, x in m.items() if x is not None}
+        extra = sorted(m.keys() - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
             raise bad(f"messages[{i}].{extra[0][:40]}: not supported", "messages")
-        if not isinstance(m.get("name", ""), str):
-            raise bad(f"messages[{i}].name: expected a string, got {frames.kind(m['name'])}", "messages")
         if m.get("role") not in ROLES:
             raise bad(f"messages[{i}].role: must be one of {', '.join(ROLES)} (got {frames.show(m.get('role'))})",
                       "messages")
-        out.append({"role": m["role"], "content": content(m.get("content"), i)})
+        for key in ("name", "tool_call_id"):
+            if not isinstance(m.get(key, ""), str):
+                raise bad(f"messages[{i}].{key}: expected a string, got {frames.kind(m[key])}", "messages")
+        out.append(message(m, i))
     return {"messages": out}
+
+
+def message(m: dict, i: int) -> dict[str, str]:
+    role = m["role"]
+    calls = m.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise bad(f"messages[{i}].tool_calls: only an assistant message has tool calls", "messages")
+    if role == "tool" and "tool_call_id" not in m:
+        raise bad(f"messages[{i}].tool_call_id: required in a tool message", "messages")
+    text = "" if calls is not None and "content" not in m else content(m.get("content"), i)
+    out = {"role": role, "content": text, **{k: m[k] for k in ("name", "tool_call_id") if k in m}}
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise bad(f"messages[{i}].tool_calls: expected an array, got {frames.kind(calls)}", "messages")
+        try:
+            out["tool_calls"] = orjson.dumps(frames.tool_calls(calls, f"messages[{i}]")).decode()
+        except FrameError as e:
+            raise bad(str(e), "messages") from None
+    return out
 
 
 def content(c, i: int) -> str:

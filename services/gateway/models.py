@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from schemas.revision import revision as revision_of
 from schemas.served import SEPARATOR, Served, check
 from services.gateway.errors import ApiError
+from text import toolcalls
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class Revision:
     share: float                                  # of its name's requests; 0: the stable revision
     tokenizer: Tokenizer
     max_model_len: int
+    tool_parser: str = "hermes"                   # how its model writes tool calls (text/toolcalls.py)
 
 
 @dataclass(slots=True)
@@ -55,29 +57,30 @@ def fraction(rid: str) -> float:
 class Models:
     """Every served model by name, in the order given; the first is the default."""
 
-    def __init__(self, served: list[Served]):
+    def __init__(self, served: list[Served], tool_parser: str | None = None):
         check(served)
-        files: dict[str, tuple[Tokenizer, int]] = {}
+        files: dict[str, tuple[Tokenizer, int, str]] = {}
         self.by_name: dict[str, Model] = {}
         for s in sorted(served, key=lambda s: s.share > 0):          # stable revisions first, order kept
             if s.files not in files:
                 config = orjson.loads(Path(s.files, "config.json").read_bytes())
                 files[s.files] = (Tokenizer.from_file(f"{s.files}/tokenizer.json"),
-                                  config.get("max_position_embeddings") or 1 << 30)
+                                  config.get("max_position_embeddings") or 1 << 30,
+                                  tool_parser or toolcalls.pick(chat_template(s.files)))
             model = self.by_name.setdefault(s.name, Model(s.name))
             model.revisions.append(Revision(s.revision, s.share, *files[s.files]))
         self.default = served[0].name
         self.by_name = {s.name: self.by_name[s.name] for s in served}                    # the file's order
 
     @classmethod
-    def one(cls, model_dir: str, name: str | None = None) -> "Models":
+    def one(cls, model_dir: str, name: str | None = None, tool_parser: str | None = None) -> "Models":
         """A gateway of one model: its checkpoint directory (revision "" when it holds no weights, e.g. a
         GGUF's files) served under `name` (default: the directory's name)."""
         try:
             rev = revision_of(model_dir)
         except ValueError:
             rev = ""
-        return cls([Served(name or os.path.basename(os.path.normpath(model_dir)), rev, model_dir)])
+        return cls([Served(name or os.path.basename(os.path.normpath(model_dir)), rev, model_dir)], tool_parser)
 
     def find(self, asked: str, rid: str = "") -> tuple[Model, Revision]:
         """The model and revision that answer a request for `asked` (a name, or name@revision pinned) with
@@ -96,3 +99,15 @@ class Models:
         """What a client may ask for: each name, and each name@revision."""
         return [*self.by_name, *(f"{m.name}{SEPARATOR}{r.revision}" for m in self.by_name.values()
                                  for r in m.revisions if r.revision)]
+
+
+def chat_template(model_dir: str) -> str | None:
+    """The checkpoint's chat template: chat_template.jinja, or tokenizer_config.json's (the default of a list)."""
+    path = Path(model_dir, "chat_template.jinja")
+    if path.exists():
+        return path.read_text()
+    config = Path(model_dir, "tokenizer_config.json")
+    template = orjson.loads(config.read_bytes()).get("chat_template") if config.exists() else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None

@@ -1,6 +1,6 @@
 """The OpenAPI document of the HTTP API, served at /openapi.json: the bounds in it are the ones the
 gateway enforces (schemathesis generates requests from it)."""
-from schemas.messages import MAX_PRIORITY, MIN_PRIORITY
+from schemas.messages import MAX_PRIORITY, MAX_TOOLS, MIN_PRIORITY
 from schemas.sampling import (
     LOGIT_BIAS_BOUND,
     MAX_CHOICE_CHARS,
@@ -19,6 +19,7 @@ from schemas.sampling import (
 )
 from schemas.subjects import MAX_MESSAGES, MAX_STOP
 from services.gateway.http_parse import MAX_LOGPROBS, ROLES
+from services.gateway.tools import MAX_TOOL_NAME_CHARS
 
 
 def nullable(schema: dict) -> dict:
@@ -56,6 +57,8 @@ def sampling(max_tokens: int) -> dict:
     word = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     return {
         "max_tokens": integer(1, max_tokens),
+        "min_tokens": {**integer(0, max_tokens), "description": "extension (vLLM's): output tokens before EOS or a "
+                       "stop token id may be sampled (at most max_tokens)"},
         "temperature": {**number(0, MAX_TEMPERATURE), "description": "0 (greedy) or at least 1e-05"},
         "top_p": number(0, 1, exclusive_lo=True),
         "seed": integer(0, SEED_BOUND - 1),
@@ -80,9 +83,6 @@ def sampling(max_tokens: int) -> dict:
         "store": nullable({"type": "boolean", "description": "accepted and ignored"}),
         "metadata": nullable({"type": "object", "description": "accepted and ignored"}),
         "service_tier": nullable({"type": "string", "description": "accepted and ignored"}),
-        "parallel_tool_calls": nullable({"type": "boolean", "description": "accepted and ignored"}),
-        "tool_choice": nullable({"type": "string", "enum": ["none"], "description": "only none: tools are not "
-                                 "implemented"}),
         "ignore_eos": nullable({"type": "boolean", "description": "extension: generate until max_tokens"}),
         "top_k": integer(-1, MAX_TOP_K),
         "min_p": number(0, 1),
@@ -116,9 +116,36 @@ def one(item: dict) -> dict:
 
 def message() -> dict:
     part = obj({"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}, ["type", "text"])
-    return obj({"role": {"type": "string", "enum": list(ROLES)},
+    call = obj({"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                "function": obj({"name": {"type": "string"}, "arguments": {"type": "string"}}, ["name", "arguments"])},
+               ["function"])
+    return obj({"role": {"type": "string", "enum": [r for r in ROLES if r != "tool"]},
                 "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]},
-                "name": {"type": "string"}}, ["role", "content"])
+                "name": {"type": "string"}, "tool_calls": {"type": "array", "items": call,
+                                                           "description": "an assistant message's tool calls"}},
+               ["role", "content"])
+
+
+def tool_message() -> dict:
+    return obj({"role": {"type": "string", "enum": ["tool"]}, "content": {"type": "string"},
+                "tool_call_id": {"type": "string"}}, ["role", "content", "tool_call_id"])
+
+
+FUNCTION = obj({"type": {"type": "string", "enum": ["function"]},
+                "function": obj({"name": {"type": "string", "minLength": 1, "maxLength": MAX_TOOL_NAME_CHARS},
+                                 "description": {"type": "string"}, "parameters": {"type": "object"},
+                                 "strict": nullable({"type": "boolean"})}, ["name"])}, ["type", "function"])
+TOOLING = {
+    "tools": nullable({"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": FUNCTION,
+                       "description": "function tools (names unique); tool calls come back in message.tool_calls"}),
+    "tool_choice": nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                       obj({"type": {"type": "string", "enum": ["function"]},
+                                            "function": obj({"name": {"type": "string"}}, ["name"])},
+                                           ["type", "function"])],
+                             "description": "auto (default with tools), none, required, or one function by name; "
+                                            "anything but none needs tools"}),
+    "parallel_tool_calls": nullable({"type": "boolean", "description": "false: one call at most (required)"}),
+}
 
 
 EVENT = {"type": "object", "required": ["data"], "properties": {   # one server-sent event
@@ -184,8 +211,9 @@ def document(models: list[str], max_tokens: int) -> dict:
     common = sampling(max_tokens)
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
     chat = obj({"model": {"type": "string", "enum": models, "description": PIN},
-                "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message()},
-                "max_completion_tokens": integer(1, max_tokens), **common,
+                "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                             "items": {"oneOf": [message(), tool_message()]}},
+                "max_completion_tokens": integer(1, max_tokens), **common, **TOOLING,
                 "logprobs": nullable({"type": "boolean"}), "top_logprobs": integer(0, MAX_LOGPROBS)},
                ["model", "messages"])
     text = obj({"model": {"type": "string", "enum": models, "description": PIN},

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING
 import orjson
 
 from schemas import subjects
-from services.gateway import frames, keys
+from schemas.sampling import CONSTRAINTS
+from services.gateway import frames, keys, tools
 from services.gateway.errors import ApiError
 from services.gateway.fallback import Spilled
 from services.gateway.frames import FrameError
 from services.gateway.keys import Key
 from services.gateway.stream import error
+from services.gateway.tools import ToolStream
 
 if TYPE_CHECKING:
     from services.gateway.session import Gateway
@@ -31,6 +33,7 @@ class Connection:
     def __init__(self, gw: Gateway, ws, key: Key = keys.OPEN):
         self.gw, self.ws, self.log, self.key = gw, ws, gw.log, key
         self.inflight: dict[str, Request] = {}  # client id -> request
+        self.tools: dict[str, ToolStream] = {}  # client id -> the tool calls found in its answer
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -61,10 +64,24 @@ class Connection:
 
     async def generate(self, frame: dict, cid: str, t0: float) -> None:
         self.room(cid)
-        req = frames.request(frame, uuid.uuid4().hex, self.key.tenant)
+        spec, constraint = None, {}
+        if any(k in frame for k in frames.TOOLING) and "messages" in frame:
+            try:
+                spec, shown, constraint = tools.parse(frame, "")
+            except ApiError as e:
+                raise FrameError(e.message, cid) from None
+            if constraint and any(frame.get(k) is not None for k in CONSTRAINTS):
+                raise FrameError("tool_choice: a required or named tool constrains the output; no other "
+                                 "constraint can", cid)
+        req = frames.request({**frame, **constraint}, uuid.uuid4().hex, self.key.tenant)
+        req.tools = shown if spec is not None else None
         resumable = frames.resumable(frame)
         try:
             self.gw.choose(req, frames.model(frame))
+            if spec is not None:
+                revision = self.gw.served(req)[1]
+                spec.parser = revision.tool_parser if revision is not None else "hermes"
+                self.tools[cid] = ToolStream(spec)
             try:
                 await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws",
                                     t0, resumable)
@@ -102,10 +119,13 @@ class Connection:
         await self.send(r.done("abort"))
 
     async def send(self, frame: dict) -> None:
-        try:
-            await self.ws.send_text(orjson.dumps(frame).decode())
-        except Exception as e:                    # the client left: run() sees it and aborts its requests
-            self.log.debug("send failed", error=repr(e))
+        ts = self.tools.get(frame.get("id")) if self.tools else None
+        for f in ([frame] if ts is None else with_tools(ts, frame, self.tools)):
+            try:
+                await self.ws.send_text(orjson.dumps(f).decode())
+            except Exception as e:                # the client left: run() sees it and aborts its requests
+                self.log.debug("send failed", error=repr(e))
+                return
 
     async def accepted(self, r: "Request") -> None:
         """The request is stored: a client that asked for it gets the id it can resume it by."""
@@ -152,6 +172,28 @@ async def leave(owner: Connection | Exchange, dropped: bool) -> None:
             r.park(parked)
         else:
             await r.abort()
+
+
+def with_tools(ts: ToolStream, frame: dict, streams: dict[str, ToolStream]) -> list[dict]:
+    """A frame of a request with tools, as its client gets it: a delta's text split into content (`text`) and
+    `tool_calls` pieces (OpenAI's delta objects); the answer's last pieces before its done frame, whose
+    finish_reason is tool_calls when it called one."""
+    if frame["type"] == "delta":
+        deltas = ts.feed(frame["text"])
+        return [{**frame, "text": "".join(d.get("content") or "" for d in deltas),
+                 **({"tool_calls": pieces} if (pieces := [p for d in deltas for p in d.get("tool_calls", ())])
+                    else {})}]
+    if frame["type"] not in ("done", "error"):
+        return [frame]                            # accepted
+    streams.pop(frame["id"], None)
+    if frame["type"] == "error":
+        return [frame]
+    deltas = ts.finish()
+    out = [] if not deltas else [{"type": "delta", "id": frame["id"], "token_ids": [],
+                                  "text": "".join(d.get("content") or "" for d in deltas),
+                                  "tool_calls": [p for d in deltas for p in d.get("tool_calls", ())]}]
+    called = ts.called and frame.get("finish_reason") == "stop"
+    return [*out, {**frame, "finish_reason": "tool_calls"} if called else frame]
 
 
 def refused(e: ApiError, cid: str) -> FrameError:

@@ -2,6 +2,7 @@
 chat template (for `messages`) and encodes, publishes the tokenized request to TB_ROUTE, then acks.
 A request it cannot encode goes straight back to its tb.out subject as an error."""
 import argparse
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -11,12 +12,17 @@ import msgpack
 import bus
 from bus.log import configure
 from schemas import served, subjects
-from schemas.messages import ErrorChunk, GenerateRequest, TokenizedRequest, decode, encode
+from schemas.messages import MAX_TEXT_CHARS, ErrorChunk, GenerateRequest, TokenizedRequest, Tokens, decode, encode
 from schemas.sampling import check_vocabulary, to_grammar
 from schemas.served import SEPARATOR, Served
 from schemas.wire import WireError
+from text import toolcalls
 
 LOG = configure("tokenizer")
+
+
+class ContextTooLong(ValueError):
+    """A prompt of at least the model's context: refused with code context_length_exceeded (HTTP 400)."""
 
 
 class Tokenizer:
@@ -26,6 +32,8 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(model_dir)
+        self.knows_tools = toolcalls.knows_tools(self.hf.chat_template if isinstance(self.hf.chat_template, str)
+                                                 else None)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         context = config.get("max_position_embeddings") or 1 << 30
         self.max_model_len = min(max_model_len or context, context)
@@ -35,8 +43,16 @@ class Tokenizer:
         """The prompt's token ids; ValueError naming the field or the limit."""
         check_vocabulary(req.sampling, self.vocab_size)
         to_grammar(req.sampling)                 # a constraint the engine cannot follow: refused before any worker
+        ids = self.tokens(req)
+        if len(ids) >= self.max_model_len:
+            raise ContextTooLong(f"prompt has {len(ids)} tokens; the model's context is max_model_len="
+                                 f"{self.max_model_len} tokens, which leaves no room for output")
+        return ids
+
+    def tokens(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids, whatever their count; ValueError naming the field."""
         if req.messages is not None:
-            ids = self.chat(req.messages)
+            ids = self.chat(req.messages, req.tools)
         elif req.prompt is not None:
             ids = self.hf.encode(req.prompt)
         else:
@@ -46,20 +62,35 @@ class Tokenizer:
                 raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} (the model's context) "
-                             "leaves no room for output")
         return ids
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+        """The chat template's tokens. A template that renders tools is given them (and the history's tool calls
+        as objects); one that does not gets text it can render: the default tool prompt, calls and results
+        written as the hermes format (text/toolcalls.py)."""
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}]: needs a string role and a string content")
+        if self.knows_tools:
+            messages, kw = [with_calls(m) for m in messages], {"tools": tools} if tools else {}
+        else:
+            messages, kw = toolcalls.plain_history(messages, tools), {}
         try:
             return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False))
+                                                    return_dict=False, **kw))
         except Exception as e:                   # the template's own complaints (roles, order)
             raise ValueError(f"messages: the chat template refused them: {e}") from None
+
+
+def with_calls(m: dict[str, str]) -> dict:
+    """A message as a tool-aware template takes it: tool_calls as objects, each call's arguments an object."""
+    if "tool_calls" not in m:
+        return m
+    calls = json.loads(m["tool_calls"])
+    for c in calls:
+        with contextlib.suppress(ValueError):
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return {**m, "tool_calls": calls}
 
 
 class Tokenizers:
@@ -106,6 +137,7 @@ class TokenizerService:
 
     async def run(self) -> None:
         await bus.ensure_streams(self.js)
+        await self.nc.subscribe(subjects.TOKENIZE, queue=subjects.TOKENIZE_QUEUE, cb=self.tokenize)
         self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len,
                       models=[f"{n}{SEPARATOR}{r}" for n, r in self.toks.of])
         await bus.consume(self.nc, subjects.REQUESTS_STREAM, bus.TOKENIZER, self.handle, self.log)
@@ -124,7 +156,8 @@ class TokenizerService:
         try:
             ids = tok.encode(req)
         except ValueError as e:
-            await self.refuse(msg, req.id, "invalid_request", str(e))
+            code = "context_length_exceeded" if isinstance(e, ContextTooLong) else "invalid_request"
+            await self.refuse(msg, req.id, code, str(e))
             return
         if req.sampling.seed is None:            # every request gets a seed here: a re-routed or replayed
             req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
@@ -138,6 +171,20 @@ class TokenizerService:
             return
         await msg.ack()
         self.log.info("tokenized", request_id=req.id, tenant=req.tenant, prompt_tokens=len(ids))
+
+    async def tokenize(self, msg) -> None:
+        """tb.tokenize: the tokens of a GenerateRequest's prompt, as the pipeline would run it (/tokenize)."""
+        try:
+            req = decode(msg.data, GenerateRequest)
+            tok = self.toks.pick(req)
+        except (WireError, ValueError) as e:
+            await msg.respond(encode(Tokens([], 0, "invalid_request", str(e)[:MAX_TEXT_CHARS])))
+            return
+        try:
+            out = Tokens(tok.tokens(req), tok.max_model_len)
+        except ValueError as e:
+            out = Tokens([], tok.max_model_len, "invalid_request", str(e)[:MAX_TEXT_CHARS])
+        await msg.respond(encode(out))
 
     async def refuse(self, msg, rid: str | None, code: str, message: str) -> None:
         self.log.error("request refused", request_id=rid, code=code, error=message, subject=msg.subject)

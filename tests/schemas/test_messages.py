@@ -30,6 +30,7 @@ from schemas.messages import (
     TenantBucket,
     TokenChunk,
     TokenizedRequest,
+    Tokens,
     Usage,
     WorkItem,
     decode,
@@ -83,6 +84,10 @@ EXAMPLES = [
         "n": {"type": "integer", "minimum": 0}}, "required": ["n"]}), [5, 6]), "w0", 3.0),
     GenerateRequest("r5", "t", SamplingParams(choice=["yes", "no ✓"]), prompt="hi"),
     Completion("r6", "t", "w0", SamplingParams(regex="[0-9]{3}"), [5, 6], [7, 8, 9], "stop", 2, created=1.0),
+    GenerateRequest("r3", "t", SAMPLING, messages=[{"role": "assistant", "content": "", "tool_calls": "[]"}],
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    Tokens([5, 6], 8192),
+    Tokens([], 8192, "invalid_request", "messages: the chat template refused them"),
 ]
 SPECULATING = Heartbeat("w2", 1.0, "tiny", 16, 64, 1, 2, 100, 90, 32, 16, 5, speculation=Speculation(
     "ngram", 2, 4, True, 1, 0.61, 40, 120, 75, 0.625, 1.875, [0.8, 0.65, 0.5, 0.0]))

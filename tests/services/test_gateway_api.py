@@ -166,7 +166,10 @@ BAD = [  # (path, body, status, words in the message, param)
     ("/v1/chat/completions", chat(stop=["s"] * (MAX_STOP + 1)), 400, [f"MAX_STOP={MAX_STOP}"], "stop"),
     ("/v1/chat/completions", chat(temperature="hot"), 400, ["temperature: expected a number"], "temperature"),
     ("/v1/chat/completions", chat(top_p=0), 400, ["top_p must be in (0, 1]"], "top_p"),
-    ("/v1/chat/completions", chat(tools=[{}]), 400, ["tools: unknown or unsupported"], "tools"),
+    ("/v1/chat/completions", chat(tools=[{}]), 400, ['tools[0]: expected {"type": "function"'], "tools"),
+    ("/v1/chat/completions", chat(tool_choice="required"), 400, ["tool_choice: 'required' needs tools"], "tool_choice"),
+    ("/v1/chat/completions", chat(min_tokens=9, max_tokens=5), 400, ["min_tokens must be in [0, max_tokens=5]"],
+     "min_tokens"),
     ("/v1/chat/completions", chat(stream_options={"include_usage": True}), 400, ["only allowed when stream"],
      "stream_options"),
     ("/v1/chat/completions", chat(top_logprobs=2), 400, ["needs logprobs"], "top_logprobs"),
@@ -416,12 +419,13 @@ def test_admission_is_503_with_retry_after_when_no_worker_could_take_the_request
             await down.register(heartbeat("w2", kv_blocks=4, block_size=16))             # idle but small
             await until(lambda: list(down.app.state.gateway.admission.cluster.workers) == ["w2"])
             status, _, got = await post(down, "/v1/chat/completions", chat(max_tokens=100), key=None)
-            error_of(status, got, 503, "the largest worker holds 4")
+            error_of(status, got, 400, "the largest worker holds 4 blocks")
+            assert got["error"]["code"] == "context_length_exceeded"
             assert (await post(down, "/v1/chat/completions", chat(max_tokens=5), key=None))[0] == 200
             async with connect(down.ws) as ws:                       # the websocket is admitted the same way
                 await ws.send(orjson.dumps({"type": "generate", "id": "r", "prompt": "x", "max_tokens": 100}).decode())
                 err = orjson.loads(await ws.recv())
-                assert err["code"] == "unavailable" and "KV blocks" in err["message"]
+                assert err["code"] == "context_length_exceeded" and "KV blocks" in err["message"]
             assert [said(r) for r in down.requests] == ["hi"]
     run(body())
 

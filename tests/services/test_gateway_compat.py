@@ -202,9 +202,14 @@ def test_the_openai_client_with_every_accepted_field(nats_url, tiny_model, tok):
 
 
 REFUSED = [  # (body, words in the message, param)
-    (chat(tool_choice="auto"), ['tool_choice: expected "none" (tools are not implemented), got \'auto\''],
-     "tool_choice"),
-    (chat(tool_choice={"type": "function", "function": {"name": "f"}}), ["tool_choice: expected"], "tool_choice"),
+    (chat(tool_choice="auto"), ["tool_choice: 'auto' needs tools"], "tool_choice"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="any"),
+     ["tool_choice: must be one of none, auto, required"], "tool_choice"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function",
+                                                                               "function": {"name": "g"}}),
+     ["tool_choice.function.name: 'g' is not one of the tools (f)"], "tool_choice"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]),
+     ["tools[0].function.parameters: expected an object"], "tools"),
     (chat(store="yes"), ["store: expected true or false"], "store"),
     (chat(metadata=[1]), ["metadata: expected an object"], "metadata"),
     (chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": 1}),

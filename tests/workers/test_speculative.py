@@ -3,6 +3,9 @@ logprobs) are the same as with it off, alone and batched, under preemption and c
 with the n-gram proposer, a draft model, a perfect draft and an always-wrong one; the KV pool's
 accounting after accepted and rejected drafts is that of a run without them; the adaptive policy
 turns speculation on at batch 1 and off at a busy batch."""
+import json
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -287,3 +290,16 @@ def test_aborting_a_request_mid_speculation_frees_its_blocks_and_its_drafts_and_
     assert reqs[0].output_token_ids == reference["batched"][0][0]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert engine.speculator.proposer.kv.num_free_blocks == engine.speculator.proposer.kv.num_blocks
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_min_tokens_holds_back_eos_and_stop_ids_then_lets_them_end_the_request(tiny_model, spec):
+    """EOS (and a stop token id) made the best token by logit_bias would end a request at once: min_tokens holds
+    them back for that many tokens, with or without speculation, and the next one ends it."""
+    eos = json.loads((Path(tiny_model) / "config.json").read_text())["eos_token_id"]
+    params = [SamplingParams(max_tokens=20, temperature=0, logit_bias={str(eos): 100}, min_tokens=n) for n in (0, 7)]
+    params.append(SamplingParams(max_tokens=20, temperature=0.8, seed=2, logit_bias={"42": 100}, stop_token_ids=[42],
+                                 min_tokens=4))
+    got, _ = run(tiny_model, ngram() if spec else None, PROMPTS[:3], params)
+    assert [(len(tokens), reason) for tokens, _, reason in got] == [(1, "stop"), (8, "stop"), (5, "stop")]
+    assert got[1][0][-1] == eos not in got[1][0][:-1] and got[2][0][-1] == 42 not in got[2][0][:-1]

@@ -177,6 +177,9 @@ class LLMEngine:
         req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
                       self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids),
                       priority=priority, tenant=tenant, weight=weight, block_hashes=list(block_hashes))
+        if params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.model_cfg.eos_token_ids)
+            req.min_ban = tuple(t for t in {*eos, *params.stop_token_ids} if t < self.model_cfg.vocab_size)
         self.requests[request_id] = req
         if params.constraint is None:
             self.scheduler.add(req)

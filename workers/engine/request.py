@@ -46,6 +46,7 @@ class Request:
     billed_input: int = 0                   # fair: of its input tokens, how many were charged to its tenant
     billed_output: int = 0                  # fair: of the tokens it generated, how many were charged
     matcher: object | None = None           # its grammar's xgrammar GrammarMatcher (structured output)
+    min_ban: tuple[int, ...] = ()           # the tokens min_tokens holds back: EOS (unless ignored), stop ids
 
     def __post_init__(self):
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt, self.block_hashes)

@@ -13,7 +13,8 @@ from workers.engine.request import Request, TokenLogprobs
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         raw = logits
-        logits = apply_grammars(apply_penalties(apply_bias(logits, requests), requests), requests)
+        logits = apply_grammars(apply_penalties(apply_min_tokens(apply_bias(logits, requests), requests), requests),
+                                requests)
         tokens = logits.max(dim=-1).indices  # argmax's first-maximum rule, 2-4x faster than argmax on CPU
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
@@ -29,6 +30,15 @@ def apply_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
     rows, cols, values = (torch.tensor(x, device=logits.device) for x in zip(*pairs))
     return logits.float().index_put((rows, cols), values.float(), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """min_tokens: EOS and the stop token ids banned from a row whose request has fewer output tokens."""
+    pairs = [(i, t) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens for t in r.min_ban]
+    if not pairs:
+        return logits
+    rows, cols = (torch.tensor(x, device=logits.device) for x in zip(*pairs))
+    return logits.float().index_put((rows, cols), torch.tensor(float("-inf"), device=logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

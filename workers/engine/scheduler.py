@@ -324,7 +324,8 @@ class Scheduler:
         if req.matcher is not None and (not req.matcher.accept_token(token) or req.matcher.is_terminated()):
             req.stop_reason = token      # its grammar is complete (a rejected token cannot be sampled)
             return "stop"
-        if (token in self.config.eos_token_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+        if ((token in self.config.eos_token_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids) \
+                and req.num_output_tokens > req.params.min_tokens:
             req.stop_reason = token
             return "stop"
         if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:

@@ -154,7 +154,8 @@ class Speculator:
     def draft(self, batch: Batch, scheduler: Scheduler) -> None:
         """Adds draft tokens to the step's sampling requests (those that may speculate)."""
         rows = [i for i, (req, samples) in enumerate(zip(batch.requests, batch.samples))
-                if samples and req.params.speculative and not req.isolate and room(req, self.max_model_len) > 0]
+                if samples and req.params.speculative and not req.isolate and room(req, self.max_model_len) > 0
+                and req.num_output_tokens >= req.params.min_tokens]     # min_tokens' ban is one row's, not k's
         self.rows = len(rows)
         if not rows:
             return                       # k stays the last choice: nothing to choose for
