@@ -23,6 +23,7 @@ from bus.streams import (
                          outcomes,
                          registry,
                          replicated,
+                         responses,
                          suspects,
                          worker_consumer,
 )
@@ -30,5 +31,5 @@ from bus.streams import (
 __all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT", "PUBLISH_DEADLINE",
            "PUBLISH_RETRY", "ROUTER", "STREAMS", "TOKENIZER", "NotStored", "add_consumer", "close", "connect",
            "consume", "ensure_streams", "gateways", "gone", "lapsed", "limits", "live_workers", "outcomes", "publish",
-           "recreate", "refused", "registry", "replicated", "restated", "run", "run_until_signal", "servers_of",
-           "spare", "suspects", "watch", "worker_consumer"]
+           "recreate", "refused", "registry", "replicated", "responses", "restated", "run", "run_until_signal",
+           "servers_of", "spare", "suspects", "watch", "worker_consumer"]

@@ -62,6 +62,7 @@ async def ensure_streams(js) -> None:
     await limits(js)
     await gateways(js)
     await suspects(js)
+    await responses(js)
 
 
 async def replicated(create, config, field: str):
@@ -100,6 +101,11 @@ async def limits(js):
     """The KV bucket of tenants' token buckets shared by the gateways (key = tenant, a TenantBucket), on
     disk, changed by compare-and-set. An entry untouched for LIMITS_TTL is gone: its bucket has refilled."""
     return await bucket(js, s.LIMITS_BUCKET, ttl=s.LIMITS_TTL)
+
+
+async def responses(js):
+    """The KV bucket of stored Responses API responses (key = tenant_response-id), on disk, each kept RESPONSES_TTL."""
+    return await bucket(js, s.RESPONSES_BUCKET, ttl=s.RESPONSES_TTL, max_value_size=s.MAX_MSG_SIZE)
 
 
 async def gateways(js):

@@ -14,7 +14,7 @@ from schemas import subjects as s
 
 API = "$JS.API"
 KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
-                                   s.SUSPECTS_BUCKET)]
+                                   s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET)]
 ALL_STREAMS = [*s.STREAM_NAMES, *KV_STREAMS]
 MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
@@ -63,7 +63,7 @@ def kv_write(bucket: str) -> list[str]:
 
 
 REGISTRY, OUTCOMES, LIMITS, GATEWAYS = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET
-SUSPECTS = s.SUSPECTS_BUCKET
+SUSPECTS, RESPONSES = s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET
 
 ROLES: dict[str, Permissions] = {
     # accepts requests, streams their tokens, meters them; resumes a stream from the request log's copy;
@@ -71,7 +71,7 @@ ROLES: dict[str, Permissions] = {
     "gateway": Permissions(
         publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, s.RESUMED_ALL, each(s.usage),
                  *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES), *kv_get(LIMITS),
-                 *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE,
+                 *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE, *kv_get(RESPONSES), *kv_write(RESPONSES),
                  f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
         subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL], replies=1),
     # the request log → tokenized requests; answers tb.tokenize

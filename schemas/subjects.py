@@ -20,6 +20,7 @@ REGISTRY_STREAM = f"KV_{WORKERS_BUCKET}"                           # the stream 
 OUTCOMES_BUCKET = "tb_outcomes"                                    # how each request ended, key = request id
 LIMITS_BUCKET = "tb_limits"                                        # tenants' shared token buckets, key = tenant
 GATEWAYS_BUCKET = "tb_gateways"                                    # live gateways, key = gateway id
+RESPONSES_BUCKET = "tb_responses"                                  # stored Responses API responses, key = tenant_id
 SUSPECTS_BUCKET = "tb_suspects"                                    # the request a worker runs alone, key = worker id
 CANCEL_ALL = "tb.cancel.*"
 RESEND_ALL = "tb.resend.*"
@@ -151,6 +152,7 @@ MAX_STRIKES = 2                          # failures or crashes of workers before
 LIMITS_TTL = 120.0                       # a tenant's shared bucket untouched this long is full (60 s refill it)
 GATEWAY_TTL = 3.0                        # a gateway that has not said it is alive for this long has left
 OUTCOME_TTL = 2 * QUEUE_MAX_AGE          # outlives every work item that could still be redelivered
+RESPONSES_TTL = 30 * 24 * 3600.0         # a stored response (the Responses API's `store`), as OpenAI keeps them
 SUSPECT_TTL = QUEUE_MAX_AGE              # a worker's suspect is kept as long as its work could be redelivered
 REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)
 STALL_SECONDS = 5.0                      # a stream silent this long is checked (outcome, resend)

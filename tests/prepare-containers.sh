@@ -4,7 +4,8 @@
 # it; docs/operations.md sends a user without a registry here. Each step is skipped when its part is there:
 #
 #   engine   `docker info` answers, or Debian's docker.io is installed and dockerd started (prints
-#            "started dockerd <pid>", and the caller stops it); exits 3 when no engine can start
+#            "started dockerd <pid>": the caller stops it and restores the firewall saved in
+#            /tmp/tokenbus-iptables.before); exits 3 when no engine can start
 #   compose  `docker compose version` answers, or Compose v2 (Debian's docker-compose package, from trixie:
 #            bookworm has none) is put in /usr/local/lib/docker/cli-plugins
 #   images   an image is kept when present or pulled; only where the pull fails (no registry reachable) is a
@@ -42,9 +43,13 @@ engine() {                                  # exits 3 when no engine can start h
         apt_install docker.io || { echo "Debian's docker.io did not install" >&2; exit 3; }
     fi
     log=/tmp/tokenbus-dockerd.log
+    $SUDO iptables-save >/tmp/tokenbus-iptables.before      # the caller restores it after stopping dockerd
     $SUDO sh -c "nohup dockerd >$log 2>&1 & echo \$! >/tmp/tokenbus-dockerd.pid"
     for _ in $(seq 60); do
         if docker info >/dev/null 2>&1; then
+            # dockerd sets the FORWARD policy to DROP and has bridged frames filtered by iptables, which cuts
+            # the host's other bridges (the suite's network namespaces); its own rules accept its traffic
+            $SUDO iptables -P FORWARD ACCEPT
             echo "started dockerd $(cat /tmp/tokenbus-dockerd.pid)"
             return 0
         fi

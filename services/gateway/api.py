@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from schemas.served import SEPARATOR
 from schemas.subjects import MAX_BODY_BYTES
-from services.gateway import errors, frames
+from services.gateway import errors, frames, http_many
 from services.gateway.errors import ApiError
 from services.gateway.fallback import Forward
 from services.gateway.frames import FrameError
@@ -86,6 +86,8 @@ async def complete(request: HttpRequest, api: str):
         if last is None:
             b = await body(request)
             call = parse(api, b, gw)
+            if len(call.choices) > 1 or call.echo:
+                return await several(request, call, gw, key, priority(b), t0)
             try:
                 r = await gw.start(ex, "http", call.req, await gw.admit(key, call.req, priority(b)), api, t0,
                                    call.stream)
@@ -117,6 +119,30 @@ async def complete(request: HttpRequest, api: str):
     if got[-1]["type"] == "error":
         return errors.from_pipeline(got[-1]["code"], got[-1]["message"]).response()
     return json(whole(call, r, got, gw))
+
+
+async def several(request: HttpRequest, call: Call, gw: Gateway, key, prio: int | None, t0: float) -> Response:
+    """A request of several choices (http_many.py): it answers once every choice's first frame has come, so an
+    error of the pipeline gets its own status; then it streams, or gathers every choice."""
+    ex = Exchange(gw)
+    try:
+        rs = await http_many.start(ex, call, gw, key, prio, t0)
+        got: dict[int, list[dict]] = {i: [] for i in range(len(rs))}
+        first = []
+        while not all(got.values()):
+            f = await watching(request, ex.frames.get())
+            got[int(f["id"] or 0)].append(f)
+            first.append(f)
+            if f["type"] == "error":
+                await abort(ex)
+                return errors.from_pipeline(f["code"], f["message"]).response()
+        if call.stream:
+            return http_many.stream(ex, call, rs, first)
+        got = await watching(request, http_many.gather(ex, len(rs), got))
+    except Disconnected:
+        await abort(ex)
+        return Response(status_code=499)
+    return http_many.whole(call, rs, got)
 
 
 async def body(request: HttpRequest, optional: bool = False) -> dict:

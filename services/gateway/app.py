@@ -32,7 +32,7 @@ from schemas import served, subjects
 from schemas.messages import Heartbeat, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from schemas.wire import WireError
-from services.gateway import api, http_tokens, keys, openapi
+from services.gateway import api, http_tokens, keys, openapi, responses
 from services.gateway.errors import ApiError
 from services.gateway.fallback import COOLDOWN, FAILURES, KEY_ENV, Upstream
 from services.gateway.limits import Limits
@@ -108,6 +108,8 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
               Route("/v1/models/{model:path}", api.models),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/v1/responses", responses.create, methods=["POST"]),
+              Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET", "DELETE"]),
               Route("/tokenize", http_tokens.tokenize, methods=["POST"]),
               Route("/detokenize", http_tokens.detokenize, methods=["POST"]), WebSocketRoute("/ws", chat)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],

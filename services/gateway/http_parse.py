@@ -1,6 +1,7 @@
 """The HTTP API's request bodies checked into a Call: OpenAI's fields for /v1/chat/completions and
 /v1/completions (and vLLM's extensions), each wrong one refused with a 400 naming the field, before
 anything is published."""
+import dataclasses
 import re
 import uuid
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import orjson
 
 from schemas.messages import GenerateRequest
-from schemas.sampling import CONSTRAINTS
+from schemas.sampling import CONSTRAINTS, SEED_BOUND
 from services.gateway import frames, tools
 from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
@@ -28,7 +29,10 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "l
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                             "parallel_tool_calls"},
-          "completions": COMMON | {"prompt"}}
+          "completions": COMMON | {"prompt", "echo"}}
+MAX_N = 16                                        # choices of one prompt (n)
+MAX_PROMPTS = 32                                  # prompts of one /v1/completions request
+MAX_COMPLETIONS = 64                              # choices of one request: n × prompts
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
@@ -49,6 +53,13 @@ class Call:
     model: str
     fingerprint: str | None = None                # the served revision (OpenAI's system_fingerprint)
     tools: Tools | None = None                    # how the answer's tool calls are found (None: no tools)
+    reqs: list[GenerateRequest] | None = None     # every choice's request, choice i's at index i (req is the first)
+    n: int = 1                                    # choices of each prompt
+    echo: bool = False                            # completions: each choice's text starts with its prompt
+
+    @property
+    def choices(self) -> list[GenerateRequest]:
+        return self.reqs or [self.req]
 
 
 
@@ -64,8 +75,10 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     for name, (ok, want) in IGNORED.items():
         if name in b and not ok(b[name]):
             raise bad(f"{name}: expected {want}, got {frames.show(b[name])}", name)
-    if b.get("n", 1) != 1 or frames.is_bool(b.get("n")):
-        raise bad(f"n: only n=1 is supported (got {frames.show(b['n'])})", "n")
+    n = b.get("n", 1)
+    if not frames.is_int(n) or not 1 <= n <= MAX_N:
+        raise bad(f"n: must be an integer in [1, MAX_N={MAX_N}] (got {frames.show(n)})", "n")
+    echo = flag(b, "echo")
     stream = flag(b, "stream")
     opts = stream_options(b, stream)
     fields, top = sampling_fields(api, b, gw)
@@ -73,20 +86,37 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     if constraint and any(k in fields for k in CONSTRAINTS):
         raise bad("tool_choice: a required or named tool constrains the output; response_format or guided_* "
                   "cannot constrain it too", "tool_choice")
-    prompt = messages(b.get("messages")) if api == "chat" else dict([completion_prompt(b.get("prompt"))])
-    try:
-        req = frames.request({"id": "http", **fields, **constraint, **prompt}, uuid.uuid4().hex, "default")
-    except FrameError as e:
-        raise bad(str(e), param_of(str(e))) from None
-    req.sampling.logprobs = top
-    req.tools = shown
+    if echo and top is not None:
+        raise bad("echo: with logprobs it needs the prompt's logprobs, which are not computed", "echo")
+    prompts = [messages(b.get("messages"))] if api == "chat" else [dict([p]) for p in completion_prompts(b)]
+    if n * len(prompts) > MAX_COMPLETIONS:
+        raise bad(f"n: {n} choices of {len(prompts)} prompts is more than MAX_COMPLETIONS={MAX_COMPLETIONS}", "n")
+    reqs = []
+    for prompt in prompts:
+        try:
+            req = frames.request({"id": "http", **fields, **constraint, **prompt}, uuid.uuid4().hex, "default")
+        except FrameError as e:
+            raise bad(str(e), param_of(str(e))) from None
+        req.sampling.logprobs, req.tools = top, shown
+        reqs += [req] + [sample(req, i) for i in range(1, n)]
+    req = reqs[0]
     gw.choose(req, model)
+    for other in reqs[1:]:                    # every choice from the revision the first one's id drew
+        other.model, other.revision = req.model, req.revision
     revision = gw.served(req)[1]
     if spec is not None:
         spec.parser = revision.tool_parser if revision is not None else "hermes"   # a gateway of no models file
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model,
-                revision.revision if revision is not None else None, spec)
+                revision.revision if revision is not None else None, spec, reqs if len(reqs) > 1 else None, n, echo)
+
+
+def sample(req: GenerateRequest, i: int) -> GenerateRequest:
+    """Choice i of a prompt: its own request id, and the seed after the first choice's i times (if one was given),
+    so that each choice is reproducible and they differ."""
+    seed = req.sampling.seed
+    sampling = dataclasses.replace(req.sampling, seed=None if seed is None else (seed + i) % SEED_BOUND)
+    return dataclasses.replace(req, id=uuid.uuid4().hex, sampling=sampling)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -228,16 +258,21 @@ def content(c, i: int) -> str:
     return "".join(texts)
 
 
+def completion_prompts(b: dict) -> list[tuple[str, object]]:
+    """The prompts of a completions body: a string, token ids, or an array of up to MAX_PROMPTS of those."""
+    p = b.get("prompt")
+    if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+        if len(p) > MAX_PROMPTS:
+            raise bad(f"prompt: {len(p)} prompts is more than MAX_PROMPTS={MAX_PROMPTS}", "prompt")
+        return [completion_prompt(x) for x in p]
+    return [completion_prompt(p)]
+
+
 def completion_prompt(p) -> tuple[str, object]:
-    """("prompt", text) or ("prompt_token_ids", ids): one prompt per request."""
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-        p = p[0]
+    """("prompt", text) or ("prompt_token_ids", ids)."""
     if isinstance(p, str):
         return "prompt", p
     if isinstance(p, list) and p and frames.is_ints(p):
         return "prompt_token_ids", p
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
-        raise bad(f"prompt: one prompt per request (got {len(p)})", "prompt")
-    raise bad(f"prompt: required, a string, an array of token ids, or an array of one of those (got {frames.kind(p)})",
+    raise bad(f"prompt: required, a string, an array of token ids, or an array of those (got {frames.kind(p)})",
               "prompt")
-

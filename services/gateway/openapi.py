@@ -18,7 +18,7 @@ from schemas.sampling import (
     SEED_BOUND,
 )
 from schemas.subjects import MAX_MESSAGES, MAX_STOP
-from services.gateway.http_parse import MAX_LOGPROBS, ROLES
+from services.gateway.http_parse import MAX_COMPLETIONS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, ROLES
 from services.gateway.tools import MAX_TOOL_NAME_CHARS
 
 
@@ -63,7 +63,8 @@ def sampling(max_tokens: int) -> dict:
         "top_p": number(0, 1, exclusive_lo=True),
         "seed": integer(0, SEED_BOUND - 1),
         "stop": nullable({"oneOf": [word, {"type": "array", "maxItems": MAX_STOP, "items": word}]}),
-        "n": nullable({"type": "integer", "enum": [1]}),
+        "n": {**integer(1, MAX_N), "description": "choices of each prompt (choice i seeded with seed + i); at most "
+              f"MAX_COMPLETIONS={MAX_COMPLETIONS} choices in all"},
         "presence_penalty": number(-2, 2),
         "frequency_penalty": number(-2, 2),
         "user": nullable({"type": "string"}),
@@ -110,8 +111,8 @@ def sampling(max_tokens: int) -> dict:
     }
 
 
-def one(item: dict) -> dict:
-    return {"type": "array", "minItems": 1, "maxItems": 1, "items": item}
+def several(item: dict) -> dict:
+    return {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": item}
 
 
 def message() -> dict:
@@ -217,7 +218,9 @@ def document(models: list[str], max_tokens: int) -> dict:
                 "logprobs": nullable({"type": "boolean"}), "top_logprobs": integer(0, MAX_LOGPROBS)},
                ["model", "messages"])
     text = obj({"model": {"type": "string", "enum": models, "description": PIN},
-                "prompt": {"oneOf": [{"type": "string"}, ids, one({"type": "string"}), one(ids)]},
+                "prompt": {"oneOf": [{"type": "string"}, ids, several({"type": "string"}), several(ids)]},
+                "echo": nullable({"type": "boolean", "description": "each choice's text starts with its prompt (not "
+                                                                    "with logprobs)"}),
                 **common, "logprobs": integer(0, MAX_LOGPROBS)}, ["model", "prompt"])
     reply = {"type": "object", "required": ["role", "content"]}
     chat_answer = completion("chat.completion", choice({"message": reply}))

@@ -35,6 +35,7 @@ def container_world():
 
 
 def stop_dockerd(pid: int) -> None:
+    """Stops the dockerd the script started, and puts back the firewall it found (dockerd leaves its chains)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 60
@@ -42,6 +43,9 @@ def stop_dockerd(pid: int) -> None:
             os.kill(pid, 0)
             time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
+    before = Path("/tmp/tokenbus-iptables.before")
+    if before.exists():
+        subprocess.run(["iptables-restore"], input=before.read_bytes(), check=True, timeout=30)
 
 
 class Compose:

@@ -200,3 +200,35 @@ def test_the_websocket_carries_tools_and_tokenbus_chat_shows_the_call(stack, tmp
     assert "[tool call get_weather " in p.stdout, p.stdout
     shown = p.stdout.split("[tool call get_weather ", 1)[1].split("]\n")[0]
     assert json.loads(shown) == args and "finish tool_calls" in p.stdout, p.stdout
+
+
+def test_n_choices_are_seeded_reproducible_different_and_counted_once_per_prompt(client):
+    """n=3: three choices, choice i equal to the same request alone with seed + i; the prompt counted once."""
+    params = {"model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    r = client.chat.completions.create(n=3, **params)
+    texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    alone = [client.chat.completions.create(**{**params, "seed": 7 + i}) for i in range(3)]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **params))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+
+
+def test_completions_take_a_list_of_prompts_and_echo(client):
+    prompts = ["The engine", "A paged KV cache"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        assert c.text.startswith(prompts[c.index // 2]) and len(c.text) > len(prompts[c.index // 2])
+    alone = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0)
+    assert r.choices[2].text == prompts[1] + alone.choices[0].text
+    assert r.usage.prompt_tokens == sum(client.completions.create(model=MODEL, prompt=p, max_tokens=1)
+                                        .usage.prompt_tokens for p in prompts)
+    pieces = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                            echo=True))
+    assert "".join(c.choices[0].text for c in pieces if c.choices and c.choices[0].index == 1) == r.choices[2].text

@@ -294,7 +294,7 @@ def test_every_refusal_is_counted_by_its_code_in_the_metrics(nats_url, tiny_mode
                 status, _, _ = await asyncio.to_thread(http, "GET", down.http + "/v1/models",
                                                        headers={"authorization": "Bearer sk-acme"})
                 assert status == 500                                                         # 500
-            await post(down, "/v1/chat/completions", chat(n=2), key="sk-acme")                      # 400
+            await post(down, "/v1/chat/completions", chat(n=17), key="sk-acme")                      # 400
             await post(down, "/v1/chat/completions", chat(), key="sk-wrong")                        # 401
             await post(down, "/v1/chat/completions", chat(model="gpt-9"), key="sk-acme")             # 404
             await asyncio.to_thread(http, "GET", down.http + "/v1/models/gpt-9",
