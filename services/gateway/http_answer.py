@@ -36,21 +36,31 @@ def usage_so_far(r: Request, offset: int) -> dict:
 
 def whole(call: Call, r: Request, got: list[dict], gw: Gateway) -> dict:
     """The non-streaming answer."""
-    text = "".join(f["text"] for f in got if f["type"] == "delta")
-    choice = {"index": 0, "finish_reason": got[-1]["finish_reason"], "logprobs": None}
+    return answer(call, [choice(call, r, 0, got)], usage(r))
+
+
+def choice(call: Call, r: Request, index: int, got: list[dict], head: str = "") -> dict:
+    """One choice of a non-streaming answer from its frames (head: the text before them, an echoed prompt)."""
+    deltas = [f for f in got if f["type"] == "delta"]
+    text = head + "".join(f["text"] for f in deltas)
+    out = {"index": index, "finish_reason": got[-1]["finish_reason"], "logprobs": None}
     if call.logprobs:
-        choice["logprobs"] = logprobs(call, [f for f in got if f["type"] == "delta"], r.tokenizer)
+        out["logprobs"] = logprobs(call, deltas, r.tokenizer)
     if call.api == "chat" and call.tools is not None:
-        choice["message"], called = tools.message(call.tools, text)
-        if called and choice["finish_reason"] == "stop":
-            choice["finish_reason"] = "tool_calls"
+        out["message"], called = tools.message(call.tools, text)
+        if called and out["finish_reason"] == "stop":
+            out["finish_reason"] = "tool_calls"
     elif call.api == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = text
+        out["text"] = text
+    return out
+
+
+def answer(call: Call, choices: list[dict], usage_: dict) -> dict:
     return {"id": call.id, "object": "chat.completion" if call.api == "chat" else "text_completion",
-            "created": call.created, "model": call.model, "system_fingerprint": call.fingerprint, "choices": [choice],
-            "usage": usage(r)}
+            "created": call.created, "model": call.model, "system_fingerprint": call.fingerprint, "choices": choices,
+            "usage": usage_}
 
 
 def chunk(call: Call, choices: list, usage_: dict | None = None) -> bytes:

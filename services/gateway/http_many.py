@@ -7,7 +7,17 @@ import orjson
 from starlette.responses import Response
 
 from services.gateway import errors, tools
-from services.gateway.http_answer import EventStream, chunk, delta_choice, event, json, logprobs, usage_so_far
+from services.gateway.http_answer import (
+    EventStream,
+    answer,
+    choice,
+    chunk,
+    delta_choice,
+    event,
+    json,
+    logprobs,
+    usage_so_far,
+)
 from services.gateway.http_parse import Call
 from services.gateway.owners import Exchange
 from services.gateway.session import Gateway
@@ -47,25 +57,8 @@ def whole(call: Call, rs: list[Request], got: dict[int, list[dict]]) -> Response
     failed = next((fs[-1] for fs in got.values() if fs[-1]["type"] == "error"), None)
     if failed is not None:
         return errors.from_pipeline(failed["code"], failed["message"]).response()
-    choices = []
-    for i, r in enumerate(rs):
-        deltas = [f for f in got[i] if f["type"] == "delta"]
-        text = (prompt_text(call, r, i) if call.echo else "") + "".join(f["text"] for f in deltas)
-        choice = {"index": i, "finish_reason": got[i][-1]["finish_reason"], "logprobs": None}
-        if call.logprobs:
-            choice["logprobs"] = logprobs(call, deltas, r.tokenizer)
-        if call.api == "chat" and call.tools is not None:
-            choice["message"], called = tools.message(call.tools, text)
-            if called and choice["finish_reason"] == "stop":
-                choice["finish_reason"] = "tool_calls"
-        elif call.api == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choices.append(choice)
-    return json({"id": call.id, "object": "chat.completion" if call.api == "chat" else "text_completion",
-                 "created": call.created, "model": call.model, "system_fingerprint": call.fingerprint,
-                 "choices": choices, "usage": usage(call, rs)})
+    choices = [choice(call, r, i, got[i], prompt_text(call, r, i) if call.echo else "") for i, r in enumerate(rs)]
+    return json(answer(call, choices, usage(call, rs)))
 
 
 async def gather(ex: Exchange, n: int, got: dict[int, list[dict]] | None = None) -> dict[int, list[dict]]:
@@ -105,7 +98,7 @@ async def events(ex: Exchange, call: Call, rs: list[Request], first: list[dict])
                 yield b"".join([*out, event(orjson.dumps(errors.from_pipeline(f["code"], f["message"]).body()), b"")])
                 return
             offsets[i] += len(f.get("token_ids", ()))
-            out += [event(data, b"") for data in answer(call, rs[i], f, i, streams[i])]
+            out += [event(data, b"") for data in chunks(call, rs[i], f, i, streams[i])]
             if f["type"] == "done":
                 ended.add(i)
         if len(ended) == len(rs):
@@ -119,7 +112,7 @@ async def events(ex: Exchange, call: Call, rs: list[Request], first: list[dict])
             pending.append(ex.frames.get_nowait())
 
 
-def answer(call: Call, r: Request, f: dict, i: int, ts: tools.ToolStream | None) -> list[bytes]:
+def chunks(call: Call, r: Request, f: dict, i: int, ts: tools.ToolStream | None) -> list[bytes]:
     """The chunks of one frame of choice i."""
     if f["type"] == "delta":
         lp = logprobs(call, [f], r.tokenizer) if call.logprobs else None

@@ -62,7 +62,7 @@ def test_the_compose_stack_serves_survives_a_worker_and_a_nats_node_and_leaves_n
             assert tokenbus_json("status", "--json", "--nats-url", nats_url)["workers"]
         finally:
             compose.down()
-    assert compose.leftovers() == {"containers": [], "networks": [], "volumes": []}
+        assert compose.leftovers() == {"containers": [], "networks": [], "volumes": []}
 
 
 def answered_by_the_openai_client(client: openai.OpenAI) -> None:

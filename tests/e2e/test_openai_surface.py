@@ -3,6 +3,7 @@
 streamed and not), the token endpoints, min_tokens, and the errors a client can act on (a prompt over the context,
 an integer out of range)."""
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -59,25 +60,30 @@ def calls_of(message) -> list[tuple[str, dict]]:
 
 
 def test_required_and_named_calls_always_parse_and_validate_against_their_schemas(client):
-    """50 constrained calls with several schemas: every arguments object validates, whatever the model (whose
-    strings are bounded here: SmolLM2-135M repeats itself in an unbounded one until max_tokens)."""
+    """50 constrained calls with several schemas, 8 at a time: every arguments object validates, whatever the
+    model (whose strings are bounded here: SmolLM2-135M repeats itself in an unbounded one until max_tokens)."""
     prompts = ["What is the weather in Paris?", "Book me a flight from Boston to Denver for two.",
                "What time is it in Tokyo?", "Help me plan a trip.", "Hello!"]
-    seen = set()
-    for i in range(50):
+
+    def ask(i: int):
         choice = "required" if i % 2 else {"type": "function", "function": {"name": TOOLS[i % 3]["function"]["name"]}}
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i % 5]}],
-                                           tools=TOOLS, tool_choice=choice, parallel_tool_calls=i % 4 != 3,
+                                           tools=TOOLS, tool_choice=choice, parallel_tool_calls=i % 8 == 1,
                                            max_tokens=800, temperature=0.7, seed=i)
-        got = calls_of(r.choices[0].message)
-        assert got and r.choices[0].finish_reason == "tool_calls", r
-        assert len(got) == 1 or i % 4 == 1
-        for name, args in got:
-            jsonschema.validate(args, SCHEMAS[name])
-            seen.add(name)
-        if isinstance(choice, dict):
-            assert [name for name, _ in got] == [choice["function"]["name"]]
-        assert all(c.id.startswith("call_") and c.type == "function" for c in r.choices[0].message.tool_calls)
+        return choice, r
+
+    seen = set()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for i, (choice, r) in enumerate(pool.map(ask, range(50))):
+            got = calls_of(r.choices[0].message)
+            assert got and r.choices[0].finish_reason == "tool_calls", r
+            assert len(got) == 1 or i % 8 == 1
+            for name, args in got:
+                jsonschema.validate(args, SCHEMAS[name])
+                seen.add(name)
+            if isinstance(choice, dict):
+                assert [name for name, _ in got] == [choice["function"]["name"]]
+            assert all(c.id.startswith("call_") and c.type == "function" for c in r.choices[0].message.tool_calls)
     assert seen == set(SCHEMAS)
 
 
