@@ -81,10 +81,11 @@ class Connection:
             if spec is not None:
                 revision = self.gw.served(req)[1]
                 spec.parser = revision.tool_parser if revision is not None else "hermes"
-                self.tools[cid] = ToolStream(spec)
             try:
                 await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws",
                                     t0, resumable)
+                if spec is not None:              # before its first frame: that comes after the publish's await
+                    self.tools[cid] = ToolStream(spec)
             except ApiError as e:
                 if not self.gw.falls_back(self.key, e):
                     raise
