@@ -111,13 +111,9 @@ async def complete(request: HttpRequest, api: str):
         return errors.from_pipeline(first["code"], first["message"]).response()
     if call.stream:
         return EventStream(events(ex, call, r, first), ex)
-    try:
-        got = [first] if first["type"] == "done" else [first, *await watching(request, rest(ex))]
-    except Disconnected:
-        await abort(ex)
-        return Response(status_code=499)
-    if got[-1]["type"] == "error":
-        return errors.from_pipeline(got[-1]["code"], got[-1]["message"]).response()
+    got = await to_the_end(request, ex, first)
+    if isinstance(got, Response):
+        return got
     return json(whole(call, r, got, gw))
 
 
@@ -204,6 +200,19 @@ async def watching(request: HttpRequest, coro):
         work.cancel()
         raise Disconnected
     return work.result()
+
+
+async def to_the_end(request: HttpRequest, ex: Exchange, first: dict) -> list[dict] | Response:
+    """Every frame of a non-streamed answer from `first`; instead, a 499 if the client leaves (its request
+    aborted) or the pipeline's error as its response."""
+    try:
+        got = [first] if first["type"] == "done" else [first, *await watching(request, rest(ex))]
+    except Disconnected:
+        await abort(ex)
+        return Response(status_code=499)
+    if got[-1]["type"] == "error":
+        return errors.from_pipeline(got[-1]["code"], got[-1]["message"]).response()
+    return got
 
 
 async def rest(ex: Exchange) -> list[dict]:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 import bus
 from schemas import subjects
 from services.gateway import errors, frames, tools
-from services.gateway.api import Disconnected, abort, body, rest, watching
+from services.gateway.api import Disconnected, abort, body, to_the_end, watching
 from services.gateway.errors import ApiError
 from services.gateway.http_answer import EventStream, json
 from services.gateway.http_parse import Call, bad, parse
@@ -54,13 +54,9 @@ async def create(request: HttpRequest) -> Response:
     answer = Answer(asked, call, r, history, key.tenant)
     if asked.stream:
         return EventStream(answer.events(ex, first, gw), ex)
-    try:
-        got = [first] if first["type"] == "done" else [first, *await watching(request, rest(ex))]
-    except Disconnected:
-        await abort(ex)
-        return Response(status_code=499)
-    if got[-1]["type"] == "error":
-        return errors.from_pipeline(got[-1]["code"], got[-1]["message"]).response()
+    got = await to_the_end(request, ex, first)
+    if isinstance(got, Response):
+        return got
     answer.feed("".join(f["text"] for f in got if f["type"] == "delta"))
     answer.finish(got[-1]["finish_reason"])
     await answer.keep(gw)

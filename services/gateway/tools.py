@@ -8,7 +8,6 @@ constrains the output (xgrammar in the engine), so the arguments always parse an
   `parallel_tool_calls`), each item's parameters valid for its function's schema.
 - a named function: the output is that function's arguments, a JSON object valid for its schema.
 - `none`: the tools are not shown to the model, and the answer is text."""
-import uuid
 from dataclasses import dataclass
 
 import orjson
@@ -45,7 +44,7 @@ class Tools:
 
 
 def call(name: str, arguments) -> toolcalls.ToolCall:
-    return toolcalls.ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, orjson.dumps(arguments).decode())
+    return toolcalls.ToolCall(toolcalls.new_id(), name, orjson.dumps(arguments).decode())
 
 
 def parse(b: dict, parser: str) -> tuple[Tools | None, list[dict] | None, dict]:
