@@ -20,6 +20,7 @@ from workers import LLM
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 FAULT = 4001                                    # the token id the workers' injected fault fails on
+SPARE = {"logit_bias": {str(FAULT): -100}}      # an innocent never samples the fault's token itself
 U64 = 2**64 - 1
 POISON = {                                      # client id -> (frame fields, words in the error)
     "top_k": ({"prompt": "x", "top_k": U64}, "top_k must be in"),
@@ -45,11 +46,11 @@ def test_poison_requests_get_errors_every_worker_stays_and_the_next_20_complete(
             async with connect(stack) as ws:
                 for cid, (fields, _) in POISON.items():
                     await send(ws, {"type": "generate", "id": cid, **fields})
-                    await send(ws, {"type": "generate", "id": f"ok-{cid}", "prompt": cid, "max_tokens": 3})
+                    await send(ws, {"type": "generate", "id": f"ok-{cid}", "prompt": cid, "max_tokens": 3, **SPARE})
                 got = await collect(ws, set(POISON) | {f"ok-{c}" for c in POISON}, timeout=120)
                 for i in range(20):
                     await send(ws, {"type": "generate", "id": f"next{i}", "prompt": f"next {i}", "max_tokens": 5,
-                                    "ignore_eos": True})
+                                    "ignore_eos": True, **SPARE})
                 return got, await collect(ws, {f"next{i}" for i in range(20)}, timeout=120)
 
         got, after = asyncio.run(body())
@@ -79,7 +80,7 @@ def test_a_poison_that_kills_workers_is_dead_lettered_after_max_strikes_and_the_
                 await send(ws, {"type": "generate", "id": "poison", "prompt_token_ids": [5, FAULT], "max_tokens": 4})
                 for i in range(2):                # innocents beside it, wherever they land
                     await send(ws, {"type": "generate", "id": f"bystander{i}", "prompt": f"by {i}", "max_tokens": 30,
-                                    "ignore_eos": True})
+                                    "ignore_eos": True, **SPARE})
                 for _ in range(subjects.MAX_STRIKES):
                     await wait_for_a_death(stack)
                 for w in ("w0", "w1"):           # both died of it: bring them back
@@ -87,7 +88,8 @@ def test_a_poison_that_kills_workers_is_dead_lettered_after_max_strikes_and_the_
                         stack.restart(w)
                 got = await collect(ws, {"poison", "bystander0", "bystander1"}, timeout=150)
                 for i in range(5):
-                    await send(ws, {"type": "generate", "id": f"after{i}", "prompt": f"after {i}", "max_tokens": 5})
+                    await send(ws, {"type": "generate", "id": f"after{i}", "prompt": f"after {i}", "max_tokens": 5,
+                                    **SPARE})
                 return got, await collect(ws, {f"after{i}" for i in range(5)}, timeout=120)
 
         got, after = asyncio.run(body())

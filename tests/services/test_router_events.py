@@ -156,10 +156,10 @@ def test_two_router_replicas_send_every_turn_of_a_conversation_to_the_worker_hol
                 await until(lambda r=r: all(follows(r, w) for w in workers))
             convs = await asyncio.gather(*(conversation(c) for c in range(9)))
             await until(lambda: r0.stats.completed + r1.stats.completed == 45)
-        for turns in convs:
-            assert len({t.worker for t in turns}) == 1, [t.worker for t in turns]   # every turn where the first went
+        for turns in convs:                    # every turn where the first went, and hit its whole history
+            assert len({t.worker for t in turns}) == 1, ([t.worker for t in turns], r0.stats, r1.stats)
             assert all(t.usage["cached_tokens"] >= len(turns[i].prompt_token_ids) - BS
-                       for i, t in enumerate(turns[1:]))                            # and hit its whole history
+                       for i, t in enumerate(turns[1:]))
         assert r0.stats.routed > 0 and r1.stats.routed > 0                          # both replicas routed
         assert r0.stats.routed + r1.stats.routed == 45
         for r in (r0, r1):
