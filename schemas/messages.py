@@ -56,12 +56,13 @@ class GenerateRequest:
     revision: str = ""                            # the revision that must serve it ("": any of the model's)
     weight: float = 1.0                           # the tenant's (its key's): its share under the fair policy
     tools: list[dict] | None = None               # OpenAI function tools the chat template shows the model
+    group: str = ""                               # n > 1: the first choice's id, shared by its prompt's choices
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise WireError(f"exactly one of messages, prompt, prompt_token_ids is needed (got {given or 'none'})")
-        check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_names(self.id, self.tenant, self.cache_salt, self.created, self.group)
         check_model(self.model, self.revision)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         in_range("weight", self.weight, MIN_WEIGHT, MAX_WEIGHT)
@@ -121,9 +122,10 @@ class TokenizedRequest:
     model: str = ""                               # GenerateRequest's: the router picks a worker serving it
     revision: str = ""
     weight: float = 1.0                           # GenerateRequest's
+    group: str = ""                               # GenerateRequest's: routed to one worker, forked after one prefill
 
     def check(self) -> None:
-        check_names(self.id, self.tenant, self.cache_salt, self.created)
+        check_names(self.id, self.tenant, self.cache_salt, self.created, self.group)
         check_model(self.model, self.revision)
         in_range("priority", self.priority, MIN_PRIORITY, MAX_PRIORITY)
         in_range("weight", self.weight, MIN_WEIGHT, MAX_WEIGHT)
@@ -386,6 +388,7 @@ class Heartbeat:
     kv_transfer: KvTransfer | None = None         # None: a colocated worker
     scheduling_policy: str = "fcfs"               # fcfs | priority | fair (the engine's, workers.engine.scheduler)
     revision: str = ""                            # of the model it serves (schemas/revision.py)
+    forks: int = 0                                # choices admitted onto a sibling's computed prompt (n > 1)
 
 
 @dataclass(slots=True)
@@ -501,9 +504,11 @@ Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChu
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 
-def check_names(rid: str, tenant: str, salt: str | None, created: float) -> None:
+def check_names(rid: str, tenant: str, salt: str | None, created: float, group: str = "") -> None:
     check_name("request id", rid)
     check_name("tenant", tenant)
+    if group:
+        check_name("group", group)
     if salt is not None:
         limit(len(salt), MAX_SALT_CHARS, "cache_salt", "MAX_SALT_CHARS", "characters")
     if not math.isfinite(created):

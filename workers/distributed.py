@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT = timedelta(minutes=10)   # a follower's imports and connect; model loading comes after
-HEADER = 5                                # a step header: a command and four sizes
+HEADER = 6                                # a step header: a command and five sizes
 STEP, STOP, TIMING, REPORT = 0, -1, -2, -3  # its commands: run a step, exit, time collectives, send their times
 
 
@@ -143,9 +143,9 @@ SINGLE = TPGroup()
 
 def payload_size(header: list[int]) -> int:
     """int64s of a step's inputs: ids, positions, slots [T]; cu_seqlens [B+1]; seq_lens [B];
-    block tables [B, W]; logit rows [R]."""
-    t, b, w, r = header[1:]
-    return 3 * t + (b + 1) + b + b * w + r
+    block tables [B, W]; logit rows [R]; block copies [C, 2]."""
+    t, b, w, r, c = header[1:]
+    return 3 * t + (b + 1) + b + b * w + r + 2 * c
 
 
 def join(rank: int, size: int, store: dist.Store, device_type: str) -> TPGroup:

@@ -1,12 +1,14 @@
 """The client frames of the websocket protocol, checked field by field before anything is published:
 a FrameError names the field or the limit, and carries the client's id when it could be read."""
+import dataclasses
 import re
 import time
+import uuid
 
 import orjson
 
 from schemas.messages import MAX_PRIORITY, MIN_PRIORITY, GenerateRequest
-from schemas.sampling import MAX_TOKEN_ID, MAX_TOKENS_BOUND, SamplingParams
+from schemas.sampling import MAX_TOKEN_ID, MAX_TOKENS_BOUND, SEED_BOUND, SamplingParams
 from schemas.subjects import MAX_ID_CHARS, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP, TOKEN
 from schemas.wire import WireError
 
@@ -68,9 +70,10 @@ ITEMS = {"stop": (is_str, "a string"), "stop_token_ids": (is_int, "an integer"),
          "prompt_token_ids": (is_int, "an integer")}  # array fields: what each element must be
 PROMPTS = ("messages", "prompt", "prompt_token_ids")
 TOOLING = ("tools", "tool_choice", "parallel_tool_calls")     # as the HTTP API's (services/gateway/tools.py)
-FIELDS = {"generate": {"type", "id", "resumable", "priority", "model", *PROMPTS, *SAMPLING, *TOOLING},
+FIELDS = {"generate": {"type", "id", "resumable", "priority", "model", "n", *PROMPTS, *SAMPLING, *TOOLING},
           "cancel": {"type", "id"},
           "resume": {"type", "id", "offset"}}
+MAX_N = 16                                    # choices of one prompt (n)
 DIGITS = re.compile(r"[0-9]{1,15}")           # a sequence or an offset in a resume point
 
 
@@ -148,6 +151,26 @@ def priority(frame: dict) -> int | None:
         raise FrameError(f"priority: must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower runs first), "
                          f"got {show(v)}", frame.get("id"))
     return v
+
+
+def n(frame: dict) -> int:
+    """The choices of its prompt a generate frame (or a request body) asks for."""
+    v = frame.get("n", 1)
+    if not is_int(v) or not 1 <= v <= MAX_N:
+        raise FrameError(f"n: must be an integer in [1, MAX_N={MAX_N}] (got {show(v)})", frame.get("id"))
+    return v
+
+
+def choices(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The n choices of a request's prompt: choice i has its own request id and the seed after the first's i
+    times (if one was given), so each is reproducible and they differ; with n > 1 they share a group (the first's
+    id: routed to one worker, which computes the prompt once and forks the others onto it)."""
+    if n == 1:
+        return [req]
+    req.group = req.id
+    seed = req.sampling.seed
+    return [req] + [dataclasses.replace(req, id=uuid.uuid4().hex, sampling=dataclasses.replace(
+        req.sampling, seed=None if seed is None else (seed + i) % SEED_BOUND)) for i in range(1, n)]
 
 
 def resume_id(rid: str, seq: int) -> str:

@@ -1,7 +1,6 @@
 """The HTTP API's request bodies checked into a Call: OpenAI's fields for /v1/chat/completions and
 /v1/completions (and vLLM's extensions), each wrong one refused with a 400 naming the field, before
 anything is published."""
-import dataclasses
 import re
 import uuid
 from dataclasses import dataclass
@@ -9,7 +8,7 @@ from dataclasses import dataclass
 import orjson
 
 from schemas.messages import GenerateRequest
-from schemas.sampling import CONSTRAINTS, SEED_BOUND
+from schemas.sampling import CONSTRAINTS
 from services.gateway import frames, tools
 from services.gateway.errors import ApiError
 from services.gateway.frames import FrameError
@@ -30,7 +29,7 @@ STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscatio
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                             "parallel_tool_calls"},
           "completions": COMMON | {"prompt", "echo"}}
-MAX_N = 16                                        # choices of one prompt (n)
+MAX_N = frames.MAX_N
 MAX_PROMPTS = 32                                  # prompts of one /v1/completions request
 MAX_COMPLETIONS = 64                              # choices of one request: n × prompts
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -75,9 +74,10 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     for name, (ok, want) in IGNORED.items():
         if name in b and not ok(b[name]):
             raise bad(f"{name}: expected {want}, got {frames.show(b[name])}", name)
-    n = b.get("n", 1)
-    if not frames.is_int(n) or not 1 <= n <= MAX_N:
-        raise bad(f"n: must be an integer in [1, MAX_N={MAX_N}] (got {frames.show(n)})", "n")
+    try:
+        n = frames.n(b)
+    except FrameError as e:
+        raise bad(str(e), "n") from None
     echo = flag(b, "echo")
     stream = flag(b, "stream")
     opts = stream_options(b, stream)
@@ -98,7 +98,7 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
         except FrameError as e:
             raise bad(str(e), param_of(str(e))) from None
         req.sampling.logprobs, req.tools = top, shown
-        reqs += [req] + [sample(req, i) for i in range(1, n)]
+        reqs += frames.choices(req, n)
     req = reqs[0]
     gw.choose(req, model)
     for other in reqs[1:]:                    # every choice from the revision the first one's id drew
@@ -109,14 +109,6 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, stream, *opts, top is not None, prefix + req.id, int(req.created), model,
                 revision.revision if revision is not None else None, spec, reqs if len(reqs) > 1 else None, n, echo)
-
-
-def sample(req: GenerateRequest, i: int) -> GenerateRequest:
-    """Choice i of a prompt: its own request id, and the seed after the first choice's i times (if one was given),
-    so that each choice is reproducible and they differ."""
-    seed = req.sampling.seed
-    sampling = dataclasses.replace(req.sampling, seed=None if seed is None else (seed + i) % SEED_BOUND)
-    return dataclasses.replace(req, id=uuid.uuid4().hex, sampling=sampling)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

@@ -46,6 +46,7 @@ WORKER_METRICS = {
     "prefix_cache_queries": ("tokenbus_prefix_cache_queries", "counter", "Prompt tokens looked up in the cache."),
     "prefix_cache_hits": ("tokenbus_prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache."),
     "preemptions": ("tokenbus_num_preemptions", "counter", "Requests preempted (recomputed later)."),
+    "forks": ("tokenbus_num_forks", "counter", "Choices (n > 1) admitted onto a sibling's computed prompt."),
     "prompt_tokens": ("tokenbus_worker_prompt_tokens", "counter", "Prompt tokens of the requests a worker took."),
     "generation_tokens": ("tokenbus_worker_generation_tokens", "counter", "Tokens a worker generated."),
     "requests_finished": ("tokenbus_worker_requests_finished", "counter", "Requests a worker finished."),

@@ -32,8 +32,10 @@ CLEAN_CLOSE = (1000, 1001)           # websocket close codes of a client that le
 class Connection:
     def __init__(self, gw: Gateway, ws, key: Key = keys.OPEN):
         self.gw, self.ws, self.log, self.key = gw, ws, gw.log, key
-        self.inflight: dict[str, Request] = {}  # client id -> request
+        self.inflight: dict[str, Request] = {}  # client id (a choice's: "<client id>#<index>") -> request
         self.tools: dict[str, ToolStream] = {}  # client id -> the tool calls found in its answer
+        self.choices: dict[str, tuple[str, int]] = {}   # a choice's id -> (its request's client id, its index)
+        self.groups: dict[str, list[str]] = {}  # client id of a request of n > 1 -> its choices' ids not ended
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -63,7 +65,8 @@ class Connection:
             await self.send(error(None, "internal", f"the gateway failed on this frame: {type(e).__name__}"))
 
     async def generate(self, frame: dict, cid: str, t0: float) -> None:
-        self.room(cid)
+        n = frames.n(frame)
+        self.room(cid, n)
         spec, constraint = None, {}
         if any(k in frame for k in frames.TOOLING) and "messages" in frame:
             try:
@@ -76,11 +79,15 @@ class Connection:
         req = frames.request({**frame, **constraint}, uuid.uuid4().hex, self.key.tenant)
         req.tools = shown if spec is not None else None
         resumable = frames.resumable(frame)
+        if resumable and n > 1:
+            raise FrameError("resumable: the choices of a request of n > 1 carry no resume points", cid)
         try:
             self.gw.choose(req, frames.model(frame))
             if spec is not None:
                 revision = self.gw.served(req)[1]
                 spec.parser = revision.tool_parser if revision is not None else "hermes"
+            if n > 1:
+                return await self.start_choices(cid, frames.choices(req, n), spec, frames.priority(frame), t0)
             try:
                 await self.gw.start(self, cid, req, await self.gw.admit(self.key, req, frames.priority(frame)), "ws",
                                     t0, resumable)
@@ -94,6 +101,26 @@ class Connection:
         except ApiError as e:                     # refused by a limit: an error frame with its code
             raise refused(e, cid) from None
 
+    async def start_choices(self, cid: str, reqs: list, spec, priority: int | None, t0: float) -> None:
+        """The choices of a request of n > 1, each a request of its own (id "<cid>#<index>"), all started or
+        none: their frames reach the client under `cid` with their `index`."""
+        self.groups[cid] = ids = [f"{cid}#{i}" for i in range(len(reqs))]
+        self.choices.update((c, (cid, i)) for i, c in enumerate(ids))
+        started = []
+        try:
+            for c, req in zip(ids, reqs):
+                started.append(await self.gw.start(self, c, req, await self.gw.admit(self.key, req, priority), "ws",
+                                                   t0, False))
+                if spec is not None:
+                    self.tools[c] = ToolStream(spec)
+        except BaseException:
+            for r in started:
+                await r.abort()
+            for c in self.groups.pop(cid):
+                self.choices.pop(c, None)
+                self.tools.pop(c, None)
+            raise
+
     async def resume(self, frame: dict, cid: str, t0: float) -> None:
         self.room(cid)
         rid, seq, offset = frames.resume(frame)
@@ -103,30 +130,45 @@ class Connection:
         except ApiError as e:
             raise refused(e, cid) from None
 
-    def room(self, cid: str) -> None:
-        """FrameError unless a request `cid` may start on this connection."""
-        if cid in self.inflight:                  # id None: the error is not the in-flight request's
+    def room(self, cid: str, n: int = 1) -> None:
+        """FrameError unless a request `cid` (of n choices) may start on this connection."""
+        if cid in self.inflight or cid in self.groups:   # id None: the error is not the in-flight request's
             raise FrameError(f"id: {frames.show(cid)} is already in flight on this connection")
-        if len(self.inflight) >= subjects.MAX_INFLIGHT_PER_CONNECTION:
+        if len(self.inflight) + n > subjects.MAX_INFLIGHT_PER_CONNECTION:
             raise FrameError(f"{len(self.inflight)} requests are in flight on this connection; "
                              f"MAX_INFLIGHT_PER_CONNECTION={subjects.MAX_INFLIGHT_PER_CONNECTION}", cid,
                              "too_many_requests")
 
     async def cancel(self, cid: str) -> None:
-        r = self.inflight.get(cid)
-        if r is None:
+        rs = [self.inflight[c] for c in self.groups.get(cid, (cid,)) if c in self.inflight]
+        if not rs:
             raise FrameError(f"id: no request {frames.show(cid)} is in flight on this connection", cid)
-        await r.abort()
-        await self.send(r.done("abort"))
+        for r in rs:
+            await r.abort()
+            await self.send(r.done("abort"))
 
     async def send(self, frame: dict) -> None:
         ts = self.tools.get(frame.get("id")) if self.tools else None
         for f in ([frame] if ts is None else with_tools(ts, frame, self.tools)):
+            if self.choices and f.get("id") in self.choices:
+                f = self.as_choice(f)
             try:
                 await self.ws.send_text(orjson.dumps(f).decode())
             except Exception as e:                # the client left: run() sees it and aborts its requests
                 self.log.debug("send failed", error=repr(e))
                 return
+
+    def as_choice(self, frame: dict) -> dict:
+        """A choice's frame as its client gets it: its request's id and the choice's index."""
+        c = frame["id"]
+        cid, i = self.choices[c]
+        if frame["type"] in ("done", "error"):
+            del self.choices[c]
+            left = self.groups[cid]
+            left.remove(c)
+            if not left:
+                del self.groups[cid]
+        return {**frame, "id": cid, "index": i}
 
     async def accepted(self, r: "Request") -> None:
         """The request is stored: a client that asked for it gets the id it can resume it by."""

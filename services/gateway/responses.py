@@ -27,7 +27,11 @@ from services.gateway.owners import Exchange
 from services.gateway.session import Gateway
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-          "temperature", "top_p", "text", "stream", "store", "previous_response_id", "metadata", "user", "seed"}
+          "temperature", "top_p", "text", "stream", "store", "previous_response_id", "metadata", "user", "seed",
+          "include"}
+INCLUDABLE = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",   # nothing
+              "message.input_image.image_url", "computer_call_output.output.image_url",                # of these
+              "code_interpreter_call.outputs", "reasoning.encrypted_content"}                          # is served
 ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -92,6 +96,7 @@ class Asked:
                       "previous_response_id")
         if not isinstance(b.get("instructions", ""), str):
             raise bad(f"instructions: expected a string, got {frames.kind(b['instructions'])}", "instructions")
+        included(b.get("include", []))
         self.messages = input_messages(b.get("input"))
         self.tools = [function(t, i) for i, t in enumerate(b.get("tools") or [])]
 
@@ -117,6 +122,20 @@ def flag(b: dict, name: str, default: bool) -> bool:
     if not frames.is_bool(v):
         raise bad(f"{name}: expected true or false, got {frames.kind(v)}", name)
     return v
+
+
+def included(v) -> None:
+    """`include` (the OpenAI Agents SDK always sends it, often empty): extra data of built-in tools, images and
+    reasoning, which no response here holds, so asking adds nothing; output text logprobs are not served."""
+    if not isinstance(v, list):
+        raise bad(f"include: expected an array of strings, got {frames.kind(v)}", "include")
+    for i, x in enumerate(v):
+        if not isinstance(x, str):
+            raise bad(f"include[{i}]: expected a string, got {frames.kind(x)}", "include")
+        if x == "message.output_text.logprobs":
+            raise bad("include: message.output_text.logprobs is not served (no logprobs on /v1/responses)", "include")
+        if x not in INCLUDABLE:
+            raise bad(f"include: unknown {x[:60]!r} (known: {', '.join(sorted(INCLUDABLE))})", "include")
 
 
 def input_messages(v) -> list[dict]:

@@ -24,8 +24,12 @@ max_prefill_queue requests waiting (NVIDIA Dynamo's conditional disaggregation);
 decode-capable worker prefills it itself. With no decode-capable worker alive, every request is
 prefilled remotely (its handoff waits for one). A handoff (a prefilled request) goes to a
 decode-capable worker. The policy picks within the pool decided on.
+
+The choices of one prompt (n > 1, a request `group`) go where the group's first went while that worker
+is alive and in the pool, under every policy: there they are forked after one prefill.
 """
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from bus import lapsed, restated, spare
@@ -37,6 +41,7 @@ from services.router.index import KvIndex
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 RECENT_SECONDS = 10.0            # the time constant of a worker's count of recent requests
+MAX_GROUPS = 4096                # request groups (n > 1) whose worker is remembered, the latest
 LOAD_SLACK = 2.0                 # added to the fewest recent requests before load_cap multiplies it
 
 
@@ -115,6 +120,7 @@ class Registry:
         self.last = ""
         self.known: dict[int, list[int]] = {}                # the block hashes pick() was given
         self.hashes: dict[int, list[int]] = {}               # the prompt's, per block size, as hits() found them
+        self.groups: OrderedDict[str, str] = OrderedDict()   # request group -> the worker its first choice got
 
     def update(self, hb: Heartbeat) -> None:
         """A worker's heartbeat; a stand-in beat (the same counts again) keeps what was routed to it since."""
@@ -135,14 +141,34 @@ class Registry:
 
     def pick(self, now: float, prompt: list[int] = (), salt: str | None = None, handoff: bool = False,
              hashes: dict[int, list[int]] | None = None, model: str = "", revision: str = "",
-             priority: int = 0) -> Choice | None:
+             priority: int = 0, group: str = "") -> Choice | None:
         """A worker for a request (a handoff: a decode-capable one), or None when none can take it.
         `hashes` may bring the prompt's block hashes per block size, already known (the simulator's).
         Only workers serving `model` (and `revision`) are candidates; "" means any. A batch `priority`
-        takes a worker with spare capacity if there is one."""
+        takes a worker with spare capacity if there is one. A `group`'s requests follow its first."""
         self.known = hashes or {}
         batch = priority >= BATCH_PRIORITY
         live = [w for w in self.live(now) if serves(w.hb, model, revision)]
+        group = "" if handoff else group
+        there = [w for w in live if group and w.hb.worker == self.groups.get(group)]
+        if there:
+            self.groups.move_to_end(group)
+            prefill = there[0].hb.role == "prefill"
+            disaggregated = any(w.hb.role == "prefill" for w in live)
+            choice = self.within(there, now, prompt, salt, f"{'remote' if prefill else 'local'}:group" * disaggregated)
+            choice.prefill = prefill
+            return choice
+        choice = self.place(live, now, prompt, salt, handoff, batch)
+        if group and choice is not None:
+            self.groups[group] = choice.worker
+            if len(self.groups) > MAX_GROUPS:
+                self.groups.popitem(last=False)
+        return choice
+
+    def place(self, live: list[Worker], now: float, prompt: list[int], salt: str | None, handoff: bool,
+              batch: bool) -> Choice | None:
+        """pick()'s choice for a request of no group already placed: the pool (prefill or decode-capable), then
+        the policy's pick in it."""
         decode = [w for w in live if w.hb.role != "prefill"]
         prefill = [w for w in live if w.hb.role == "prefill"]
         if handoff:

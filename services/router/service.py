@@ -406,7 +406,8 @@ class RouterService:
                 return None
             self.drop_lapsed(now)
             choice = self.registry.pick(now, req.prompt_token_ids, req.cache_salt, req.prefilled is not None,
-                                        model=req.model, revision=req.revision, priority=req.priority)
+                                        model=req.model, revision=req.revision, priority=req.priority,
+                                        group=req.group)
             if choice is not None:
                 self.decided(req, choice)
                 return choice

@@ -163,7 +163,7 @@ class TokenizerService:
             req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
         out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created, req.meter,
                                priority=req.priority, model=req.model, revision=req.revision,
-                               weight=req.weight)
+                               weight=req.weight, group=req.group)
         try:
             await bus.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
         except bus.NotStored as e:          # not acked: JetStream redelivers it

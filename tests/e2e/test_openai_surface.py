@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import jsonschema
@@ -15,6 +16,7 @@ import pytest
 import websockets
 
 from ops.procs import free_port
+from ops.status import read_registry
 from ops.up import Stack
 from tests.e2e.conftest import WORKER_ARGS, running
 
@@ -208,10 +210,21 @@ def test_the_websocket_carries_tools_and_tokenbus_chat_shows_the_call(stack, tmp
     assert json.loads(shown) == args and "finish tool_calls" in p.stdout, p.stdout
 
 
-def test_n_choices_are_seeded_reproducible_different_and_counted_once_per_prompt(client):
-    """n=3: three choices, choice i equal to the same request alone with seed + i; the prompt counted once."""
+def forks(stack) -> int:
+    """The choices the worker forked onto a sibling's prompt, as its last heartbeat says."""
+    return sum(hb.forks for hb in asyncio.run(read_registry(stack.nats_url)))
+
+
+def test_n_choices_are_seeded_reproducible_different_and_counted_once_per_prompt(client, stack):
+    """n=3: three choices, choice i equal to the same request alone with seed + i; the prompt counted once and
+    computed once (the other choices forked onto it, unless the first ended before they arrived)."""
     params = {"model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    before = forks(stack)
     r = client.chat.completions.create(n=3, **params)
+    deadline = time.monotonic() + 10
+    while forks(stack) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert forks(stack) > before
     texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
     assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
     alone = [client.chat.completions.create(**{**params, "seed": 7 + i}) for i in range(3)]
@@ -223,6 +236,40 @@ def test_n_choices_are_seeded_reproducible_different_and_counted_once_per_prompt
                 for i in range(3)]
     assert streamed == texts and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+
+
+def test_the_websocket_streams_n_choices_by_index_equal_to_the_http_ones_and_cancels_them_together(client, stack):
+    params = {"messages": ASK, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    want = client.chat.completions.create(model=MODEL, n=3, **params)
+
+    async def ask():
+        async with websockets.connect(stack.urls[0]) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "n3", "n": 3, **params}))
+            got, ends = {}, {}
+            while len(ends) < 3:
+                f = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                assert f["id"] == "n3", f
+                if f["type"] == "delta":
+                    got[f["index"]] = got.get(f["index"], "") + f["text"]
+                else:
+                    ends[f["index"]] = f
+            await ws.send(json.dumps({"type": "generate", "id": "n17", "n": 17, **params}))
+            refused = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            await ws.send(json.dumps({"type": "generate", "id": "long", "n": 2, **params, "max_tokens": 400,
+                                      "ignore_eos": True}))
+            await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+            cancelled = {}
+            while len(cancelled) < 2:
+                f = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if f["type"] == "done":
+                    cancelled[f["index"]] = f["finish_reason"]
+            return got, ends, refused, cancelled
+
+    got, ends, refused, cancelled = asyncio.run(ask())
+    assert [got[i] for i in range(3)] == [c.message.content for c in sorted(want.choices, key=lambda c: c.index)]
+    assert all(ends[i]["type"] == "done" and ends[i]["usage"]["completion_tokens"] > 0 for i in range(3))
+    assert refused["type"] == "error" and "n: must be an integer in [1, MAX_N=16]" in refused["message"]
+    assert refused["id"] == "n17" and cancelled == {0: "abort", 1: "abort"}
 
 
 def test_completions_take_a_list_of_prompts_and_echo(client):

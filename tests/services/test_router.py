@@ -337,3 +337,23 @@ def test_a_handoff_goes_to_a_decode_capable_worker_preferring_the_one_holding_th
 def test_colocated_workers_alone_decide_as_before():
     reg = registry(beat("w0"), beat("w1"), max_local_prefill=0)
     assert [(c.prefill, c.why) for c in (reg.pick(NOW, prompt(i)) for i in range(2))] == [(False, "")] * 2
+
+
+# -- request groups (n > 1) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded", "round-robin"])
+def test_the_choices_of_one_prompt_follow_the_first_until_its_worker_leaves(policy):
+    reg = registry(beat("w0"), beat("w1"), beat("w2"), policy=policy)
+    first = reg.pick(NOW, prompt(1), group="g1").worker
+    assert [reg.pick(NOW, prompt(1), group="g1").worker for _ in range(7)] == [first] * 7
+    assert reg.pick(NOW, prompt(2), group="g2").worker != first         # another group is placed as any
+    reg.update(beat(first, ts=NOW - WORKER_TTL))
+    moved = reg.pick(NOW, prompt(1), group="g1").worker
+    assert moved != first and reg.pick(NOW, prompt(1), group="g1").worker == moved
+
+
+def test_a_handoff_of_a_group_is_placed_as_any_handoff():
+    reg = registry(beat("w0"), beat("w1"))
+    first = reg.pick(NOW, prompt(1), group="g").worker
+    assert reg.pick(NOW, prompt(1), group="g").worker == first
+    assert {reg.pick(NOW, prompt(1), handoff=True, group="g").worker for _ in range(4)} == {"w0", "w1"}

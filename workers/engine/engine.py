@@ -156,7 +156,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, output_token_ids: list[int] = (), isolate: bool = False,
                     seed: int | None = None, priority: int = 0, tenant: str = "", weight: float = 1.0,
-                    block_hashes: list[int] = ()) -> Request:
+                    block_hashes: list[int] = (), group: str = "") -> Request:
         """Queues a request. With output_token_ids (a request moved from another worker) it continues
         after them: prompt + those tokens are computed as one prefill, and positions, penalties,
         max_tokens and stop conditions go on as if it had never moved. `isolate`: its steps run
@@ -164,7 +164,8 @@ class LLMEngine:
         another worker drew for it (a handed-off request), when its params bring none. `priority`:
         lower runs first under the priority and fair policies; the fcfs policy ignores it. `tenant` and
         `weight`: the fair policy shares the engine between tenants in proportion to their weights.
-        `block_hashes`: those of the prompt's full blocks, if the caller has them (not hashed again)."""
+        `block_hashes`: those of the prompt's full blocks, if the caller has them (not hashed again).
+        `group`: the choices of one prompt (n > 1) share a group; they are forked after one prefill."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         check_priority(priority)
@@ -176,7 +177,7 @@ class LLMEngine:
             else self.seeds.getrandbits(63)
         req = Request(request_id, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), params, seed,
                       self.config.block_size, cache_salt, isolate=isolate, num_resumed_tokens=len(output_token_ids),
-                      priority=priority, tenant=tenant, weight=weight, block_hashes=list(block_hashes))
+                      priority=priority, tenant=tenant, weight=weight, block_hashes=list(block_hashes), group=group)
         if params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.model_cfg.eos_token_ids)
             req.min_ban = tuple(t for t in {*eos, *params.stop_token_ids} if t < self.model_cfg.vocab_size)
@@ -334,10 +335,11 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
+            "forks": self.scheduler.num_forks,
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + len(self.scheduler.held),
             "steps": self.num_steps,
             "failed_steps": self.num_failed_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
@@ -380,6 +382,7 @@ def sub_batch(batch: Batch, rows: list[int]) -> Batch:
         sub.num_new_tokens.append(batch.num_new_tokens[i])
         sub.samples.append(batch.samples[i])
         sub.drafts.append(batch.drafts[i])
+    sub.copies = [c for c in batch.copies if any(c[0] is r for r in sub.requests)]
     return sub
 
 

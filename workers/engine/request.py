@@ -47,6 +47,8 @@ class Request:
     billed_output: int = 0                  # fair: of the tokens it generated, how many were charged
     matcher: object | None = None           # its grammar's xgrammar GrammarMatcher (structured output)
     min_ban: tuple[int, ...] = ()           # the tokens min_tokens holds back: EOS (unless ignored), stop ids
+    group: str = ""                         # n > 1: the group of one prompt's choices (the scheduler forks them)
+    fork_from: "Request | None" = None      # the sibling whose computed prompt it is admitted onto
 
     def __post_init__(self):
         self.block_hashes = hash_blocks(self.token_ids, self.block_size, self.cache_salt, self.block_hashes)

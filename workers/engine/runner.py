@@ -108,7 +108,8 @@ class ModelRunner:
         ends = itertools.accumulate(q_lens)   # each sampling request's last token, and each of its drafts:
         logit_rows = torch.tensor([row for end, samples, drafts in zip(ends, batch.samples, batch.drafts) if samples
                                    for row in range(end - 1 - len(drafts), end)], dtype=torch.long)
-        return StepInputs(torch.tensor(input_ids), positions, slots, cu, seq_lens, tables, logit_rows)
+        copies = torch.tensor(batch.block_copies, dtype=torch.long).view(-1, 2)
+        return StepInputs(torch.tensor(input_ids), positions, slots, cu, seq_lens, tables, logit_rows, copies)
 
     @torch.inference_mode()
     def run(self, batch: Batch, block_tables: list[list[int]]
@@ -135,6 +136,9 @@ class ModelRunner:
         """Every rank: the model over one step's inputs. Returns the sampling rows' logits on rank 0
         (None when no request samples, and on the other ranks)."""
         to = self.device
+        if inputs.block_copies.numel():           # forked requests' partial blocks, before anything writes them
+            src, dst = inputs.block_copies.to(to).unbind(1)
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         plan = self.kernels.plan_attention(inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables, self.block_size,
                                            *self.heads)
         meta = AttentionMetadata(inputs.slot_mapping, inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables,
@@ -208,18 +212,19 @@ class StepInputs:
     seq_lens: torch.Tensor       # int32 [B]
     block_tables: torch.Tensor   # int32 [B, W]
     logit_rows: torch.Tensor     # int64 [R]
+    block_copies: torch.Tensor   # int64 [C, 2]: (source, destination) KV blocks copied first
 
     def header(self) -> list[int]:
-        return [STEP, len(self.input_ids), *self.block_tables.shape, len(self.logit_rows)]
+        return [STEP, len(self.input_ids), *self.block_tables.shape, len(self.logit_rows), len(self.block_copies)]
 
     def pack(self) -> torch.Tensor:
         parts = (self.input_ids, self.positions, self.slot_mapping, self.cu_seqlens_q, self.seq_lens,
-                 self.block_tables.flatten(), self.logit_rows)
+                 self.block_tables.flatten(), self.logit_rows, self.block_copies.flatten())
         return torch.cat([p.long() for p in parts])
 
     @classmethod
     def unpack(cls, header: list[int], flat: torch.Tensor) -> "StepInputs":
-        t, b, w, r = header[1:]
-        ids, pos, slots, cu, lens, tables, rows = flat.split([t, t, t, b + 1, b, b * w, r])
+        t, b, w, r, c = header[1:]
+        ids, pos, slots, cu, lens, tables, rows, copies = flat.split([t, t, t, b + 1, b, b * w, r, 2 * c])
         i32 = torch.int32
-        return cls(ids, pos, slots, cu.to(i32), lens.to(i32), tables.to(i32).view(b, w), rows)
+        return cls(ids, pos, slots, cu.to(i32), lens.to(i32), tables.to(i32).view(b, w), rows, copies.view(c, 2))

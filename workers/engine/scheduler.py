@@ -16,6 +16,12 @@ Three policies order the queues (SchedulerConfig.policy):
   virtual token counter per tenant). Running requests are sorted, most deserving first, at the start
   of each step, so the last is the one preempted for a block.
 
+The choices of one prompt (n > 1: requests of one `group` with the same prompt) share its prefill: the
+first to arrive computes the prompt, the others are held until it has, then admitted onto its KV (a
+fork): they take references to its full blocks, a copy of its last partial block (Batch.copies, done
+before the step's forward), and compute only the prompt's last token, whose logits each samples with
+its own seed. A held choice whose sibling ended or left first is admitted as any request is.
+
 Speculative draft tokens are extra tokens of the same step (workers.engine.speculative): they take
 only the budget and the uncached free blocks left once running and waiting requests are scheduled,
 and the slots of those the model rejects are rolled back by num_computed_tokens.
@@ -53,6 +59,12 @@ class Batch:
     drafts: list[list[int]] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)  # after update(): drafts[i] kept, up to the first rejected
     preempted: list[Request] = field(default_factory=list)
+    copies: list[tuple[Request, int, int]] = field(default_factory=list)   # (forked request, source block,
+    #                                                         its own block): KV copied before the forward
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        return [(src, dst) for _, src, dst in self.copies]
 
     def add(self, req: Request, n: int, drafts: list[int] = ()) -> None:
         self.requests.append(req)
@@ -69,6 +81,7 @@ class Batch:
         n = self.num_new_tokens[i]
         for rows in (self.requests, self.num_new_tokens, self.samples, self.drafts):
             del rows[i]
+        self.copies = [c for c in self.copies if c[0] is not req]
         return n
 
     @property
@@ -124,11 +137,40 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_arrivals = 0
         self.counted: dict[str, tuple[int, int]] = {}   # waiting request -> (its tokens, its new blocks) when counted
+        self.leaders: dict[str, Request] = {}           # group -> the choice that computes its prompt
+        self.held: list[Request] = []                   # choices waiting for their leader's prefill, by arrival
+        self.copies: list[tuple[Request, int, int]] = []   # the forks admit() made, for the step's batch
+        self.num_forks = 0
 
     def add(self, req: Request) -> None:
         req.arrival = self.num_arrivals
         self.num_arrivals += 1
+        if req.group:
+            leader = self.leaders.setdefault(req.group, req)
+            if leader is not req and same_prompt(leader, req):
+                if not forkable(leader, req):
+                    self.held.append(req)
+                    return
+                req.fork_from = leader
         self.waiting.append(req)
+
+    def release_held(self) -> None:
+        """Queues the held choices whose leader has computed their prompt (forked at admission), in arrival
+        order ahead of later arrivals. A leader that ended first is succeeded by its first held choice."""
+        ready = []
+        for req in self.held:
+            leader = self.leaders.setdefault(req.group, req)
+            if leader is req or forkable(leader, req):
+                req.fork_from = None if leader is req else leader
+                ready.append(req)
+        if not ready:
+            return
+        self.held = [r for r in self.held if r not in ready]
+        if isinstance(self.waiting, deque):
+            self.waiting.extendleft(reversed(ready))
+        else:
+            for req in ready:
+                self.waiting.append(req)
 
     def queued_blocks(self) -> int:
         """The KV blocks the waiting requests will add: each one's blocks less its prefix cached when it
@@ -145,9 +187,11 @@ class Scheduler:
         return sum(n for _, n in counted.values())
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def schedule(self) -> Batch:
+        if self.held:
+            self.release_held()
         if self.fair:
             self.running.sort(key=self.waiting.rank)
         alone = self.schedule_alone()
@@ -209,6 +253,8 @@ class Scheduler:
                 return
             if n:
                 batch.add(req, n)
+                batch.copies += self.copies
+                self.copies.clear()
                 budget -= n
                 continue
             victim = self.victim_for(req)
@@ -223,6 +269,9 @@ class Scheduler:
         """Moves the head of the queue to running, with its prefix-cache hits and slots for its next
         min(uncached tokens, budget) tokens, and returns how many; 0 when they do not fit the free
         blocks, None when they do not fit the budget (without chunked prefill)."""
+        leader, req.fork_from = req.fork_from, None
+        if leader is not None and forkable(leader, req):
+            return self.fork(req, leader)
         hits = self.kv.get_computed_blocks(req)
         num_hit = len(hits) * self.kv.block_size
         n = req.num_tokens - num_hit
@@ -231,12 +280,33 @@ class Scheduler:
         n = min(n, budget)
         if not self.kv.allocate_slots(req, n, hits):
             return 0
+        self.running_now(req, num_hit, n)
+        return n
+
+    def fork(self, req: Request, leader: Request) -> int:
+        """Admits the head of the queue onto its leader's computed prompt: its full blocks shared, the
+        partial one after them copied, the prompt's last token to compute (1 token); 0 when the blocks
+        do not fit."""
+        last = req.num_tokens - 1
+        full, partial = divmod(last, self.kv.block_size)
+        blocks = self.kv.req_blocks[leader.request_id]
+        if not self.kv.allocate_slots(req, req.num_tokens - full * self.kv.block_size, blocks[:full]):
+            req.fork_from = leader
+            return 0
+        if partial:
+            self.copies.append((req, blocks[full].block_id, self.kv.req_blocks[req.request_id][full].block_id))
+        self.num_forks += 1
+        self.running_now(req, last, 1)
+        return 1
+
+    def running_now(self, req: Request, num_computed: int, n: int) -> None:
+        """The head of the queue admitted with num_computed tokens already in its blocks and n to compute."""
         self.waiting.popleft()
         self.kv.unpin(req.request_id)              # KV pulled for it (disaggregated): its own blocks hold it now
-        self.kv.record_prefix_query(req.num_tokens, num_hit)
+        self.kv.record_prefix_query(req.num_tokens, num_computed)
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_hit
-        req.num_computed_tokens = num_hit
+            req.num_cached_tokens = num_computed
+        req.num_computed_tokens = num_computed
         req.status = Status.RUNNING
         if self.by_priority:
             bisect.insort(self.running, req, key=rank)
@@ -244,7 +314,6 @@ class Scheduler:
             self.running.append(req)
         if self.fair:
             self.waiting.admitted(req, n)
-        return n
 
     def victim_for(self, req: Request) -> Request | None:
         """The running request a waiting one that does not fit may preempt: under the priority policy,
@@ -337,11 +406,16 @@ class Scheduler:
         if self.fair and req.status == Status.RUNNING:
             self.waiting.stopped(req)
         req.status, req.finish_reason = Status.FINISHED, reason
+        req.fork_from = None
         self.kv.free_request(req)
+        if req.group and self.leaders.get(req.group) is req:
+            del self.leaders[req.group]            # its held choices are admitted as any request
 
     def abort(self, req: Request, reason: str = "abort") -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)
+        elif req in self.held:
+            self.held.remove(req)
         elif req.status in (Status.WAITING, Status.PREEMPTED):
             self.waiting.remove(req)
         self.finish(req, reason)
@@ -352,3 +426,14 @@ class Scheduler:
         self.kv.uncache_uncomputed(req)
         req.error = error
         self.abort(req, "error")
+
+
+def same_prompt(leader: Request, req: Request) -> bool:
+    """Whether req is a fresh choice of leader's prompt (not a request resumed after output of its own)."""
+    return (req.num_tokens == req.num_prompt_tokens == leader.num_prompt_tokens
+            and req.cache_salt == leader.cache_salt and req.token_ids == leader.prompt_token_ids)
+
+
+def forkable(leader: Request, req: Request) -> bool:
+    """Whether req can be admitted onto leader's KV now: leader runs with all but req's last token computed."""
+    return leader.status == Status.RUNNING and leader.num_computed_tokens >= req.num_tokens - 1

@@ -203,7 +203,8 @@ class Intake:
         request starts over from its prompt, and the gateway drops what its client has. Returns the
         output it continues after. `hashes`: its prompt's block hashes, if known."""
         seed = r.prefilled.seed if r.prefilled is not None else None
-        share = {"priority": r.priority, "tenant": r.tenant, "weight": r.weight, "block_hashes": hashes}
+        share = {"priority": r.priority, "tenant": r.tenant, "weight": r.weight, "block_hashes": hashes,
+                 "group": r.group}
         try:
             self.engine.add_request(r.id, r.prompt_token_ids, r.sampling, r.cache_salt, output, strikes > 0, seed,
                                     **share)

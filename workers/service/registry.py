@@ -109,7 +109,7 @@ class Registry:
             s["prefix_cache_queries"], s["prefix_cache_hits"], c.finished, s["preemptions"], c.prompt_tokens,
             c.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec,
             self.role, self.transport.snapshot() if self.role != "both" else None,
-            self.engine.config.scheduling_policy, self.revision), \
+            self.engine.config.scheduling_policy, self.revision, s["forks"]), \
             time.monotonic()
 
     def taken_blocks(self) -> int:
