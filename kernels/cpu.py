@@ -1,10 +1,12 @@
 """Paged attention for the CPU: a native kernel (kernels/cpu_attention.cpp) that reads the KV pool
 in place, where the reference copies every sequence's blocks out of it each step. Same signatures
 and semantics as kernels.reference (which it is tested against), float32 or bfloat16 queries and
-pool, accumulating in float32, and the same promise: a query's output is the same bits whatever
-else is in the batch, decode or prefill, at any thread count.
+pool, or a quantized pool (int8 or fp8 rows with their scale, see kernels.reference.quantize_kv)
+under either query dtype, dequantized row by row as the kernel reads it; accumulating in float32;
+and the same promise: a query's output is the same bits whatever else is in the batch, decode or
+prefill, at any thread count.
 
-The library is compiled with the system's C++ compiler on first use (about 2 s) and cached under
+The library is compiled with the system's C++ compiler on first use (about 3 s) and cached under
 $TOKENBUS_HOME/kernels, keyed by the source, the flags, the compiler and the CPU; it runs on
 torch's OpenMP threads (torch.get_num_threads()). Without a compiler, `available()` is False and
 the engine keeps the reference (see workers.engine.runner.attention_kernels).
@@ -30,8 +32,9 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", 
 QUERY_TILE = 16    # prefill queries per work item
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16)
+KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}  # a quantized pool's element -> struct Layer's kv
 
-LAYER = struct.Struct("<9q4qdq")  # struct Layer in cpu_attention.cpp: one layer's call
+LAYER = struct.Struct("<9q4qd2q")  # struct Layer in cpu_attention.cpp: one layer's call
 STEP = struct.Struct("<7q")       # struct Step: the step's batch, the same for every layer
 STORE = struct.Struct("<16q")     # struct Store: store_kv's arguments
 
@@ -81,7 +84,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty(q.shape, dtype=q.dtype)
     layer = LAYER.pack(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                        *k_cache.stride()[:3], out.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2],
-                       k_cache.shape[1], scale, q.dtype == torch.bfloat16)
+                       k_cache.shape[1], scale, q.dtype == torch.bfloat16, KV_FORMATS.get(k_cache.dtype, 0))
     if library().paged_attention(layer, plan.step, torch.get_num_threads()) != 0:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads over {k_cache.shape[2]} KV heads of "
                          f"{q.shape[2]} is not a shape it takes")
@@ -90,11 +93,15 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """kernels.reference.store_kv: token t's K/V [T, Hkv, D] into slot slot_mapping[t]; -1 skipped."""
+    """kernels.reference.store_kv: token t's K/V [T, Hkv, D] into slot slot_mapping[t]; -1 skipped. Into
+    a quantized pool, the rows are quantized first (the reference's torch code), then copied as bytes."""
+    if reference.quantized(k_cache) and key.shape[0]:
+        key, value = reference.quantize_kv(key, k_cache.dtype), reference.quantize_kv(value, v_cache.dtype)
     if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and key.stride(2) == value.stride(2) == 1
             and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and not key.is_cuda):
-        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        store = reference.store_rows if key.dtype == k_cache.dtype else reference.store_kv  # quantized already
+        return store(key, value, k_cache, v_cache, slot_mapping)
     size = key.element_size()
     library().store_kv(STORE.pack(key.data_ptr(), value.data_ptr(), key.stride(0) * size, key.stride(1) * size,
                                   value.stride(0) * size, value.stride(1) * size, k_cache.data_ptr(),
@@ -104,7 +111,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (q.dtype in DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and q.shape[2] <= MAX_HEAD_DIM
+    return (q.dtype in DTYPES and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_FORMATS)
+            and q.shape[2] <= MAX_HEAD_DIM
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
             and not q.is_cuda)
 

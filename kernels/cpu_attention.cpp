@@ -10,7 +10,10 @@
 //
 // A float32 pool is read as it is. A bfloat16 pool's scores take bfloat16 pairs, as AVX512_BF16's
 // vdpbf16ps does (each product exact in float32, added odd element first; emulated where the CPU
-// lacks it), and its values are widened to float32; everything accumulates in float32.
+// lacks it), and its values are widened to float32; everything accumulates in float32. A quantized
+// pool (int8 or fp8 e4m3 rows of head_dim values, then the row's bfloat16 scale) is dequantized as its
+// tile is loaded, value x scale in float32 (exact: kernels.reference.dequantize_kv's bits), and
+// attended in float32 whatever the queries' dtype.
 //
 // Written with GCC vector extensions (16 float lanes; one AVX-512 register where the CPU has it)
 // and built with -ffp-contract=off: the only fused multiply-adds are the explicit ones.
@@ -166,7 +169,8 @@ struct Layer {
   void* out;  // contiguous [T, Hq, D]
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   double scale;
-  int64_t bf16;  // q, the pool and out in bfloat16 (else float32)
+  int64_t bf16;  // q and out in bfloat16 (else float32); the pool too, unless quantized
+  int64_t kv;    // the pool: 0 in q's dtype, 1 int8, 2 fp8 e4m3 (rows of head_dim + 2 bytes)
 };
 
 struct Step {
@@ -189,8 +193,36 @@ struct Scratch {  // one thread's buffers; rows are padded to whole chunks
 
 thread_local Scratch scratch;  // kept from call to call
 
-// E: the pool's element, float or uint16_t (bfloat16).
-template <int NC, typename E>
+// fp8 e4m3 (no infinities; 0x7f and 0xff are NaN, never stored: quantize_kv clamps to +-448) to float.
+static float fp8_to_float(uint8_t b) {
+  int e = (b >> 3) & 15, m = b & 7;
+  float x = e ? __builtin_ldexpf(1.0f + m / 8.0f, e - 7) : __builtin_ldexpf(m / 8.0f, -6);
+  if (e == 15 && m == 7) x = __builtin_nanf("");
+  return b & 0x80 ? -x : x;
+}
+
+static const struct Fp8Table {  // a lookup beats decoding the bits in registers here (measured: 10 vs 15 ms)
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; i++) v[i] = fp8_to_float((uint8_t)i);
+  }
+} fp8_table;
+
+// A quantized row (kv 1: int8, 2: fp8) of n values and its bfloat16 scale, into float32: value x scale,
+// each product exact, so the same bits as kernels.reference.dequantize_kv's.
+static void dequantize(float* out, const uint8_t* row, int64_t n, int64_t kv) {
+  uint32_t bits = (uint32_t)(row[n] | row[n + 1] << 8) << 16;
+  float scale;
+  memcpy(&scale, &bits, 4);
+  if (kv == 1)
+    for (int64_t d = 0; d < n; d++) out[d] = (float)(int8_t)row[d] * scale;
+  else
+    for (int64_t d = 0; d < n; d++) out[d] = fp8_table.v[row[d]] * scale;
+}
+
+// E: the element the scores take, float or uint16_t (bfloat16: a bfloat16 pool). KV: a quantized pool
+// (int8 or fp8, Layer::kv), E then float: its rows are dequantized into float32 copies.
+template <int NC, typename E, bool KV = false>
 struct Item {
   const Batch& a;
   Scratch& s;
@@ -239,10 +271,16 @@ struct Item {
           int64_t r = ((h - h0) * count + i) * group + g;
           int64_t off = (a.cu_seqlens_q[seq] + first + i) * a.q_stride_t + (h * group + g) * a.q_stride_h;
           for (int64_t d = 0; d < a.head_dim; d++) {
-            if (BF16)
+            if (BF16) {
               s.q16[r * key_width + d] = ((const uint16_t*)a.q)[off + d];
-            else
+            } else if (KV && a.bf16) {  // bfloat16 queries over a quantized pool: widened, exactly
+              uint32_t bits = (uint32_t)((const uint16_t*)a.q)[off + d] << 16;
+              float x;
+              memcpy(&x, &bits, 4);
+              s.q[r * width + d] = x * scale;
+            } else {
               s.q[r * width + d] = ((const float*)a.q)[off + d] * scale;
+            }
           }
         }
   }
@@ -251,7 +289,7 @@ struct Item {
   // rows are whole chunks, else into zero-padded copies. Past `keys`, a zero row.
   void load_tile(int64_t base, int64_t keys) {
     int64_t heads = h1 - h0;
-    bool direct = a.head_dim == row;
+    bool direct = !KV && a.head_dim == row;
     s.kp.resize(heads * TILE);
     s.vp.resize(heads * TILE);
     if (!direct) {
@@ -266,9 +304,16 @@ struct Item {
       if (++offset == a.block_size) block++, offset = 0;
       for (int64_t h = 0; h < heads; h++) {
         int64_t at = h * TILE + j;
-        const E *k = (const E*)a.k + slot + (h0 + h) * a.stride_head, *v = (const E*)a.v + slot + (h0 + h) * a.stride_head;
+        int64_t at_row = slot + (h0 + h) * a.stride_head;  // in elements: bytes for a quantized pool
+        const E *k = (const E*)a.k + at_row, *v = (const E*)a.v + at_row;
         if (j >= keys) {
           s.kp[at] = s.vp[at] = zero;
+        } else if (KV) {
+          float *kd = (float*)&s.keys[at * row * sizeof(E)], *vd = (float*)&s.values[at * row * sizeof(E)];
+          dequantize(kd, (const uint8_t*)a.k + at_row, a.head_dim, a.kv);
+          dequantize(vd, (const uint8_t*)a.v + at_row, a.head_dim, a.kv);
+          s.kp[at] = kd;
+          s.vp[at] = vd;
         } else if (direct) {
           s.kp[at] = k;
           s.vp[at] = v;
@@ -396,7 +441,7 @@ struct Item {
           float o[MAX_CHUNKS * LANES];
           for (int c = 0; c < NC; c++) store(o + c * LANES, load(&s.acc[row * width + c * LANES]) / s.l[row]);
           for (int64_t d = 0; d < a.head_dim; d++) {
-            if (BF16)
+            if (a.bf16)
               ((uint16_t*)a.out)[off + d] = float_to_bf16(o[d]);
             else
               ((float*)a.out)[off + d] = o[d];
@@ -405,23 +450,23 @@ struct Item {
   }
 };
 
-template <int NC, typename E>
+template <int NC, typename E, bool KV>
 static void run_item(const Batch& a, Scratch& s, int64_t index, int64_t heads_per_item) {
   int64_t parts = a.num_kv_heads / heads_per_item;
   const int32_t* it = a.items + index / parts * 3;
   int64_t seq = it[0], h0 = index % parts * heads_per_item;
   int64_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
-  Item<NC, E>{a, s, seq, it[1], it[2], h0, h0 + heads_per_item, a.num_heads / a.num_kv_heads,
+  Item<NC, E, KV>{a, s, seq, it[1], it[2], h0, h0 + heads_per_item, a.num_heads / a.num_kv_heads,
            a.seq_lens[seq] - q_len + it[1]}.run();
 }
 
 typedef void (*ItemFn)(const Batch&, Scratch&, int64_t, int64_t);
 
 // Rows are padded to 1, 2, 4, 8 or 16 chunks (fewer variants to compile; the padding adds zeros).
-template <int NC, typename E>
+template <int NC, typename E, bool KV = false>
 static ItemFn pick(int64_t chunks) {
   if constexpr (NC > MAX_CHUNKS) return nullptr;
-  else return chunks <= NC ? run_item<NC, E> : pick<2 * NC, E>(chunks);
+  else return chunks <= NC ? run_item<NC, E, KV> : pick<2 * NC, E, KV>(chunks);
 }
 
 extern "C" int paged_attention(const Layer* layer, const Step* step, int32_t threads) {
@@ -430,7 +475,7 @@ extern "C" int paged_attention(const Layer* layer, const Step* step, int32_t thr
   static_cast<Step&>(batch) = *step;
   const Batch* a = &batch;
   int64_t chunks = (a->head_dim + LANES - 1) / LANES;
-  ItemFn fn = a->bf16 ? pick<1, uint16_t>(chunks) : pick<1, float>(chunks);
+  ItemFn fn = a->kv ? pick<1, float, true>(chunks) : a->bf16 ? pick<1, uint16_t>(chunks) : pick<1, float>(chunks);
   if (!fn || a->num_heads % a->num_kv_heads) return -1;
   // few items: one per KV head, so that every thread has work
   int64_t per = a->num_items >= 4 * threads ? a->num_kv_heads : 1;

@@ -6,6 +6,11 @@ sequences is flattened: `q` is [T, Hq, D] with sequence b's queries in rows
 cu_seqlens_q[b]:cu_seqlens_q[b+1]; `seq_lens[b]` counts its KV including the new tokens, so its
 query i sits at position seq_lens[b] - q_len_b + i and attends causally to every position up to
 its own. `block_tables[b, j]` is the block holding positions j*block_size .. (j+1)*block_size-1.
+
+A quantized pool (int8 or float8_e4m3fn, see quantize_kv) has rows of D + 2 elements: a token's D
+quantized values under one KV head, then that row's scale as the two bytes of a bfloat16. Every
+kernel takes either kind of pool through the same signatures: store_kv quantizes what it writes,
+unified_attention dequantizes what it reads (dequantize_kv's values, exactly).
 """
 from dataclasses import dataclass
 
@@ -16,22 +21,70 @@ SPLIT = 128        # KV positions per split: scores, maxima and sums run over wh
 QUERY_TILE = 256   # prefill queries per part: bounds a part's scores to QUERY_TILE x its KV length
 EXP_FLOOR = -80.0  # exp under about -87 is denormal or zero, and 10-100x slower on CPU
 
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # kv_cache_dtype -> a quantized pool's element
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}              # the largest magnitude each holds
+SCALE_SIZE = 2      # a quantized row's scale: a bfloat16, in the row's last two (1-byte) elements
+MIN_SCALE = 2.0 ** -126
+
+
+def quantized(cache: torch.Tensor) -> bool:
+    """Whether a pool (or a K/V cache view of it) holds quantized rows."""
+    return cache.dtype in QMAX
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., D] as quantized rows [..., D + 2] of `dtype` (int8 or float8_e4m3fn): each row of D is
+    scaled by its own scale, amax / QMAX rounded up to a bfloat16 (so no value clips), then rounded
+    (int8: to nearest even; fp8: torch's e4m3 rounding); the scale's two bytes end the row. A row's
+    bytes depend on that row alone: which tokens share its block, or were written before it, or in
+    the same step, changes nothing."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / QMAX[dtype]).clamp_min(MIN_SCALE)
+    s16 = scale.to(torch.bfloat16)
+    s16 = torch.where(s16.float() < scale, (s16.view(torch.int16) + 1).view(torch.bfloat16), s16)  # round up
+    y = (xf / s16.float()).clamp(-QMAX[dtype], QMAX[dtype])
+    q = y.round().to(torch.int8) if dtype == torch.int8 else y.to(dtype)
+    return torch.cat((q.view(torch.uint8), s16.view(torch.uint8)), -1).view(dtype)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """Quantized rows [..., D + 2] as float32 [..., D]: value x scale, exact in float32 (at most 8 + 8
+    significant bits), so every kernel that multiplies the same two floats gets these bits."""
+    scale = rows[..., -SCALE_SIZE:].contiguous().view(torch.uint8).view(torch.bfloat16).float()
+    return rows[..., :-SCALE_SIZE].float() * scale
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-byte pool viewed as uint8 (torch lacks index_copy_ and friends for float8); others as they are."""
+    return t.view(torch.uint8) if quantized(t) else t
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Writes token t's K/V [T, Hkv, D] to slot slot_mapping[t] (block * block_size + offset);
-    slot -1 is a padding token and is skipped."""
+    slot -1 is a padding token and is skipped. Into a quantized pool, quantized (quantize_kv)."""
+    if quantized(k_cache):
+        key, value = quantize_kv(key, k_cache.dtype), quantize_kv(value, v_cache.dtype)
+    store_rows(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+    """store_kv of rows already in the pool's dtype (a quantized pool's: with their scales)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key, value, k_cache, v_cache = as_bytes(key), as_bytes(value), as_bytes(k_cache), as_bytes(v_cache)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, length: int) -> torch.Tensor:
-    """Whole blocks copied, then trimmed to `length` positions (far faster than slot by slot)."""
-    rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
-    return rows.view(num_seqs, -1, *cache.shape[2:])[:, :length]
+    """Whole blocks copied, then trimmed to `length` positions (far faster than slot by slot); a
+    quantized pool's dequantized, in float32."""
+    rows = as_bytes(cache).view(cache.shape[0], -1).index_select(0, blocks).view(cache.dtype)
+    rows = rows.view(num_seqs, -1, *cache.shape[2:])[:, :length]
+    return dequantize_kv(rows) if quantized(cache) else rows
 
 
 @dataclass(slots=True)
@@ -132,7 +185,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
     (N = 1 is padded), any batch count and any thread count. The softmax takes one maximum over
     all splits (exact in any order) and sums the splits one after another, so a split past a
     query's position (all masked: exactly zero) changes nothing. In float32 whatever q's dtype."""
-    num_seqs, n, num_heads, d = q.shape
+    num_seqs, n, num_heads, d = q.shape   # d: the head dim (a quantized pool's rows are longer)
     kv_heads, splits, hidden, seen = k_cache.shape[2], part.num_splits, part.hidden, part.seen
     group = num_heads // kv_heads
     lone = n * group == 1

@@ -10,6 +10,11 @@ the tile's last causal position. Split-KV (flash decoding): when every query is 
 are few (sequence, KV head) programs for a long context, each program takes one slice of the KV
 range and a second kernel merges the slices' (max, sum, accumulator).
 
+A quantized pool (int8 or fp8 rows with their bfloat16 scale, kernels.reference.quantize_kv): store_kv
+quantizes with the reference's torch code, then copies the rows; the attention reads the pool as int8,
+dequantizes each row in registers (fp8 decoded from its bits) and goes on as for a float32 or 16-bit
+pool of the query's dtype.
+
 Measured on an H200 (docs/gpu.md) before the grouping, with one program per query head: decode
 attention moved 11-12% of peak bandwidth for 8 query heads over 1 KV head and 20-24% for 4 over
 1, i.e. the KV read once per query head at near peak. Grouped, the KV is read once per KV head.
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import as_bytes, quantize_kv, quantized
 
 BLOCK_M = 16                 # query rows per tile, (token, head) pairs; more when a group is larger
 BLOCK_N = 32                 # KV positions per inner step
@@ -46,6 +53,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Writes token t's K/V [T, Hkv, D] to slot slot_mapping[t]; slot -1 (padding) is skipped."""
     if key.shape[0] == 0:
         return
+    if quantized(k_cache):   # rows of D + 2 bytes, the scale included; copied as bytes
+        key, value = as_bytes(quantize_kv(key, k_cache.dtype)), as_bytes(quantize_kv(value, v_cache.dtype))
+        k_cache, v_cache = as_bytes(k_cache), as_bytes(v_cache)
     key, value = key.reshape(key.shape[0], -1), value.reshape(value.shape[0], -1)
     row = key.shape[1]
     kc, vc = k_cache.view(-1, row), v_cache.view(-1, row)
@@ -94,13 +104,31 @@ def plan_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
 
 
 @triton.jit
+def _dequantize(rows, x, n_ok, HEAD_DIM: tl.constexpr, KV: tl.constexpr):
+    """x: a tile of quantized values loaded as int8 (KV 1: int8, 2: fp8 e4m3's bits); `rows` points at
+    each row's start, whose bfloat16 scale follows its HEAD_DIM values. float32, exactly the reference's."""
+    lo = tl.load(rows + HEAD_DIM, mask=n_ok, other=0).to(tl.int32) & 0xFF
+    hi = tl.load(rows + HEAD_DIM + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF
+    scale = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
+    if KV == 1:
+        value = x.to(tl.float32)
+    else:
+        u = x.to(tl.int32) & 0xFF
+        e, m = (u >> 3) & 15, u & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)   # subnormals: m * 2^-9
+        value = tl.where((u & 0x80) != 0, -value, value)
+    return value * scale[:, None]
+
+
+@triton.jit
 def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, tile_seq, tile_start,
                part_max, part_sum, scale,
                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                stride_ot, stride_oh, stride_bt, split_size,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-               IEEE: tl.constexpr):
+               IEEE: tl.constexpr, KV: tl.constexpr):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = tl.load(tile_seq + tile)
     q_first = tl.load(cu_seqlens_q + b)
@@ -132,10 +160,13 @@ def _attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, t
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         offset = (n % BLOCK_SIZE).to(tl.int64)
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-                    + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-                    + d[None, :], mask=kv_mask, other=0.0)
+        k_rows = k_cache + block * stride_kb + offset * stride_ks + kv_head * stride_kh
+        v_rows = v_cache + block * stride_vb + offset * stride_vs + kv_head * stride_vh
+        k = tl.load(k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV != 0:   # a quantized pool: float32 values, in the query's dtype for the dots
+            k = _dequantize(k_rows, k, n_ok, HEAD_DIM, KV).to(qv.dtype)
+            v = _dequantize(v_rows, v, n_ok, HEAD_DIM, KV).to(qv.dtype)
         if IEEE:  # noqa: SIM108 -- float32 operands: exact products (a GPU's float32 dot is tf32 by default)
             logits = tl.dot(qv, tl.trans(k), input_precision="ieee") * scale
         else:       # 16-bit operands on the tensor cores, accumulated in float32
@@ -187,6 +218,9 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Causal attention of every query over its sequence's paged KV: [T, Hq, D] (see kernels.reference)."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    kv = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(k_cache.dtype, 0)   # a quantized pool: int8 or fp8
+    if kv:
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
     if plan is None:
         plan = plan_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], num_heads, num_kv_heads)
     if plan.group != group:
@@ -216,7 +250,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_t, stride_h, block_tables.stride(0),
         split_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32)
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32,
+        KV=kv)
     if split:
         _merge[(num_seqs, num_heads)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
                                       NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -1,22 +1,27 @@
 """`tokenbus chat`: a terminal chat over the gateway's websocket. Each turn sends the whole history,
 streams the reply as it arrives and ends with a stats line. A dropped connection (a gateway crash, a
 network blip) is opened again, on the next of the gateways given, with backoff, and the reply in
-progress resumes from the tokens already printed."""
+progress resumes from the tokens already printed. A turn sets only the sampling fields the user gave; the
+rest are the served model's defaults, which the first line shows."""
 import asyncio
 import contextlib
 import os
 import sys
 import threading
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import orjson
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from schemas import generation
 from schemas.subjects import MAX_FRAME_BYTES
 
 HELP = "/reset clears the history, /quit or Ctrl-D exits"
 BACKOFF = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)        # seconds before each attempt to reconnect after a drop
+MODELS_TIMEOUT = 5.0                              # seconds GET /v1/models has to say the model's defaults
 
 
 class Link:
@@ -59,16 +64,20 @@ class Link:
             await self.ws.close()
 
 
-async def chat(url: str | list[str], max_tokens: int = 256, temperature: float = 0.7, system: str | None = None,
-               input_fn=input, output=sys.stdout, api_key: str | None = None, tools: list[dict] | None = None,
-               tool_choice: str | None = None) -> None:
+async def chat(url: str | list[str], max_tokens: int = 256, temperature: float | None = None,
+               system: str | None = None, input_fn=input, output=sys.stdout, api_key: str | None = None,
+               tools: list[dict] | None = None, tool_choice: str | None = None, sampling: dict | None = None) -> None:
+    """A chat until /quit or EOF. `temperature` and `sampling` (the other fields of generation.FIELDS by name) are
+    set in every turn unless None; a field left unset is the served model's default, which the first line shows."""
     history: list[dict] = []
     head = [{"role": "system", "content": system}] if system else []
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     link = Link([url] if isinstance(url, str) else list(url), auth)
+    fields = {k: v for k, v in {"temperature": temperature, **(sampling or {})}.items() if v is not None}
     await link.open()
     try:
-        print(f"[connected to {link.urls[link.at]} · {HELP}]", file=output)
+        defaults = await asyncio.to_thread(model_defaults, link.urls[link.at], auth)
+        print(f"[connected to {link.urls[link.at]}{defaults} · {HELP}]", file=output)
         turn = 0
         while True:
             try:
@@ -87,7 +96,7 @@ async def chat(url: str | list[str], max_tokens: int = 256, temperature: float =
             turn += 1
             history.append({"role": "user", "content": line})
             frame = {"type": "generate", "id": f"t{turn}", "messages": head + history, "max_tokens": max_tokens,
-                     "temperature": temperature, "resumable": True, **tooling(tools, tool_choice)}
+                     **fields, "resumable": True, **tooling(tools, tool_choice)}
             reply = await stream(link, frame, output)
             if reply is None:
                 history.pop()                     # the turn failed: ask again without it
@@ -95,6 +104,19 @@ async def chat(url: str | list[str], max_tokens: int = 256, temperature: float =
                 history.append(reply)
     finally:
         await link.close()
+
+
+def model_defaults(ws_url: str, headers: dict | None) -> str:
+    """` · model defaults temperature 0.2, top_p 0.9, ...`: the sampling defaults of the gateway's default model,
+    from GET /v1/models beside its websocket; empty when it does not say (an older gateway, no HTTP API there)."""
+    u = urllib.parse.urlsplit(ws_url)
+    url = urllib.parse.urlunsplit(("https" if u.scheme == "wss" else "http", u.netloc, "/v1/models", "", ""))
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=MODELS_TIMEOUT) as r:
+            defaults = orjson.loads(r.read())["data"][0]["sampling_defaults"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return ""
+    return f" · model defaults {generation.shown(defaults)}"
 
 
 async def read_line(input_fn, prompt: str) -> str:
@@ -213,7 +235,10 @@ def register(sub) -> None:
                    help="the gateway's websocket (default ws://127.0.0.1:8000/ws); given again, more gateways: a "
                         "dropped connection resumes its answer on the next")
     c.add_argument("--max-tokens", type=int, default=256, help="tokens of each reply at most")
-    c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+    c.add_argument("--temperature", type=float, help="sampling temperature, 0: greedy (default: the model's)")
+    for name in generation.FIELDS[1:]:
+        c.add_argument(f"--{name.replace('_', '-')}", type=int if name == "top_k" else float,
+                       help=f"{name} (default: the model's)")
     c.add_argument("--system", help="a system message that starts every conversation")
     c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
                    help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
@@ -230,4 +255,5 @@ def main(args) -> None:
     except (OSError, orjson.JSONDecodeError) as e:
         sys.exit(f"chat: --tools {args.tools}: {e}")
     sys.exit(run(args.url or ["ws://127.0.0.1:8000/ws"], max_tokens=args.max_tokens, temperature=args.temperature,
-                 system=args.system, api_key=args.api_key, tools=tools, tool_choice=args.tool_choice))
+                 system=args.system, api_key=args.api_key, tools=tools, tool_choice=args.tool_choice,
+                 sampling={name: getattr(args, name) for name in generation.FIELDS[1:]}))

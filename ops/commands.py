@@ -4,12 +4,20 @@ import sys
 
 from ops.args import MODEL, count, delegate, deployment, size
 from ops.models import DEFAULT_MODEL
+from schemas import generation
 from schemas.messages import SCHEDULING_POLICIES
 from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
 from services.router.policy import POLICIES, Options
 from text.toolcalls import PARSERS
 
 ROUTER = Options()                         # the router's defaults, named in up's help
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # workers.engine.engine's (which imports torch)
+KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's, the default), int8 or fp8 (e4m3), each token's "
+                       "row under each KV head with its own scale: about half the bytes of bfloat16, a quarter of "
+                       "float32's")
+QUANTIZATIONS = ("none", "int8")           # what workers.layers.quant makes at load (which imports torch)
+QUANTIZATION_HELP = ("the linear weights: none (the checkpoint's, the default) or int8, quantized at load with a "
+                     "scale per output channel and multiplied in int8 (docs/models.md)")
 
 
 def generate(sub) -> None:
@@ -17,21 +25,28 @@ def generate(sub) -> None:
     g.add_argument("prompts", nargs="+", help="prompts, generated as one batch")
     g.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
     g.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt at most")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the likeliest tokens up to this mass")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy (the default), which takes none of the model's sampling defaults")
+    g.add_argument("--top-p", type=float, help="nucleus sampling: the likeliest tokens up to this mass (default: the "
+                   "model's, else 1)")
     g.add_argument("--seed", type=int, help="the sampling seed (default: one drawn per request)")
     g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--generation-config", metavar="auto|none|FILE", default="auto", help=generation.HELP)
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=QUANTIZATION_HELP)
     g.set_defaults(func=run_generate)
 
 
 def run_generate(args) -> None:
     from ops.models import resolve
-    from workers import LLM, SamplingParams
+    from workers import LLM
 
-    llm = LLM(resolve(args.model, sys.stderr))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, ignore_eos=args.ignore_eos)
+    llm = LLM(resolve(args.model, sys.stderr), generation_config=args.generation_config,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+             "ignore_eos": args.ignore_eos}
+    params = llm.sampling_params(**{k: v for k, v in given.items() if v is not None})
     outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params) if args.chat \
         else llm.generate(args.prompts, params)
     for prompt, out in zip(args.prompts, outs):
@@ -41,18 +56,45 @@ def run_generate(args) -> None:
 
 
 def evaluate(sub) -> None:
-    ev = sub.add_parser("eval", help="measure a model: perplexity of a text, the engine's beside HF transformers'")
+    ev = sub.add_parser("eval", help="measure a model: perplexity of a text beside HF transformers', the KL divergence "
+                                     "from the unquantized model, long-context recall")
     evsub = ev.add_subparsers(dest="metric", required=True)
     pp = evsub.add_parser("ppl", help="teacher-forced per-token log-likelihood and perplexity of a text, the "
-                                      "engine's and HF transformers' on the same tokens and dtype (on the CPU)")
-    pp.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
+                                      "engine's and HF transformers' on the same tokens and dtype, and the KL "
+                                      "divergence and top-1 agreement of the engine's token distributions with "
+                                      "the unquantized float32 model's (on the CPU)")
+    eval_numerics(pp)
     pp.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: an English essay of 2,272 "
                                                    "SmolLM2 tokens shipped with tokenbus)")
-    pp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="the weights' and activations' dtype on both sides (default: float32)")
     pp.add_argument("--max-tokens", type=int, metavar="N", help="only the text's first N tokens (default: all)")
     pp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pp.set_defaults(func=delegate("workers.eval", "ppl"))
+    lc = evsub.add_parser("longctx", help="long-context recall: a fact early in a long prompt, asked for at its end, "
+                                          "answered greedily by the engine and by the unquantized float32 model "
+                                          "(on the CPU)")
+    eval_numerics(lc)
+    lc.add_argument("--lengths", default="1k,4k,full", metavar="N,...",
+                    help="prompt lengths in tokens: 512, 4k (4096) or full (the model's context less the answer); "
+                         "one beyond the context is taken as full (default: 1k,4k,full)")
+    lc.add_argument("--answer-tokens", type=int, default=16, metavar="N",
+                    help="greedy answer tokens at most (default: 16)")
+    lc.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    lc.set_defaults(func=delegate("workers.eval", "longctx"))
+
+
+def eval_numerics(p) -> None:
+    """eval's options: the model and the numerics it is measured in, against the unquantized float32 model."""
+    p.add_argument("--model", help=f"{MODEL} (default: {DEFAULT_MODEL}, pulled on first use)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the engine's weights' and activations' dtype, and in eval ppl HF transformers' "
+                        "(default: float32)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="the engine's KV cache: auto (the model's dtype) or quantized (default: auto)")
+    p.add_argument("--quantization", default="none", metavar="none|int8|...",
+                   help="the engine's weights: none (as loaded) or a quantization the engine takes, e.g. int8 "
+                        "(default: none)")
+    p.add_argument("--reference", metavar="MODEL", help="the unquantized model compared with, run in float32 with "
+                   "the KV cache in float32 and no quantization (default: --model itself)")
 
 
 def plan(sub) -> None:
@@ -171,6 +213,7 @@ def up_gateway(u) -> None:
                    help=f"the gateway's cap on a request's max_tokens (default: {MAX_TOKENS})")
     u.add_argument("--tool-call-parser", choices=PARSERS,
                    help="how the models write tool calls (default: chosen from each checkpoint's chat template)")
+    u.add_argument("--generation-config", metavar="auto|none|FILE", help=generation.HELP)
     u.add_argument("--fallback-url", metavar="URL",
                    help="every gateway's fallback: an OpenAI-compatible upstream's base URL (e.g. http://host:8000/v1) "
                         "that answers what the cluster cannot take, behind a circuit breaker; docs/api.md "
@@ -197,6 +240,15 @@ def up_engine(u) -> None:
                         "fair, priority then each tenant's share of generated tokens by its key's weight")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
+    u.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every worker's " + KV_CACHE_DTYPE_HELP)
+    u.add_argument("--quantization", choices=QUANTIZATIONS, help="every worker's " + QUANTIZATION_HELP)
+    u.add_argument("--kv-host-memory", type=size, metavar="BYTES",
+                   help="each worker's host-memory tier of the prefix cache, e.g. 8GiB: blocks evicted from the KV "
+                        "pool are kept there and copied back on a hit instead of recomputed (default: none)")
+    u.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="a disk tier below it, each worker's in DIR/<worker id> (with --kv-disk-size): checksummed "
+                        "block files that the next `up` finds again (default: none)")
+    u.add_argument("--kv-disk-size", type=size, metavar="BYTES", help="each worker's disk tier at most, e.g. 100GiB")
     u.add_argument("--chunk-rate", type=chunk_rate, metavar="N",
                    help="token chunks per second each worker publishes at most, all its streams together; under more "
                         f"load a chunk carries several steps' tokens; 0: a chunk per step (default: {CHUNK_RATE:g})")

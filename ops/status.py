@@ -1,5 +1,6 @@
 """`tokenbus status`: the worker registry (KV bucket tb_workers) as a table or as JSON: each worker's
-role, model and revision (name@revision), load, KV use, prefix hits, speculation, KV transfers."""
+role, model and revision (name@revision), load, KV use, prefix hits, speculation, KV transfers, the
+prefix cache's tiers below the pool (host memory, disk)."""
 import asyncio
 import dataclasses
 
@@ -32,21 +33,25 @@ def as_json(beats: list[Heartbeat]) -> dict:
                          "scheduling_policy": b.scheduling_policy,
                          **{f: getattr(b, f) for f in FIELDS[1:]},
                          "speculation": dataclasses.asdict(b.speculation) if b.speculation else None,
-                         "kv_transfer": dataclasses.asdict(b.kv_transfer) if b.kv_transfer else None}
+                         "kv_transfer": dataclasses.asdict(b.kv_transfer) if b.kv_transfer else None,
+                         "kv_tiers": b.kv_tiers}
                         for b in beats]}
 
 
 def table(beats: list[Heartbeat]) -> str:
-    """One row per worker; the kv transfer column only when some worker is disaggregated."""
+    """One row per worker; the kv transfer column only when some worker is disaggregated, the kv tiers one
+    only when some worker has tiers."""
     disaggregated = any(b.kv_transfer is not None for b in beats)
+    tiered = any(b.kv_tiers for b in beats)
     head = ["worker", "role", "model", "policy", "running", "waiting", "kv used", "kv blocks", "prefix hit", "finished",
-            "speculation", *(["kv transfer"] if disaggregated else [])]
+            "speculation", *(["kv transfer"] if disaggregated else []), *(["kv tiers"] if tiered else [])]
     rows = [[b.worker, b.role, f"{b.model}@{b.revision}" if b.revision else b.model, b.scheduling_policy,
              str(b.running), str(b.waiting),
              f"{1 - b.kv_blocks_free / max(b.kv_blocks_total, 1):.1%}", f"{b.kv_blocks_free}/{b.kv_blocks_total} free",
              f"{b.prefix_cache_hits / b.prefix_cache_queries:.1%}" if b.prefix_cache_queries else "-",
              str(b.requests_finished), speculation(b.speculation),
-             *([kv_transfer(b.role, b.kv_transfer)] if disaggregated else [])] for b in beats]
+             *([kv_transfer(b.role, b.kv_transfer)] if disaggregated else []),
+             *([kv_tiers(b.kv_tiers)] if tiered else [])] for b in beats]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
     return "\n".join(lines) if rows else "no workers registered"
@@ -84,6 +89,13 @@ def size(n: int) -> str:
 def main(args) -> None:
     beats = asyncio.run(read_registry(args.nats_url))
     print(orjson.dumps(as_json(beats)).decode() if args.json else table(beats))
+
+
+def kv_tiers(t: dict[str, float]) -> str:
+    """Each tier below the pool: its blocks and bytes, the hits copied up from it and the time its copies took."""
+    parts = [f"{tier} {t[f'{tier}_blocks']:.0f} blk / {size(int(t[f'{tier}_bytes']))}, {t[f'{tier}_hits']:.0f} hits, "
+             f"{t[f'{tier}_seconds'] * 1e3:.0f} ms" for tier in ("host", "disk") if f"{tier}_hits" in t]
+    return "; ".join(parts) or "-"
 
 
 def register(sub) -> None:

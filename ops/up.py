@@ -19,7 +19,7 @@ import bus as nats_bus
 from ops import broker, bus, cluster, procs
 from ops.models import resolve
 from ops.status import heartbeats
-from schemas import served, subjects
+from schemas import generation, served, subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
 from schemas.revision import revision
 from schemas.served import Served
@@ -200,7 +200,7 @@ class Stack:
         for name, (role, entry) in self.worker_plan.items():
             self.spawn(name, "workers.service", *common, "--model", entry.model, "--served-model-name",
                        entry.served_name, "--id", name, *([] if role == "both" else ["--role", role]),
-                       *self.worker_args, env=self.worker_env, role="worker")
+                       *(a.replace("{worker}", name) for a in self.worker_args), env=self.worker_env, role="worker")
         keys_arg = ["--api-keys", self.api_keys] if self.api_keys else []
         for i, name in enumerate(self.gateway_names):
             self.spawn(name, "services.gateway", *common, "--models", str(models_file), "--host", self.host,
@@ -429,7 +429,18 @@ def worker_args(args) -> list[str]:
     return [*(["--tp", str(args.tp)] if args.tp > 1 else []),
             *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative",
                    "kv-load-failure-policy", "scheduling-policy"),
+            *given(args, "kv-cache-dtype"),
+            *given(args, "quantization"),
+            *given(args, "kv-host-memory", "kv-disk-size"), *disk_dirs(args),
             *(["--no-speculative-adaptive"] if args.no_speculative_adaptive else [])]
+
+
+def disk_dirs(args) -> list[str]:
+    """--kv-disk-dir for a worker: each worker's own directory under up's, made absolute (workers started together
+    never share one; a worker's blocks are found again by the worker of the same place in the next `up`)."""
+    if (args.kv_disk_dir is None) != (args.kv_disk_size is None):
+        raise ValueError("--kv-disk-dir and --kv-disk-size go together: the disk tier needs both")
+    return ["--kv-disk-dir", os.path.join(os.path.abspath(args.kv_disk_dir), "{worker}")] if args.kv_disk_dir else []
 
 
 def colocated(args) -> int:
@@ -512,10 +523,12 @@ def main(args) -> None:
     model = entries[0].model
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
-                  gateway_args=given(args, "max-tokens", "tool-call-parser", *FALLBACK), gateways=args.gateways,
-                  nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
+                  gateway_args=given(args, "max-tokens", "tool-call-parser", "generation-config", *FALLBACK),
+                  gateways=args.gateways, nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
                   decode_workers=args.decode_workers, models=entries, **security)
     stack.plan()                                  # a models file's mistakes before anything starts
+    for m in stack.served:                        # and a generation config's (the gateways load them)
+        generation.load(m.files, args.generation_config or "auto")
     if args.nats_cluster > 1:
         stack.nats_nodes = cluster.local_nodes(args.nats_cluster, data_dir, args.nats_port)
     signal.signal(signal.SIGTERM, interrupt)

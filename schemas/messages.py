@@ -21,6 +21,7 @@ MAX_TEXT_CHARS = 1 << 16                # an error message or a dead letter's re
 MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), (1 << 31) - 1   # a request's priority: an int32, lower runs first
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3    # a tenant's weight: its share of a worker under the fair policy
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")   # a worker's (workers.engine.scheduler)
+KV_TIERS = ("pool", "host", "disk")               # a prefix cache's tiers, highest first (workers.engine.kv_tiers)
 
 
 @dataclass(slots=True)
@@ -389,17 +390,23 @@ class Heartbeat:
     scheduling_policy: str = "fcfs"               # fcfs | priority | fair (the engine's, workers.engine.scheduler)
     revision: str = ""                            # of the model it serves (schemas/revision.py)
     forks: int = 0                                # choices admitted onto a sibling's computed prompt (n > 1)
+    kv_tiers: dict[str, float] = field(default_factory=dict)   # the prefix cache's tiers below the pool, per tier
+    #                                 (host_*, disk_*): hits, blocks, bytes, bytes_in, bytes_out, seconds; empty: none
 
 
 @dataclass(slots=True)
 class KvEvent:
     """worker → tb.kv.<worker>: block hashes it stored and removed in one engine step (disjoint lists).
-    `seq` counts the worker's events from 1; a reader that sees one missing asks for a snapshot."""
+    `seq` counts the worker's events from 1; a reader that sees one missing asks for a snapshot.
+    With a prefix cache in tiers, `stored` holds each hash that moved too, and `tiers` the tier that holds
+    it now, one per stored hash (an index of KV_TIERS); empty: all in the pool (a worker without tiers).
+    `removed`: gone from every tier."""
     TYPE: typing.ClassVar[str] = "kv"
     worker: str
     seq: int
     stored: list[int]
     removed: list[int]
+    tiers: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -412,6 +419,7 @@ class KvSnapshot:
     part: int
     parts: int
     hashes: list[int]
+    tiers: list[int] = field(default_factory=list)   # each hash's tier, as KvEvent's; empty: all in the pool
 
 
 @dataclass(slots=True)

@@ -18,7 +18,9 @@ reserved blocks, `release` deregisters; the worker service and the router do not
 
 A KvBlocks message: a 4-byte big-endian header length, a msgpack header (type, version, lease,
 hashes, layer range, dtype, shape, or an error), then the raw bytes of a [2, layers, blocks,
-block_size, kv_heads, head_dim] tensor.
+block_size, kv_heads, head_dim] tensor in the pool's dtype: a quantized pool's (EngineConfig.kv_cache_dtype
+int8 or fp8) has rows of head_dim + 2, each with its scale, and its dtype is named "int8" or
+"float8_e4m3fn"; a pool of another dtype is refused by name, never converted.
 """
 import asyncio
 import contextlib
@@ -158,9 +160,9 @@ class NatsKvTransport:
 
     @functools.cached_property
     def shape(self) -> tuple[int, int, int]:
-        """One layer's K (or V) of one block: block_size, kv heads, head dim."""
+        """One layer's K (or V) of one block: block_size, kv heads, head dim (+ 2 for a quantized row's scale)."""
         attn = self.runner.model.attention_layers()[0]
-        return self.engine.config.block_size, attn.num_kv_heads, attn.head_dim
+        return self.engine.config.block_size, attn.num_kv_heads, self.runner.kv_row()
 
     @functools.cached_property
     def layer_bytes(self) -> int:
@@ -169,8 +171,8 @@ class NatsKvTransport:
 
     @functools.cached_property
     def dtype(self) -> str:
-        """The pool's dtype as a KvBlocks header names it."""
-        return str(self.runner.dtype).removeprefix("torch.")
+        """The pool's dtype as a KvBlocks header names it (int8 or float8_e4m3fn for a quantized pool)."""
+        return str(self.runner.kv_dtype).removeprefix("torch.")
 
     async def start(self, side=None) -> None:
         self.side, self.main = side, asyncio.get_running_loop()
@@ -314,10 +316,11 @@ class NatsKvTransport:
             raise TransferError("the prefill worker answered with other blocks than asked")
         if header.get("dtype") != self.dtype or header.get("shape") != want_shape:
             raise TransferError(f"the prefill worker's KV is {header.get('dtype')} {header.get('shape')}, this "
-                                f"worker's {self.dtype} {want_shape}: another model, dtype or block size")
+                                f"worker's {self.dtype} {want_shape}: another model, dtype, kv_cache_dtype or "
+                                "block size")
         if len(data) != self.layer_bytes * len(piece.layers) * len(piece.hashes):
             raise TransferError(f"a KvBlocks message of {len(data)} bytes, not the shape's")
-        kv = torch.frombuffer(bytearray(data), dtype=self.runner.dtype).view(want_shape)
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.runner.kv_dtype).view(want_shape)
         self.runner.write_blocks([ids[h] for h in piece.hashes], piece.layers, kv)
         out.bytes += len(data)
         for h in piece.hashes:

@@ -3,11 +3,13 @@ import itertools
 import warnings
 from dataclasses import dataclass
 
+from schemas import generation
 from schemas.sampling import SamplingParams
 from text.detokenizer import Detokenizer
 from workers.engine.engine import EngineConfig, LLMEngine, check_priority, check_weight
 from workers.engine.request import Request, TokenLogprobs
 from workers.models import catalogue
+from workers.models.gguf import hf_dir
 
 
 @dataclass(slots=True)
@@ -23,20 +25,29 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, tokenizer=None, **options):
+    def __init__(self, model: str | None = None, tokenizer=None, generation_config: str = "auto", **options):
         """`model`: an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct (the
         default, pulled on first use; the tiny model, with a warning, when it cannot be), or tiny and
-        small (random weights, built on first use). Options are EngineConfig's fields (block_size,
-        num_kv_blocks, max_num_batched_tokens, tensor_parallel_size, ...)."""
+        small (random weights, built on first use). `generation_config`: where the model's sampling defaults
+        come from, auto, none or a file (schemas/generation.py), for generate() without params and for
+        sampling_params(). Options are EngineConfig's fields (block_size, num_kv_blocks,
+        max_num_batched_tokens, tensor_parallel_size, ...)."""
         model = catalogue.resolve(model, lambda why: warnings.warn(why, stacklevel=4))
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            from workers.models.gguf import hf_dir
             tokenizer = AutoTokenizer.from_pretrained(hf_dir(model))
         self.model_dir, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, EngineConfig(**options))
+        self.sampling_defaults = generation.load(hf_dir(model), generation_config)
         self.ids = itertools.count()
+
+    def sampling_params(self, **fields) -> SamplingParams:
+        """SamplingParams of `fields`, the model's sampling defaults for those of generation.FIELDS not among them
+        (none when temperature 0 is): what the gateway runs a request that sets `fields` with."""
+        params = SamplingParams(**fields)
+        generation.fill(params, fields, self.sampling_defaults)
+        return params
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -45,11 +56,13 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None, priority: list[int] | None = None, tenant: list[str] | None = None,
                  weights: dict[str, float] | None = None) -> list[RequestOutput]:
-        """`priority`: one per prompt, lower first, with the option scheduling_policy="priority" (vLLM's) or
-        "fair". `tenant`: one per prompt, and `weights` by tenant (1 when left out): with the option
-        scheduling_policy="fair" each tenant's share of the engine follows its weight."""
+        """`params`: one for all prompts or one each; without them, the model's sampling defaults (vLLM's LLM
+        does the same; a SamplingParams given is run as it is). `priority`: one per prompt, lower first, with the
+        option scheduling_policy="priority" (vLLM's) or "fair". `tenant`: one per prompt, and `weights` by tenant
+        (1 when left out): with the option scheduling_policy="fair" each tenant's share of the engine follows its
+        weight."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
-        params = params or SamplingParams()
+        params = params or self.sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")

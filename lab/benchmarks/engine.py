@@ -67,7 +67,8 @@ def main(args) -> None:
     model_dir = resolve(args.model or "tiny")
     model_cfg = ModelConfig.load(model_dir)
     requests = workload(args, model_cfg.vocab_size)
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, dtype=args.dtype, device=args.device)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, dtype=args.dtype, device=args.device,
+                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     engine = LLMEngine(model_dir, config)
     run_engine(engine, requests[:4])  # warm-up
     hf = None
@@ -86,7 +87,8 @@ def main(args) -> None:
     flops = sum(model_cfg.request_flops(len(p), n) for p, n in requests)
     result = {"model": model_dir, "device": str(engine.runner.device), "num_requests": len(requests),
               "threads": torch.get_num_threads(),
-              "repeat": args.repeat, "engine": engine_summary(engine, engine_runs, output_tokens, flops)}
+              "repeat": args.repeat, "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
+              "engine": engine_summary(engine, engine_runs, output_tokens, flops)}
     if args.peak:
         result["peak_flops_per_s"] = {name: peak_flops(getattr(torch, name)) for name in ("float32", "bfloat16")}
         result["share_of_peak"] = result["engine"]["model_flops_per_s"] / result["peak_flops_per_s"][
@@ -100,13 +102,19 @@ def main(args) -> None:
         print(profile_decode(model_dir, requests, config))
 
 
+def kv_label(r: dict) -> str:
+    return ("" if r["kv_cache_dtype"] == "auto" else f", KV {r['kv_cache_dtype']}") + \
+        ("" if r.get("quantization", "none") == "none" else f", weights {r['quantization']}")
+
+
 def table(r: dict, args) -> str:
     e = r["engine"]
     lines = [f"workload: {r['num_requests']} requests, prompts {args.input_len[0]}-{args.input_len[1]}, "
              f"outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, EOS ignored; {r['threads']} threads; "
              f"best of {r['repeat']} runs",
              f"{'':28}{'seconds':>10}{'output tok/s':>14}",
-             f"{'tokenbus engine (' + e['dtype'] + ')':28}{e['seconds']:>10.2f}{e['output_tokens_per_s']:>14.0f}"]
+             f"{'tokenbus engine (' + e['dtype'] + kv_label(r) + ')':28}{e['seconds']:>10.2f}"
+             f"{e['output_tokens_per_s']:>14.0f}"]
     if "hf_generate" in r:
         h = r["hf_generate"]
         lines += [f"{f'HF generate (batches of {args.hf_batch_size})':28}{h['seconds']:>10.2f}"

@@ -218,13 +218,13 @@ class StandIn:
         blocks = lambda n: -(-n // block_size)  # noqa: E731
         self.kv = SimpleNamespace(record_changes=lambda: None, changes=None, cached=(), num_blocks=1 << 20,
                                   num_blocks_for=blocks, unpin=lambda owner: None,
-                                  new_blocks=lambda hashes, n: blocks(n))     # nothing is cached here
+                                  new_blocks=lambda hashes, n: blocks(n), held=lambda: ([], []))   # nothing cached
         self.scheduler = SimpleNamespace(suspect=lambda: None, waiting=[], queued_blocks=lambda: 0)
         self.requests: dict[str, Request] = {}
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None = None,
                     output=(), isolate: bool = False, seed: int | None = None, priority: int = 0, tenant: str = "",
-                    weight: float = 1.0, block_hashes: list[int] = ()) -> Request:
+                    weight: float = 1.0, block_hashes: list[int] = (), group: str = "") -> Request:
         req = Request(rid, [*prompt, *output], len(prompt), params, 0, self.config.block_size, salt,
                       block_hashes=list(block_hashes))
         req.num_resumed_tokens = req.num_cached_tokens = 0
@@ -247,7 +247,7 @@ class StandIn:
         n, cap = len(self.requests), self.config.max_num_seqs
         return {"running": min(n, cap), "waiting": max(n - cap, 0), "kv_blocks_total": self.kv.num_blocks,
                 "kv_blocks_free": self.kv.num_blocks, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                "preemptions": 0}
+                "preemptions": 0, "forks": 0}
 
     def step(self) -> list[Request]:
         time.sleep(self.step_s)

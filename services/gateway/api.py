@@ -61,13 +61,15 @@ async def models(request: HttpRequest) -> Response:
 
 
 def card(model: Model, created: int, pinned: Revision | None = None) -> dict:
-    """A model's entry: OpenAI's fields, its revision (the stable one's, or the one pinned) and every revision
-    with the share of the name's requests it answers."""
+    """A model's entry: OpenAI's fields, its revision (the stable one's, or the one pinned), every revision with
+    the share of the name's requests it answers, and the revision's sampling defaults (what a request leaves unset
+    runs with)."""
     canaries = sum(r.share for r in model.revisions[1:])
     shares = [{"revision": r.revision, "share": round(r.share or 1 - canaries, 6)} for r in model.revisions]
     rev = pinned or model.revisions[0]
     return {"id": model.name if pinned is None else f"{model.name}{SEPARATOR}{rev.revision}", "object": "model",
-            "created": created, "owned_by": "tokenbus", "revision": rev.revision, "revisions": shares}
+            "created": created, "owned_by": "tokenbus", "revision": rev.revision, "revisions": shares,
+            "sampling_defaults": rev.sampling}
 
 
 def refused(gw: Gateway, key, e: ApiError) -> Response:

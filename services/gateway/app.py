@@ -28,7 +28,7 @@ from websockets.exceptions import InvalidState
 
 import bus
 from bus.log import configure
-from schemas import served, subjects
+from schemas import generation, served, subjects
 from schemas.messages import Heartbeat, decode
 from schemas.subjects import MAX_HEADER_BYTES, MAX_HEADERS
 from schemas.wire import WireError
@@ -50,12 +50,13 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
                max_tokens: int = subjects.MAX_TOKENS, model_name: str | None = None,
                request_timeout: float = subjects.REQUEST_DEADLINE, resume_grace: float = subjects.RESUME_GRACE,
                models_file: str | None = None, upstream: Upstream | None = None,
-               tool_parser: str | None = None) -> Starlette:
+               tool_parser: str | None = None, generation_config: str = "auto") -> Starlette:
     """The app of one model (model_dir, served as model_name) or of every model of a served models file;
-    ValueError (naming the file and the key) for a bad keys or models file. upstream: the fallback, if any."""
+    ValueError (naming the file and the key) for a bad keys, models or generation config file. upstream: the
+    fallback, if any. generation_config: where the models' sampling defaults come from (schemas/generation.py)."""
     key_table = keys.load(api_keys) if api_keys else None
-    models = Models(served.load(models_file), tool_parser) if models_file else Models.one(model_dir, model_name,
-                                                                                          tool_parser)
+    models = Models(served.load(models_file), tool_parser, generation_config) if models_file else \
+        Models.one(model_dir, model_name, tool_parser, generation_config)
     model = models.default
     default = models.by_name[model].revisions[0]
 
@@ -89,7 +90,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             app.state.openapi = orjson.dumps(openapi.document(list(models.by_name), max_tokens))
             app.state.page = PAGE.read_text()
             log.info("gateway ready", nats=nats_url, model=model_dir, models=models.ids(), api_keys=api_keys,
-                     fallback=upstream.url if upstream else None)
+                     fallback=upstream.url if upstream else None, sampling_defaults=default.sampling)
             if key_table is None:
                 log.warning("no API keys: one tenant, no authentication, loopback only")
             yield
@@ -328,6 +329,7 @@ def parser() -> argparse.ArgumentParser:
                         f"(default: {COOLDOWN:g})")
     p.add_argument("--tool-call-parser", choices=toolcalls.PARSERS,
                    help="how the models write tool calls (default: chosen from each checkpoint's chat template)")
+    p.add_argument("--generation-config", metavar="auto|none|FILE", default="auto", help=generation.HELP)
     return p
 
 
@@ -345,7 +347,7 @@ def main(argv=None) -> None:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
                          args.request_timeout, args.resume_grace, args.models,
-                         fallback(args), args.tool_call_parser)
+                         fallback(args), args.tool_call_parser, args.generation_config)
     except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json, a bad --fallback-*
         sys.exit(f"gateway: {e}")
     server = uvicorn.Server(server_config(app, args.host, args.port))

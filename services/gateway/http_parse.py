@@ -103,6 +103,7 @@ def parse(api: str, b: dict, gw: Gateway) -> Call:
     gw.choose(req, model)
     for other in reqs[1:]:                    # every choice from the revision the first one's id drew
         other.model, other.revision = req.model, req.revision
+    gw.fill(reqs, fields)
     revision = gw.served(req)[1]
     if spec is not None:
         spec.parser = revision.tool_parser if revision is not None else "hermes"   # a gateway of no models file

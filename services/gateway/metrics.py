@@ -7,7 +7,8 @@
   preemptions, tokens and finished requests, counted since the worker started; for a worker that
   speculates, its drafts, their acceptance and its current k (tokenbus_spec_decode_*); its role
   (tokenbus_worker_role); for a disaggregated worker, its KV transfers (tokenbus_kv_transfer_*, by
-  worker and role);
+  worker and role); for a worker with a prefix cache in tiers, each tier's hits, blocks, bytes and copy
+  time (tokenbus_kv_tier_*, by worker and tier);
 - what every router pushes on tb.router.stats.<router> each second (per router, the latest record
   kept by a core subscription): its decisions per worker, the guard's interventions, the
   predicted vs actual prefix-hit tokens of the requests it routed, and with prefill workers where it
@@ -85,6 +86,17 @@ KV_TRANSFER_METRICS = {
     "transfer_ms_p99": ("tokenbus_kv_transfer_ms_p99", "gauge", "99th percentile of the recent transfer times, ms."),
 }
 
+# Heartbeat.kv_tiers key after "<tier>_" -> (metric name, kind, help); labelled by worker and tier (host, disk),
+# for the workers with a prefix cache in tiers
+KV_TIER_METRICS = {
+    "hits": ("tokenbus_kv_tier_hits", "counter", "Prefix-cache blocks copied up to the pool from this tier."),
+    "blocks": ("tokenbus_kv_tier_blocks", "gauge", "Blocks this tier holds."),
+    "bytes": ("tokenbus_kv_tier_bytes", "gauge", "Bytes this tier holds."),
+    "bytes_in": ("tokenbus_kv_tier_bytes_in", "counter", "Bytes copied down into this tier."),
+    "bytes_out": ("tokenbus_kv_tier_bytes_out", "counter", "Bytes copied up from this tier."),
+    "seconds": ("tokenbus_kv_tier_seconds", "counter", "Time spent copying into and out of this tier."),
+}
+
 
 class Workers:
     """A collector of the latest heartbeats (set just before each scrape)."""
@@ -112,6 +124,11 @@ class Workers:
         kvx = [([hb.worker, hb.role], hb.kv_transfer) for hb in self.beats if hb.kv_transfer is not None]
         if kvx:                            # no disaggregated worker: no series
             families += per_worker(KV_TRANSFER_METRICS, kvx, getattr, ["worker", "role"])
+        tiers = [([hb.worker, t], (t, hb.kv_tiers)) for hb in self.beats for t in ("host", "disk")
+                 if f"{t}_hits" in hb.kv_tiers]
+        if tiers:                          # no worker with tiers: no series
+            families += per_worker(KV_TIER_METRICS, tiers, lambda src, f: src[1].get(f"{src[0]}_{f}", 0),
+                                   ["worker", "tier"])
         return families
 
 

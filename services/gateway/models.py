@@ -11,6 +11,7 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer
 
+from schemas import generation
 from schemas.revision import revision as revision_of
 from schemas.served import SEPARATOR, Served, check
 from services.gateway.errors import ApiError
@@ -24,6 +25,7 @@ class Revision:
     tokenizer: Tokenizer
     max_model_len: int
     tool_parser: str = "hermes"                   # how its model writes tool calls (text/toolcalls.py)
+    sampling: dict = field(default_factory=dict)  # its defaults for what a request leaves unset (schemas/generation.py)
 
 
 @dataclass(slots=True)
@@ -55,32 +57,36 @@ def fraction(rid: str) -> float:
 
 
 class Models:
-    """Every served model by name, in the order given; the first is the default."""
+    """Every served model by name, in the order given; the first is the default. `generation_config` is where each
+    model's sampling defaults come from (auto, none or a file: schemas/generation.py)."""
 
-    def __init__(self, served: list[Served], tool_parser: str | None = None):
+    def __init__(self, served: list[Served], tool_parser: str | None = None, generation_config: str = "auto"):
         check(served)
-        files: dict[str, tuple[Tokenizer, int, str]] = {}
+        files: dict[str, tuple[Tokenizer, int, str, dict]] = {}
         self.by_name: dict[str, Model] = {}
         for s in sorted(served, key=lambda s: s.share > 0):          # stable revisions first, order kept
             if s.files not in files:
                 config = orjson.loads(Path(s.files, "config.json").read_bytes())
                 files[s.files] = (Tokenizer.from_file(f"{s.files}/tokenizer.json"),
                                   config.get("max_position_embeddings") or 1 << 30,
-                                  tool_parser or toolcalls.pick(chat_template(s.files)))
+                                  tool_parser or toolcalls.pick(chat_template(s.files)),
+                                  generation.load(s.files, generation_config))
             model = self.by_name.setdefault(s.name, Model(s.name))
             model.revisions.append(Revision(s.revision, s.share, *files[s.files]))
         self.default = served[0].name
         self.by_name = {s.name: self.by_name[s.name] for s in served}                    # the file's order
 
     @classmethod
-    def one(cls, model_dir: str, name: str | None = None, tool_parser: str | None = None) -> "Models":
+    def one(cls, model_dir: str, name: str | None = None, tool_parser: str | None = None,
+            generation_config: str = "auto") -> "Models":
         """A gateway of one model: its checkpoint directory (revision "" when it holds no weights, e.g. a
         GGUF's files) served under `name` (default: the directory's name)."""
         try:
             rev = revision_of(model_dir)
         except ValueError:
             rev = ""
-        return cls([Served(name or os.path.basename(os.path.normpath(model_dir)), rev, model_dir)], tool_parser)
+        return cls([Served(name or os.path.basename(os.path.normpath(model_dir)), rev, model_dir)], tool_parser,
+                   generation_config)
 
     def find(self, asked: str, rid: str = "") -> tuple[Model, Revision]:
         """The model and revision that answer a request for `asked` (a name, or name@revision pinned) with

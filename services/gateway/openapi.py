@@ -1,5 +1,6 @@
 """The OpenAPI document of the HTTP API, served at /openapi.json: the bounds in it are the ones the
 gateway enforces (schemathesis generates requests from it)."""
+from schemas import generation
 from schemas.messages import MAX_PRIORITY, MAX_TOOLS, MIN_PRIORITY
 from schemas.sampling import (
     LOGIT_BIAS_BOUND,
@@ -59,7 +60,8 @@ def sampling(max_tokens: int) -> dict:
         "max_tokens": integer(1, max_tokens),
         "min_tokens": {**integer(0, max_tokens), "description": "extension (vLLM's): output tokens before EOS or a "
                        "stop token id may be sampled (at most max_tokens)"},
-        "temperature": {**number(0, MAX_TEMPERATURE), "description": "0 (greedy) or at least 1e-05"},
+        "temperature": {**number(0, MAX_TEMPERATURE), "description": "0 (greedy) or at least 1e-05; unset, as "
+                        "top_p, top_k, min_p and repetition_penalty: the model's sampling_defaults (GET /v1/models)"},
         "top_p": number(0, 1, exclusive_lo=True),
         "seed": integer(0, SEED_BOUND - 1),
         "stop": nullable({"oneOf": [word, {"type": "array", "maxItems": MAX_STOP, "items": word}]}),
@@ -231,7 +233,10 @@ def document(models: list[str], max_tokens: int) -> dict:
             "properties": {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
                            "owned_by": {"type": "string"}, "revision": {"type": "string"},
                            "revisions": {"type": "array", "items": {"type": "object", "properties": {
-                               "revision": {"type": "string"}, "share": {"type": "number"}}}}}}}}}
+                               "revision": {"type": "string"}, "share": {"type": "number"}}}},
+                           "sampling_defaults": {"type": "object", "additionalProperties": {"type": "number"},
+                                                 "description": "what a request that leaves a field of "
+                                                                + ", ".join(generation.FIELDS) + " unset gets"}}}}}}
     health = {"type": "object", "required": ["status", "workers"],
               "properties": {"status": {"type": "string"}, "workers": {"type": "integer"}}}
     return {

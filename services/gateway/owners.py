@@ -83,6 +83,7 @@ class Connection:
             raise FrameError("resumable: the choices of a request of n > 1 carry no resume points", cid)
         try:
             self.gw.choose(req, frames.model(frame))
+            self.gw.fill([req], [k for k, v in frame.items() if v is not None])
             if spec is not None:
                 revision = self.gw.served(req)[1]
                 spec.parser = revision.tool_parser if revision is not None else "hermes"

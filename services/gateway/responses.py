@@ -287,8 +287,9 @@ class Answer:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": b.get("instructions"), "metadata": b.get("metadata") or {},
             "output": self.items if status != "in_progress" else [],
-            "parallel_tool_calls": b.get("parallel_tool_calls", True), "temperature": b.get("temperature"),
-            "top_p": b.get("top_p"), "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),    # the sampling it ran with (the model's
+            "temperature": self.call.req.sampling.temperature,           # defaults for what the body left out)
+            "top_p": self.call.req.sampling.top_p, "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
             "max_output_tokens": b.get("max_output_tokens"), "previous_response_id": self.asked.previous,
             "store": self.asked.store, "text": b.get("text", {"format": {"type": "text"}}), "truncation": "disabled",
             "usage": None if status == "in_progress" else {

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -22,7 +23,7 @@ from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
 import bus
-from schemas import subjects
+from schemas import generation, subjects
 from schemas.messages import (
     Cancel,
     GenerateRequest,
@@ -97,6 +98,15 @@ class Gateway:
         model, rev = self.models.find(self.models.default if asked is None else asked, req.id)
         req.model = model.name
         req.revision = rev.revision if len(model.revisions) > 1 or SEPARATOR in (asked or "") else ""
+
+    def fill(self, reqs: list[GenerateRequest], given: Collection[str]) -> None:
+        """Gives the sampling fields a client left unset (`given`: the names it set) the defaults of the revision
+        choose() picked for the requests, before they are logged: the request log holds what each one runs with."""
+        rev = self.served(reqs[0])[1]
+        if rev is None:                           # a gateway of no models file: SamplingParams' own
+            return
+        for req in reqs:
+            generation.fill(req.sampling, given, rev.sampling)
 
     def served(self, req: GenerateRequest) -> tuple[str, Revision | None]:
         """The name and revision (None: the gateway's one model) that answer a chosen or logged request."""

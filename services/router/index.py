@@ -5,6 +5,10 @@ place (the first one it sees from a worker, one after a gap, or a restarted work
 again) means its copy may be wrong, and it asks for a snapshot. Events that arrive while a snapshot
 is awaited are held and applied on top of it (those the snapshot already covers are skipped).
 
+Each hash is kept with the tier that holds it (an index of schemas.messages.KV_TIERS: 0 the pool, 1
+host memory, 2 disk), as the worker's events name it: a hit in a lower tier is still a hit, but costs a
+copy up (the policy weighs it).
+
 Memory is bounded: at most `cap` hashes per worker. Past the cap the hash stored longest ago is
 dropped (LRU by store time), so an over-full worker is predicted to miss, never to hit, where the
 index forgot. A worker's cache holds at most its kv_blocks_total hashes, so the cap only bites
@@ -22,7 +26,7 @@ MAX_HELD = 10_000            # events held while a snapshot is awaited; more and
 @dataclass(slots=True)
 class Held:
     """One worker's hashes and where its event sequence stands."""
-    hashes: OrderedDict = field(default_factory=OrderedDict)   # hash -> None, oldest store first
+    hashes: OrderedDict = field(default_factory=OrderedDict)   # hash -> its tier, oldest store first
     seq: int = -1                     # the last event applied; -1: not in sync (a snapshot is needed)
     waiting: list[KvEvent] | None = None   # events held while a snapshot is awaited; None: none awaited
 
@@ -66,8 +70,8 @@ class KvIndex:
     def change(self, w: Held, ev: KvEvent) -> None:
         for h in ev.removed:
             w.hashes.pop(h, None)
-        for h in ev.stored:
-            w.hashes[h] = None
+        for h, tier in zip(ev.stored, ev.tiers or [0] * len(ev.stored)):
+            w.hashes[h] = tier
             w.hashes.move_to_end(h)
         while len(w.hashes) > self.cap:
             w.hashes.popitem(last=False)
@@ -77,14 +81,15 @@ class KvIndex:
         """From now on, hold the worker's events until its snapshot is loaded."""
         self.workers[worker].waiting = []
 
-    def load_snapshot(self, worker: str, seq: int, hashes: list[int]) -> bool:
-        """Replaces the worker's hashes with its snapshot (as of its event `seq`) and applies the events
-        held since; True when they do not follow on (another snapshot is needed)."""
+    def load_snapshot(self, worker: str, seq: int, hashes: list[int], tiers: list[int] = ()) -> bool:
+        """Replaces the worker's hashes (and their tiers; none: all in the pool) with its snapshot (as of its
+        event `seq`) and applies the events held since; True when they do not follow on (another snapshot is
+        needed)."""
         w = self.workers.get(worker)
         if w is None:
             return False
         held, w.waiting = w.waiting or [], None
-        w.hashes, w.seq = OrderedDict.fromkeys(hashes[-self.cap:]), seq
+        w.hashes, w.seq = OrderedDict(zip(hashes[-self.cap:], (tiers or [0] * len(hashes))[-self.cap:])), seq
         return any(ev.seq > w.seq and self.apply(ev) for ev in sorted(held, key=lambda e: e.seq))
 
     def snapshot_failed(self, worker: str) -> None:
@@ -103,6 +108,17 @@ class KvIndex:
                 break
             n += 1
         return n
+
+    def tiers(self, worker: str, hashes: list[int]) -> list[int]:
+        """The tier of each of `hashes`, from the first, that the worker holds (as many as overlap counts)."""
+        w = self.workers.get(worker)
+        out = []
+        for h in hashes if w is not None else ():
+            tier = w.hashes.get(h)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
 
     def holds(self, worker: str, h: int) -> bool:
         w = self.workers.get(worker)

@@ -2,7 +2,8 @@
 heartbeat, and three policies.
 
 - prefix (default): per worker, cost = α · ((prompt tokens not cached there) / block_size + the
-  prompt blocks it has still to prefill) + active blocks + new blocks; the lowest wins. Still to
+  copies up of the cached blocks held below its pool (TIER_COST each) + the prompt blocks it has still
+  to prefill) + active blocks + new blocks; the lowest wins. Still to
   prefill: its waiting requests' new blocks (its heartbeat) and those of the requests routed to it
   since whose last full prompt block its KV events have not shown yet. A hard guard first rules
   out every worker above its KV watermark or its queue watermark, or that took more than load_cap ×
@@ -43,6 +44,8 @@ POLICIES = ("prefix", "least-loaded", "round-robin")
 RECENT_SECONDS = 10.0            # the time constant of a worker's count of recent requests
 MAX_GROUPS = 4096                # request groups (n > 1) whose worker is remembered, the latest
 LOAD_SLACK = 2.0                 # added to the fewest recent requests before load_cap multiplies it
+TIER_COST = (0.0, 0.1, 0.3)      # a cached block's copy up to the pool from each tier (KV_TIERS: pool, host,
+#                                  disk), in blocks prefilled (docs/routing.md)
 
 
 @dataclass(slots=True)
@@ -235,8 +238,10 @@ class Registry:
         share = o.load_cap * (min(self.taken(w.hb.worker, now) for w in live) + LOAD_SLACK)
         for w in live:
             bs, hit = w.hb.block_size, hits[w.hb.worker]
-            new = -(-n // bs) - hit // bs
-            costs[w.hb.worker] = o.alpha * ((n - hit) / bs + self.pending(w)) + w.active_blocks + new
+            tiers = self.index.tiers(w.hb.worker, self.hashes[bs]) if hit else []
+            copies = sum(TIER_COST[t] for t in tiers)
+            new = -(-n // bs) - tiers.count(0)        # a block copied up takes a pool block too
+            costs[w.hb.worker] = o.alpha * ((n - hit) / bs + copies + self.pending(w)) + w.active_blocks + new
             if not self.over(w, new) and self.taken(w.hb.worker, now) <= share:
                 room.append(w)
         candidates = room or live

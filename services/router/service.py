@@ -204,14 +204,14 @@ class RouterService:
                     self.index.snapshot_failed(worker)
                     self.log.warning("kv snapshot not answered", worker=worker)
                     return
-                seq, hashes = snap
-                again = self.index.load_snapshot(worker, seq, hashes)
+                seq, hashes, tiers = snap
+                again = self.index.load_snapshot(worker, seq, hashes, tiers)
                 self.log.info("kv snapshot loaded", worker=worker, seq=seq, blocks=len(hashes))
         finally:
             self.syncing.discard(worker)
 
-    async def snapshot(self, worker: str) -> tuple[int, list[int]] | None:
-        """(seq, hashes) from the worker's KvSnapshot parts; None if they do not all come in time."""
+    async def snapshot(self, worker: str) -> tuple[int, list[int], list[int]] | None:
+        """(seq, hashes, their tiers) from the worker's KvSnapshot parts; None if they do not all come in time."""
         inbox, queue = self.nc.new_inbox(), asyncio.Queue()
         sub = await self.nc.subscribe(inbox, cb=queue.put)
         parts: dict[int, KvSnapshot] = {}
@@ -230,7 +230,8 @@ class RouterService:
         seqs = {p.seq for p in parts.values()}
         if len(seqs) != 1:
             return None
-        return seqs.pop(), [h for i in sorted(parts) for h in parts[i].hashes]
+        tiers = [t for i in sorted(parts) for t in parts[i].tiers or [0] * len(parts[i].hashes)]
+        return seqs.pop(), [h for i in sorted(parts) for h in parts[i].hashes], tiers
 
     # -- predicted vs actual ----------------------------------------------------------------------
 

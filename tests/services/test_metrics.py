@@ -209,3 +209,19 @@ def test_router_prefill_decisions_are_split_into_where_and_why_and_absent_withou
     assert decisions == {("remote", "long"): 4, ("local", "short"): 3, ("local", "prefill_queue"): 2}
     assert m[("tokenbus_router_handoffs_total", (("router", "r1"),))] == 4
     assert not any(dict(labels).get("router") == "r0" for name, labels in m if "prefill" in name or "handoff" in name)
+
+
+def test_kv_tier_metrics_come_per_worker_and_tier_from_workers_with_tiers_only():
+    plain = Heartbeat("w0", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)
+    metrics = Metrics()
+    metrics.workers.beats = [plain]
+    assert "tokenbus_kv_tier" not in generate_latest(metrics.registry).decode()
+    tiers = {"host_hits": 7.0, "host_blocks": 3.0, "host_bytes": 3e6, "host_bytes_in": 9e6, "host_bytes_out": 7e6,
+             "host_seconds": 0.01, "disk_hits": 2.0, "disk_blocks": 40.0, "disk_bytes": 4e7, "disk_bytes_in": 4e7,
+             "disk_bytes_out": 2e6, "disk_seconds": 0.5, "disk_corrupt": 0.0}
+    metrics.workers.beats = [dataclasses.replace(plain, worker="w1", kv_tiers=tiers), plain]
+    m = collected(metrics)
+    host, disk = (("tier", "host"), ("worker", "w1")), (("tier", "disk"), ("worker", "w1"))
+    assert (m[("tokenbus_kv_tier_hits_total", host)], m[("tokenbus_kv_tier_hits_total", disk)]) == (7, 2)
+    assert (m[("tokenbus_kv_tier_bytes", disk)], m[("tokenbus_kv_tier_seconds_total", disk)]) == (4e7, 0.5)
+    assert {dict(labels)["worker"] for name, labels in m if name.startswith("tokenbus_kv_tier")} == {"w1"}

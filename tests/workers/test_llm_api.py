@@ -145,3 +145,18 @@ def test_without_chunked_prefill_a_request_larger_than_the_budget_is_refused(tin
     with pytest.raises(ValueError, match="more than max_num_batched_tokens=64"):
         llm.generate([[5] * 40], SamplingParams(max_tokens=30))
     assert len(llm.generate([[5] * 40], SamplingParams(max_tokens=20))[0].token_ids) == 20
+
+
+def test_generate_without_params_runs_with_the_model_s_sampling_defaults_and_given_params_as_they_are(tiny_model,
+                                                                                                    tmp_path):
+    mine = tmp_path / "generation_config.json"
+    mine.write_text('{"temperature": 0.5, "top_k": 7, "repetition_penalty": 1.3}')
+    llm = LLM(tiny_model, generation_config=str(mine), num_kv_blocks=64, seed=5)
+    assert llm.sampling_defaults == {"temperature": 0.5, "top_k": 7, "repetition_penalty": 1.3}
+    assert llm.sampling_params(seed=3) == SamplingParams(seed=3, temperature=0.5, top_k=7, repetition_penalty=1.3)
+    assert llm.sampling_params(top_k=0, seed=3) == SamplingParams(seed=3, temperature=0.5, repetition_penalty=1.3)
+    assert llm.sampling_params(temperature=0) == SamplingParams(temperature=0)      # greedy: none of them
+    want = llm.generate("The engine", SamplingParams(seed=9, max_tokens=16, temperature=0.5, top_k=7,
+                                                     repetition_penalty=1.3))[0].token_ids
+    assert llm.generate("The engine", llm.sampling_params(seed=9))[0].token_ids == want
+    assert LLM(tiny_model, generation_config="none", num_kv_blocks=64).sampling_params() == SamplingParams()

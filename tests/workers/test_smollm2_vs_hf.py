@@ -133,3 +133,4 @@ def test_the_engine_s_perplexity_of_the_shipped_text_equals_transformers_within_
     assert r["text"] == str(TEXT) and r["predicted"] >= 2000 and r["dtype"] == "float32"
     assert r["relative_difference"] < 1e-3, r
     assert 5 < r["hf"]["perplexity"] < 60, r      # English to a trained model: not noise (the vocabulary is 49,152)
+    assert r["kld"] == 0 and r["top1_agreement"] == 1, r     # float32, unquantized: its own reference, bit for bit

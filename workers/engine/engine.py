@@ -15,14 +15,17 @@ from schemas.sampling import SamplingParams, check, check_vocabulary, to_grammar
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
 from workers.engine.grammar import Grammars, Pending
 from workers.engine.kv_cache import KVCacheManager
+from workers.engine.kv_tiers import KVTiers, identity
 from workers.engine.request import Request, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from workers.engine.speculative import SpeculativeConfig, Speculator
+from workers.layers.quant import QUANTIZATIONS
 from workers.models.config import ModelConfig
 from workers.models.llama import CausalLM
 
 CPU_KV_CACHE_MEMORY = 1 << 30
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(slots=True)
@@ -43,6 +46,13 @@ class EngineConfig:
     speculative: dict | str | None = None  # SpeculativeConfig's fields, or "ngram:4" / "draft:DIR:4"; None: off
     scheduling_policy: str = "fcfs"        # or "priority": requests' priority orders admission and preemption;
     #                                        "fair": priority, then each tenant's share by weight
+    kv_host_memory: int | None = None      # bytes of the prefix cache's host-memory tier below the pool; None: none
+    kv_disk_dir: str | None = None         # the disk tier's directory (below the host tier); None: none
+    kv_disk_size: int | None = None        # bytes of block files the disk tier keeps at most
+    kv_cache_dtype: str = "auto"           # the KV pool's: "auto" (the model's dtype), "int8" or "fp8" (e4m3),
+    #                                        quantized with a scale per token and KV head (docs/engine.md)
+    quantization: str | None = None        # the linear weights': None or "none" (the checkpoint's), "int8"
+    #                                        (weight-only, per output channel, made at load; docs/models.md)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -53,8 +63,26 @@ class EngineConfig:
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
               self.gpu_memory_utilization)
         SpeculativeConfig.of(self.speculative)     # raises ValueError naming what is wrong
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}",
+              self.kv_cache_dtype)
+        check(self.quantization in (None, *QUANTIZATIONS), "quantization", f"must be one of {', '.join(QUANTIZATIONS)}",
+              self.quantization)
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
               f"must be one of {', '.join(SCHEDULING_POLICIES)}", self.scheduling_policy)
+        self.check_tiers()
+
+    def check_tiers(self) -> None:
+        for name in ("kv_host_memory", "kv_disk_size"):
+            value = getattr(self, name)
+            check(value is None or value >= 0, name, "must be at least 0 (or None for no such tier)", value)
+        check((self.kv_disk_dir is None) == (self.kv_disk_size is None), "kv_disk_size",
+              "is given with kv_disk_dir, and kv_disk_dir with it", self.kv_disk_size)
+        if self.kv_host_memory is not None or self.kv_disk_dir is not None:
+            check(self.enable_prefix_caching, "enable_prefix_caching",
+                  "must be on for the prefix cache's tiers (kv_host_memory, kv_disk_dir)", self.enable_prefix_caching)
+            check(self.tensor_parallel_size == 1, "tensor_parallel_size",
+                  "must be 1 with the prefix cache's tiers (kv_host_memory, kv_disk_dir): not supported yet",
+                  self.tensor_parallel_size)
 
 
 @dataclass(slots=True)
@@ -92,7 +120,8 @@ class LLMEngine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = min(config.max_model_len or self.model_cfg.max_model_len, self.model_cfg.max_model_len)
         num_blocks = self.runner.num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.tiers = build_tiers(model_dir, config, self.runner)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.tiers)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
             frozenset(self.model_cfg.eos_token_ids), config.scheduling_policy), self.kv)
@@ -110,8 +139,13 @@ class LLMEngine:
             self.speculator = speculative.build(spec, self, self.max_model_len)
 
     def close(self) -> None:
-        """Stops the tensor-parallel followers, if any (also done when the engine is collected)."""
-        self.closer()
+        """Writes the prefix cache down to the disk tier, if there is one, so that an engine started on the same
+        directory finds it; stops the tensor-parallel followers, if any (also done when the engine is collected)."""
+        try:
+            if self.tiers is not None and self.tiers.disk is not None:
+                self.tiers.flush(self.kv.cached_blocks())
+        finally:
+            self.closer()
 
     def check_alive(self) -> None:
         """Raises WorkerFailure when a tensor-parallel rank is gone."""
@@ -242,6 +276,8 @@ class LLMEngine:
         forward_before = self.runner.forward_seconds
         failed = self.admit_compiled() if self.compiling else []
         batch = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.move_tiers(batch)
         if not batch.requests:
             if self.compiling and not failed:     # nothing to run but grammars to wait for: not a busy loop
                 wait(self.compiling.values())
@@ -273,6 +309,18 @@ class LLMEngine:
             self.trace.append(StepTrace(len(batch.requests), batch.num_tokens, time.perf_counter() - start,
                                         self.runner.forward_seconds - forward_before, waste, *shape))
         return updated
+
+    def move_tiers(self, batch: Batch) -> None:
+        """Copies the blocks this schedule evicted down to the lower tiers, then its lower-tier hits up into
+        their pool blocks: before the forward, the only writer of KV. A hit that cannot be filled (its file
+        failed its checksum) sends the requests holding it back to the queue, to recompute it."""
+        saves, restores = self.kv.take_transfers()
+        self.tiers.save(saves)
+        bad = self.tiers.restore(restores)
+        if bad:
+            self.kv.forget(bad)
+            for req in [r for r in batch.requests if not set(bad).isdisjoint(self.kv.block_ids(r.request_id))]:
+                self.scheduler.requeue(req, batch)
 
     def run(self, batch: Batch, tables: list[list[int]]):
         try:
@@ -343,6 +391,7 @@ class LLMEngine:
             "steps": self.num_steps,
             "failed_steps": self.num_failed_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.tiers.stats() if self.tiers is not None else {}),
         }
 
 
@@ -395,11 +444,24 @@ def build_runner(model_dir: str, model_cfg: ModelConfig, config: EngineConfig, t
     """This rank's model shard and KV pool; every rank of a group calls it with the same config.
     The pool has the same block count on every rank: the fewest any rank's memory allows."""
     device = pick_device(config.device, tp)
+    model_cfg = model_cfg.quantized(config.quantization)
     runner = ModelRunner(model_dir, model_cfg, pick_dtype(config.dtype, model_cfg.dtype, device), device,
-                         config.block_size, tp)
+                         config.block_size, tp, config.kv_cache_dtype)
     runner.allocate_kv(tp.min_over_ranks(config.num_kv_blocks or blocks_in_budget(runner, config)))
     runner.rank_bytes = tp.all_gather_ints([runner.parameter_bytes(), runner.kv_pool.nbytes])
     return runner
+
+
+def build_tiers(model_dir: str, config: EngineConfig, runner: ModelRunner) -> KVTiers | None:
+    """The prefix cache's host and disk tiers, if configured; the disk tier's directory is named by
+    everything that shapes a block's KV bytes, so another model, dtype or block size never hits."""
+    if config.kv_host_memory is None and config.kv_disk_dir is None:
+        return None
+    layout = {"dtype": runner.dtype, "block_size": config.block_size, "block_bytes": runner.block_bytes(),
+              "kv_cache_dtype": config.kv_cache_dtype,
+              "quantization": config.quantization, "tp": config.tensor_parallel_size}
+    key = identity(model_dir, **layout) if config.kv_disk_dir else ""
+    return KVTiers(runner, config.kv_host_memory or 0, config.kv_disk_dir, config.kv_disk_size or 0, key)
 
 
 def blocks_in_budget(runner: ModelRunner, config: EngineConfig) -> int:

@@ -11,6 +11,13 @@ Disaggregated serving pins blocks outside any running request, under an owner: a
 pins the prompt blocks it offers until the decode worker has pulled them (pin), and a decode
 worker holds the blocks it pulls into (reserve, then register once their KV is written) and the
 ones of the prompt it had already, until the request is admitted (unpin).
+
+Below the pool may lie lower tiers (host memory, disk: workers.engine.kv_tiers), given as `lower`, a
+container of the hashes they hold. The manager moves no bytes: it records which blocks to save and
+restore, and the engine copies them before the step's forward, the only time KV is written. A cached
+block evicted from the pool is a save (its hash and block, read before anything overwrites it); a
+prefix lookup that misses the pool but finds the hash below is a hit all the same, and allocation
+gives it a pool block to restore into (named at once, so the same step's later lookups hit the pool).
 """
 from dataclasses import dataclass
 
@@ -65,7 +72,7 @@ class FreeBlockQueue:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, lower=None):
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free = FreeBlockQueue(self.blocks)
@@ -75,6 +82,10 @@ class KVCacheManager:
         self.prefix_queries = self.prefix_hits = 0    # in tokens
         self.changes: dict[int, bool] | None = None   # hash -> stored / evicted since take_changes(); None: off
         self.pins: dict[str, list[Block]] = {}        # owner -> blocks it holds outside any running request
+        self.lower = lower                            # hashes held by the tiers below the pool; None: no tiers
+        self.saves: dict[int, int] = {}               # block id -> hash: evicted KV to copy down before the forward
+        self.saving: set[int] = set()                 # the hashes of `saves`
+        self.restores: dict[int, int] = {}            # block id -> hash: KV to copy up before the forward
 
     @property
     def num_blocks(self) -> int:
@@ -101,34 +112,44 @@ class KVCacheManager:
         for h in hashes[:(num_tokens - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
-                break
+                if not self.below(h):
+                    break
+                block = Block(-1, hash=h)    # a lower tier's: allocate_slots restores it into a pool block
             hits.append(block)
         return hits
 
+    def below(self, h: int) -> bool:
+        """Whether a lower tier holds h, or will once this step's saves are copied down."""
+        return self.lower is not None and (h in self.saving or h in self.lower)
+
     def new_blocks(self, hashes: list[int], num_tokens: int) -> int:
         """The blocks a request of `num_tokens` tokens whose full blocks hash to `hashes` will add: all of
-        its blocks less its cached prefix."""
-        return self.num_blocks_for(num_tokens) - len(self.cached_prefix(hashes, num_tokens))
+        its blocks less its prefix cached in the pool (one in a lower tier needs a pool block)."""
+        pooled = sum(b.block_id >= 0 for b in self.cached_prefix(hashes, num_tokens))
+        return self.num_blocks_for(num_tokens) - pooled
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hits: list[Block] = ()) -> bool:
-        """Gives req the blocks for `hits` (cached blocks right after its computed tokens) and for
-        num_new_tokens more tokens. False, changing nothing, when the free blocks do not suffice."""
+        """Gives req the blocks for `hits` (cached blocks right after its computed tokens, in the pool or
+        below it) and for num_new_tokens more tokens. False, changing nothing, when the free blocks do
+        not suffice."""
         blocks = self.req_blocks.get(req.request_id, [])
         num_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        need = -(-num_tokens // self.block_size) - len(blocks) - len(hits)
-        if need > self.free.num_free - sum(b.ref_cnt == 0 for b in hits):
+        pooled = [b for b in hits if b.block_id >= 0]
+        need = -(-num_tokens // self.block_size) - len(blocks) - len(pooled)   # a lower tier's hit takes one
+        if need > self.free.num_free - sum(b.ref_cnt == 0 for b in pooled):
             return False
-        for block in hits:
+        for block in pooled:                  # off the free list first: a restore's pop never evicts them
             if block.ref_cnt == 0:
                 self.free.remove(block)
             block.ref_cnt += 1
+        hits = [b if b.block_id >= 0 else self.restore(b.hash) for b in hits]
         blocks = self.req_blocks.setdefault(req.request_id, blocks)
         blocks.extend(hits)
-        blocks.extend(self.pop_free() for _ in range(need))
+        blocks.extend(self.pop_free() for _ in range(need - len(hits) + len(pooled)))
         self.hash_full_blocks(req, num_tokens)
         return True
 
@@ -155,16 +176,55 @@ class KVCacheManager:
             block.ref_cnt = 0
             self.free.appendleft(block)
 
-    def pop_free(self) -> Block:
+    def restore(self, h: int) -> Block:
+        """A pool block named h, to be filled from the lower tier that holds h before the step's forward."""
+        assert h not in self.cached, f"hash {h} restored while in the pool"
+        block = self.pop_free()
+        block.hash, self.cached[h] = h, block
+        self.restores[block.block_id] = h
+        if self.changes is not None:
+            self.changes[h] = True
+        return block
+
+    def pop_free(self, save: bool = True) -> Block:
+        """The least recently freed block, ref 1. Cached KV in it is evicted now (lazily) and, with lower
+        tiers and `save`, recorded to be copied down before the step's forward overwrites it."""
         block = self.free.popleft()
         if block.hash is not None:  # lazy eviction: the cached KV is overwritten only now
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
                 if self.changes is not None:
                     self.changes[block.hash] = False
+                if self.restores.pop(block.block_id, None) is None and save and self.lower is not None \
+                        and block.block_id not in self.saves:   # else: never filled, or evicted twice this step
+                    self.saves[block.block_id] = block.hash
+                    self.saving.add(block.hash)
             block.hash = None
         block.ref_cnt = 1
         return block
+
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """(hash, block id) of every block named in the pool, those evicted next first, those in use last."""
+        blocks = [b for b in self.free if b.hash is not None] + [b for b in self.cached.values() if b.ref_cnt]
+        return [(b.hash, b.block_id) for b in blocks if self.cached.get(b.hash) is b]
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(saves, restores) recorded since the last call, each (hash, block id): copy the saves down,
+        then the restores up, before the step's forward."""
+        saves = [(h, b) for b, h in self.saves.items()]
+        restores = [(h, b) for b, h in self.restores.items()]
+        self.saves, self.saving, self.restores = {}, set(), {}
+        return saves, restores
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Unnames these blocks (restores whose bytes failed their checksum): no later lookup hits them."""
+        for i in block_ids:
+            block = self.blocks[i]
+            if block.hash is not None and self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+                if self.changes is not None:
+                    self.changes[block.hash] = False
+            block.hash = None
 
     def hash_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Registers the blocks that will be full of computed final tokens after this step."""
@@ -191,6 +251,7 @@ class KVCacheManager:
                 if self.changes is not None:
                     self.changes[block.hash] = False
                 block.hash = None
+                self.restores.pop(block.block_id, None)
         if req.request_id in self.num_hashed:
             self.num_hashed[req.request_id] = min(start, self.num_hashed[req.request_id])
 
@@ -220,9 +281,10 @@ class KVCacheManager:
         return held
 
     def reserve(self, owner: str, n: int) -> list[Block]:
-        """Up to n free blocks (the least recently used cached KV is evicted, as for any allocation) for
-        KV that comes from elsewhere, held under owner until unpin; fewer when fewer are free."""
-        blocks = [self.pop_free() for _ in range(min(n, self.free.num_free))]
+        """Up to n free blocks (the least recently used cached KV is evicted, as for any allocation, but not
+        saved to a lower tier: the pull writes them outside any step) for KV that comes from elsewhere,
+        held under owner until unpin; fewer when fewer are free."""
+        blocks = [self.pop_free(save=False) for _ in range(min(n, self.free.num_free))]
         self.pins.setdefault(owner, []).extend(blocks)
         return blocks
 
@@ -247,10 +309,12 @@ class KVCacheManager:
                 (self.free.append if block.hash is not None else self.free.appendleft)(block)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached block (e.g. between benchmark runs); only when no request holds one."""
+        """Forgets every cached block of the pool (e.g. between benchmark runs; the lower tiers keep theirs);
+        only when no request holds one."""
         assert self.free.num_free == self.num_blocks, "reset_prefix_cache with requests running"
         for block in self.blocks:
             block.hash = None
+        self.saves, self.saving, self.restores = {}, set(), {}
         if self.changes is not None:
             self.changes.update(dict.fromkeys(self.cached, False))
         self.cached.clear()
@@ -258,11 +322,38 @@ class KVCacheManager:
     def record_changes(self) -> None:
         """From now on, remember which hashes are stored and evicted (the worker's KV events)."""
         self.changes = {}
+        if self.lower is not None:
+            self.lower.record_changes()
 
     def take_changes(self) -> tuple[list[int], list[int]]:
-        """(stored, evicted) hashes since the last call; a hash changed twice counts as its last change."""
+        """(stored, evicted) hashes since the last call; a hash changed twice counts as its last change.
+        With lower tiers, a hash that left the pool for a lower tier counts as stored (see take_events)."""
+        stored, _, evicted = self.take_events()
+        return stored, evicted
+
+    def take_events(self) -> tuple[list[int], list[int], list[int]]:
+        """(stored, their tiers, removed) since the last call: each hash that changed in the pool or a tier
+        below it, with the highest tier that holds it now (0 the pool, 1 host memory, 2 disk), or removed
+        when none does."""
         changes, self.changes = self.changes, {}
-        return [h for h, stored in changes.items() if stored], [h for h, stored in changes.items() if not stored]
+        if self.lower is None:
+            stored = [h for h, kept in changes.items() if kept]
+            return stored, [0] * len(stored), [h for h, kept in changes.items() if not kept]
+        stored, tiers, removed = [], [], []
+        for h in changes.keys() | self.lower.take_changed():
+            tier = 0 if h in self.cached else self.lower.tier_of(h)
+            if tier is None:
+                removed.append(h)
+            else:
+                stored.append(h)
+                tiers.append(tier)
+        return stored, tiers, removed
+
+    def held(self) -> tuple[list[int], list[int]]:
+        """Every hash this worker holds and its tier (as take_events names them): a KV snapshot."""
+        below = self.lower.held() if self.lower is not None else []
+        below = [(h, t) for h, t in below if h not in self.cached]
+        return [*self.cached, *(h for h, _ in below)], [0] * len(self.cached) + [t for _, t in below]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

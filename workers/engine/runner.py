@@ -38,9 +38,10 @@ def attention_kernels(device: torch.device) -> ModuleType:
 
 class ModelRunner:
     def __init__(self, model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 block_size: int, tp: TPGroup = SINGLE):
+                 block_size: int, tp: TPGroup = SINGLE, kv_cache_dtype: str = "auto"):
         self.tp = tp
         self.cfg, self.dtype, self.device, self.block_size = cfg, dtype, device, block_size
+        self.kv_dtype = kernels.reference.KV_CACHE_DTYPES.get(kv_cache_dtype, dtype)  # the pool's element
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -63,30 +64,41 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of KV one block takes on this rank, over all layers."""
         attn = self.model.attention_layers()[0]
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        per_token = 2 * attn.num_kv_heads * self.kv_row() * self.kv_dtype.itemsize
         return per_token * self.block_size * self.cfg.num_layers
+
+    def kv_row(self) -> int:
+        """Elements of one token's K (or V) under one KV head: the head dim, and a quantized row's scale."""
+        head_dim = self.model.attention_layers()[0].head_dim
+        return head_dim + kernels.reference.SCALE_SIZE if self.kv_dtype in kernels.reference.QMAX else head_dim
 
     def parameter_bytes(self) -> int:
         return sum(p.nbytes for p in self.model.parameters())
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """One preallocated tensor [2, layers, blocks, block_size, Hkv, D]; each layer gets views."""
+        """One preallocated tensor [2, layers, blocks, block_size, Hkv, D] (D + 2 for a quantized pool: each
+        row ends with its scale, see kernels.reference.quantize_kv); each layer gets views."""
         layers = self.model.attention_layers()
-        shape = (2, len(layers), num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-        self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = (2, len(layers), num_blocks, self.block_size, layers[0].num_kv_heads, self.kv_row())
+        self.kv_pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
         for i, attn in enumerate(layers):
             attn.kernels, attn.k_cache, attn.v_cache = self.kernels, self.kv_pool[0, i], self.kv_pool[1, i]
 
     def read_blocks(self, block_ids: list[int], layers: range) -> torch.Tensor:
-        """The KV of these blocks for these layers, [2, layers, blocks, block_size, Hkv, D], contiguous on the CPU."""
+        """The KV of these blocks for these layers, [2, layers, blocks, block_size, Hkv, D], contiguous on the CPU,
+        in the pool's dtype; a quantized pool's rows carry their scales (D + 2)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_pool.device)
         return self.kv_pool[:, layers.start:layers.stop].index_select(2, ids).cpu().contiguous()
 
     def write_blocks(self, block_ids: list[int], layers: range, kv: torch.Tensor) -> None:
         """Writes KV read by read_blocks (on another worker) into these blocks."""
+        if kv.dtype != self.kv_pool.dtype or kv.shape[3:] != self.kv_pool.shape[3:]:
+            raise ValueError(f"KV of {kv.dtype} {list(kv.shape[3:])} does not fit this pool's "
+                             f"{self.kv_pool.dtype} {list(self.kv_pool.shape[3:])}")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_pool.device)
-        self.kv_pool[:, layers.start:layers.stop].index_copy_(2, ids, kv.to(self.kv_pool.device))
+        pool = kernels.reference.as_bytes(self.kv_pool)
+        pool[:, layers.start:layers.stop].index_copy_(2, ids, kernels.reference.as_bytes(kv).to(pool.device))
 
     def prepare(self, batch: Batch, block_tables: list[list[int]]) -> "StepInputs":
         """The flattened batch, on the CPU."""
@@ -138,7 +150,8 @@ class ModelRunner:
         to = self.device
         if inputs.block_copies.numel():           # forked requests' partial blocks, before anything writes them
             src, dst = inputs.block_copies.to(to).unbind(1)
-            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
+            pool = kernels.reference.as_bytes(self.kv_pool)   # a quantized row's scale travels with it
+            pool[:, :, dst] = pool[:, :, src]
         plan = self.kernels.plan_attention(inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables, self.block_size,
                                            *self.heads)
         meta = AttentionMetadata(inputs.slot_mapping, inputs.cu_seqlens_q, inputs.seq_lens, inputs.block_tables,

@@ -262,6 +262,7 @@ class Scheduler:
                 return
             self.running.remove(victim)
             budget += batch.remove(victim)         # scheduled already this step: its tokens go back
+            self.kv.uncache_uncomputed(victim)     # and the blocks it named for them hold no KV
             self.preempt(victim)
             batch.preempted.append(victim)
 
@@ -346,6 +347,14 @@ class Scheduler:
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def requeue(self, req: Request, batch: Batch) -> None:
+        """Takes a request admitted in this step out of it before it runs and back to the head of the queue:
+        a prefix hit it was given could not be restored from a lower tier, so it is computed again."""
+        self.running.remove(req)
+        batch.remove(req)
+        self.kv.uncache_uncomputed(req)
+        self.preempt(req)
 
     def update(self, batch: Batch, tokens: list[list[int]],
                logprobs: list[list[TokenLogprobs | None]]) -> list[Request]:

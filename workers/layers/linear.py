@@ -10,11 +10,14 @@ from torch import nn
 
 from kernels import amx_linear
 from workers.distributed import TPGroup
+from workers.layers import quant
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, quant.Int8Weight):
+        return quant.linear(x, packed, bias)
     if isinstance(packed, amx_linear.Packed):
         return amx_linear.linear(x, packed, bias)
     if x.dtype != torch.float32:
@@ -53,8 +56,11 @@ def prepack_for_cpu(model: nn.Module) -> bool:
     sgemm is not. bfloat16 weights go to the AMX kernel (kernels.amx_linear) where the CPU has
     AMX. The plain weights stay
     (a tied embedding reads them), so CPU linear weights take twice their memory. False, changing
-    nothing, where oneDNN cannot take a weight."""
-    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    nothing, where oneDNN cannot take a weight. Quantized weights go to their own kernel
+    (workers.layers.quant.pack_for_cpu)."""
+    quant.pack_for_cpu(model)
+    layers = [m for m in model.modules()
+              if hasattr(m, "packed_weight") and not isinstance(m.packed_weight, quant.Int8Weight)]
     if layers and all(m.weight.dtype == torch.bfloat16 for m in layers) and amx_linear.available():
         for m in layers:
             m.packed_weight = amx_linear.pack(m.weight)

