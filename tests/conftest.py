@@ -6,6 +6,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# The suite shares 2 cores between two pytest workers and the stacks they start: Hypothesis's clocks (its
+# per-example deadline, its check that generating inputs is fast) measure that load, not the code.
+settings.register_profile("shared-cores", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shared-cores")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -209,7 +209,7 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
     assert [w["id"] for w in workers] == ["w0", "w1"]
     assert set(workers[0]) == {"id", "running", "waiting", "kv_blocks_total", "kv_blocks_free",
                                "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "speculation",
-                               "role", "kv_transfer", "scheduling_policy", "model", "revision"}
+                               "role", "kv_transfer", "scheduling_policy", "model", "revision", "kv_tiers"}
     model = os.path.basename(os.path.normpath(stack.model))
     assert all(w["model"] == model and len(w["revision"]) == 12 for w in workers), (model, workers)
     assert all(w["kv_blocks_total"] == 512 and w["requests_finished"] > 0 and w["speculation"] is None
