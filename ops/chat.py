@@ -66,9 +66,12 @@ class Link:
 
 async def chat(url: str | list[str], max_tokens: int = 256, temperature: float | None = None,
                system: str | None = None, input_fn=input, output=sys.stdout, api_key: str | None = None,
-               tools: list[dict] | None = None, tool_choice: str | None = None, sampling: dict | None = None) -> None:
+               tools: list[dict] | None = None, tool_choice: str | None = None, sampling: dict | None = None,
+               n: int = 1) -> None:
     """A chat until /quit or EOF. `temperature` and `sampling` (the other fields of generation.FIELDS by name) are
-    set in every turn unless None; a field left unset is the served model's default, which the first line shows."""
+    set in every turn unless None; a field left unset is the served model's default, which the first line shows.
+    `n` > 1: each turn asks for n choices, shows them all and keeps the first in the history (such a turn has no
+    resume point)."""
     history: list[dict] = []
     head = [{"role": "system", "content": system}] if system else []
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -96,7 +99,7 @@ async def chat(url: str | list[str], max_tokens: int = 256, temperature: float |
             turn += 1
             history.append({"role": "user", "content": line})
             frame = {"type": "generate", "id": f"t{turn}", "messages": head + history, "max_tokens": max_tokens,
-                     **fields, "resumable": True, **tooling(tools, tool_choice)}
+                     **fields, **({"n": n} if n > 1 else {"resumable": True}), **tooling(tools, tool_choice)}
             reply = await stream(link, frame, output)
             if reply is None:
                 history.pop()                     # the turn failed: ask again without it
@@ -148,9 +151,12 @@ def settle(future: asyncio.Future, result, error) -> None:
 async def stream(link: Link, frame: dict, output) -> dict | None:
     """Prints a reply as its deltas arrive (a tool call as `[tool call NAME ARGUMENTS]`), then its stats; the
     reply as an assistant message, or None after an error frame. A dropped connection resumes the reply on the
-    next gateway from the tokens received (a reply not yet accepted is asked for again)."""
+    next gateway from the tokens received (a reply not yet accepted is asked for again). A frame of n > 1 choices:
+    the first streams, the others' text follows it once every choice has ended, each with its stats."""
     cid, parts, received, resume_id, resumed = frame["id"], [], 0, None, 0
     calls: list[dict] = []
+    others: dict[int, list[str]] = {}             # choice index -> its text (n > 1: shown after the first)
+    ends: dict[int, dict] = {}
     await link.send(frame)
     while True:
         try:
@@ -166,13 +172,21 @@ async def stream(link: Link, frame: dict, output) -> dict | None:
             continue
         if f["type"] == "accepted" and f["id"] == cid:
             resume_id = f["resume_id"]
+        elif f["type"] == "delta" and f["id"] == cid and f.get("index", 0):
+            others.setdefault(f["index"], []).append(f["text"])
         elif f["type"] == "delta" and f["id"] == cid:
             parts.append(f["text"])
             received += len(f["token_ids"])
             output.write(f["text"] + "".join(shown(calls, p) for p in f.get("tool_calls", ())))
             output.flush()
         elif f["type"] == "done" and f["id"] == cid:
-            print(f"{']' if calls else ''}\n{stats(f, resumed)}", file=output, flush=True)
+            ends[f.get("index", 0)] = f
+            if f.get("index", 0) == 0:
+                print(f"{']' if calls else ''}\n{stats(f, resumed)}", file=output, flush=True)
+            if len(ends) < frame.get("n", 1):
+                continue
+            for i in range(1, len(ends)):
+                print(f"[choice {i}] {''.join(others.get(i, ()))}\n{stats(ends[i])}", file=output, flush=True)
             return {"role": "assistant", "content": "".join(parts), **({"tool_calls": calls} if calls else {})}
         elif f["type"] == "error" and f["id"] in (cid, None):
             end = "\n" if parts else ""
@@ -239,6 +253,8 @@ def register(sub) -> None:
     for name in generation.FIELDS[1:]:
         c.add_argument(f"--{name.replace('_', '-')}", type=int if name == "top_k" else float,
                        help=f"{name} (default: the model's)")
+    c.add_argument("--n", type=int, default=1, help="choices of each reply, all shown; the first is kept in the "
+                                                     "history")
     c.add_argument("--system", help="a system message that starts every conversation")
     c.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
                    help="the gateway's API key, if it has keys (default: $TOKENBUS_API_KEY)")
@@ -256,4 +272,4 @@ def main(args) -> None:
         sys.exit(f"chat: --tools {args.tools}: {e}")
     sys.exit(run(args.url or ["ws://127.0.0.1:8000/ws"], max_tokens=args.max_tokens, temperature=args.temperature,
                  system=args.system, api_key=args.api_key, tools=tools, tool_choice=args.tool_choice,
-                 sampling={name: getattr(args, name) for name in generation.FIELDS[1:]}))
+                 sampling={name: getattr(args, name) for name in generation.FIELDS[1:]}, n=args.n))

@@ -86,6 +86,16 @@ def test_replies_stream_in_pieces_with_a_stats_line_and_each_turn_sends_the_whol
     assert (requests[1].sampling.max_tokens, requests[1].sampling.temperature) == (32, 0.5)
 
 
+def test_n_choices_are_all_shown_and_the_first_is_kept_in_the_history(nats_url, tiny_model, tok):
+    out, requests = drive(nats_url, tiny_model, tok, "hello", "again", n=3)
+    assert out.text.count("[choice 1]  you said hello\n") == out.text.count("[choice 2]  you said hello\n") == 1
+    assert len(STATS.findall(out.text)) == 6 and len(requests) == 6
+    assert len({r.group for r in requests[:3]}) == 1 and requests[0].group == requests[0].id
+    assert requests[3].messages == [{"role": "user", "content": "hello"},
+                                    {"role": "assistant", "content": " you said hello"},
+                                    {"role": "user", "content": "again"}]
+
+
 def test_the_chat_shows_the_model_s_sampling_defaults_and_sets_only_the_fields_given(nats_url, tiny_model, tok,
                                                                                     tmp_path):
     defaults = tmp_path / "generation_config.json"
