@@ -220,3 +220,23 @@ def test_the_page_shows_the_model_s_sampling_defaults_and_sends_a_temperature_on
         wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) == 2)
         sampling = down.requests[-1].sampling
         assert (sampling.temperature, sampling.repetition_penalty) == (0.0, 1.0)
+
+
+def test_the_page_asks_for_n_choices_shows_each_and_keeps_the_first(browser, nats_url, tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    with served(nats_url, tiny_model, tok, script) as down:
+        browser.get(down.http + "/")
+        set_value(browser, "n", "3")
+        type_and_send(browser, "hello there")
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) == 3)
+        shown = answers(browser)
+        assert [a.find_element(By.CLASS_NAME, "text").text for a in shown] == [" echo hello there"] * 3
+        assert [a.get_attribute("data-index") for a in shown] == [None, "1", "2"]
+        assert len(down.requests) == 3 and len({r.group for r in down.requests}) == 1
+        assert not browser.find_element(By.ID, "send").get_attribute("disabled")
+        set_value(browser, "n", "1")
+        type_and_send(browser, "and again")
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) == 4)
+        assert down.requests[-1].messages == [{"role": "user", "content": "hello there"},
+                                              {"role": "assistant", "content": " echo hello there"},
+                                              {"role": "user", "content": "and again"}]
