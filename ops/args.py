@@ -7,6 +7,7 @@ import sys
 
 MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+GPU_PRESETS = ["h100-sxm", "h200", "a100", "l4"]    # workers.engine.roofline.GPUS (importing workers imports torch)
 
 
 def delegate(module: str, function: str = "main", exits: bool = False):
@@ -36,10 +37,10 @@ def count(text: str) -> int:
 
 def deployment(p: argparse.ArgumentParser, gpu_help: str) -> None:
     """The model and GPU of a planned or simulated deployment (`tokenbus plan`, `tokenbus sim`): the
-    presets are ops.plan's MODELS and GPUS, named here since importing it imports torch."""
+    presets are ops.plan's MODELS and GPUS (workers.engine.roofline's), named here since importing it imports torch."""
     p.add_argument("--model", default="llama-3-70b", help="a preset (llama-3-70b, llama-3-8b, smollm2-135m), an HF "
                    "checkpoint directory or its config.json, a GGUF file, or a catalogue name (default llama-3-70b)")
-    p.add_argument("--gpu", default="h100-sxm", choices=["h100-sxm", "h200", "a100", "l4", "cpu"], help=gpu_help)
+    p.add_argument("--gpu", default="h100-sxm", choices=[*GPU_PRESETS, "cpu"], help=gpu_help)
 
 
 def nats_url(p: argparse.ArgumentParser) -> None:

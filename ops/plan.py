@@ -10,6 +10,8 @@ estimates):
 1. weights per GPU: parameters × bytes per parameter / TP;
 2. KV bytes per token: 2 (K and V) × layers × KV heads × head dim × bytes;
 3. KV per node: TP × memory × memory utilization − the weights;
+   (1-3, step 5's all-reduces, the GPU presets and the efficiencies are workers/engine/roofline.py's, which
+   the mock engine shares)
 4. concurrent requests per node: KV per node / (KV per token × context), at the average context in
    flight (the prompt and half the output) and at the full one;
 5. step times from a roofline: a step takes the longer of its FLOPs at the card's peak × MFU and its
@@ -30,9 +32,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workers.engine.roofline import GB, GPUS, Efficiency, Gpu, Roofline, parameters
 from workers.models.config import ModelConfig
 
-GB = 1e9
+__all__ = ["GB", "GPUS", "MODELS", "Efficiency", "Gpu", "Plan", "Workload", "hf", "model_config", "parameters"]
 
 
 def hf(vocab, hidden, intermediate, layers, heads, kv_heads, context, tie, dtype="bfloat16") -> dict:
@@ -46,22 +49,6 @@ MODELS = {                      # the checkpoints' own config.json numbers
     "llama-3-70b": hf(128256, 8192, 28672, 80, 64, 8, 8192, False),
     "llama-3-8b": hf(128256, 4096, 14336, 32, 32, 8, 8192, False),
     "smollm2-135m": hf(49152, 576, 1536, 30, 9, 3, 8192, True),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Gpu:
-    name: str
-    memory: float               # bytes
-    bandwidth: float            # bytes/s
-    flops: float                # dense 16-bit FLOP/s (CPU: measured, in the dtype planned)
-
-
-GPUS = {                        # the vendors' datasheets: dense bf16 without sparsity
-    "h100-sxm": Gpu("H100 SXM", 80 * GB, 3.35e12, 989e12),
-    "h200": Gpu("H200", 141 * GB, 4.8e12, 989e12),
-    "a100": Gpu("A100 80GB SXM", 80 * GB, 2.039e12, 312e12),
-    "l4": Gpu("L4", 24 * GB, 0.3e12, 121e12),
 }
 
 
@@ -81,15 +68,6 @@ class Workload:
     @property
     def peak_rps(self) -> float:
         return self.mean_rps * self.peak_factor
-
-
-@dataclass(slots=True)
-class Efficiency:
-    mfu: float = 0.5             # share of the peak FLOP/s a step reaches
-    mbu: float = 0.7             # share of the bandwidth
-    memory_utilization: float = 0.9
-    allreduce_us: float = 10.0   # one all-reduce of a step, when TP > 1 (two a layer)
-    target_utilization: float = 0.8   # of a node's capacity, at the peak
 
 
 PEAK_SIZE = 2048
@@ -142,30 +120,17 @@ def model_config(name: str) -> tuple[str, ModelConfig]:
     return name, ModelConfig.load(catalogue.resolve(name))
 
 
-def parameters(cfg: ModelConfig) -> int:
-    """Every weight: the decoder's matmuls, the embedding, the LM head unless tied, the norms."""
-    embed = cfg.vocab_size * cfg.hidden_size
-    return cfg.matmul_params() + embed * (1 if cfg.tie_word_embeddings else 2) + (2 * cfg.num_layers + 1) * \
-        cfg.hidden_size
+class Plan(Roofline):
+    """A Roofline (workers/engine/roofline.py: weights, KV per token and per node, all-reduces) with a workload,
+    SLOs and prices."""
 
-
-class Plan:
     def __init__(self, cfg: ModelConfig, gpu: Gpu, tp: int, workload: Workload, eff: Efficiency,
                  dtype_bytes: int = 2, ttft_slo: float = 0.7, tpot_slo: float = 0.04, price: tuple = (2.0, 4.0)):
-        self.cfg, self.gpu, self.tp, self.w, self.eff, self.bytes = cfg, gpu, tp, workload, eff, dtype_bytes
+        super().__init__(cfg, gpu, tp, eff, dtype_bytes)
+        self.w = workload
         self.ttft_slo, self.tpot_slo, self.price = ttft_slo, tpot_slo, price
 
-    # 1-4: memory
-    def weight_bytes(self) -> float:
-        return parameters(self.cfg) * self.bytes
-
-    def kv_bytes_per_token(self) -> float:
-        c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.bytes
-
-    def kv_per_node(self) -> float:
-        return self.tp * self.gpu.memory * self.eff.memory_utilization - self.weight_bytes()
-
+    # 1-4: memory (weight_bytes, kv_bytes_per_token, kv_per_node: Roofline's)
     def context(self, full: bool = False) -> float:
         w = self.w
         return w.input_tokens + (w.output_tokens if full else w.output_tokens / 2)
@@ -173,10 +138,7 @@ class Plan:
     def concurrency(self, full: bool = False) -> float:
         return max(0.0, self.kv_per_node() / (self.kv_bytes_per_token() * self.context(full)))
 
-    # 5: the roofline
-    def allreduces(self) -> float:
-        return 2 * self.cfg.num_layers * self.eff.allreduce_us * 1e-6 if self.tp > 1 else 0.0
-
+    # 5: the roofline (allreduces: Roofline's)
     def prefill_seconds(self, tokens: float) -> float:
         """One prompt of `tokens` uncached tokens, alone on the node (compute-bound)."""
         n = max(int(tokens), 1)

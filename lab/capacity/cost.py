@@ -5,9 +5,10 @@ A step's shape is five sums over the requests it runs (the scheduler's Batch): t
 attention work (Σ new tokens × the keys each sees) and the KV it reads (Σ context). Every cost model
 here maps a shape to seconds:
 
-- `RooflineCost`: a GPU node from `ops.plan.Plan` — the longer of the step's FLOPs at the card's peak
-  × MFU and its bytes (the weights once, every request's KV) at its bandwidth × MBU, plus the
-  tensor-parallel all-reduces. The same arithmetic as `tokenbus plan`'s steps, for any batch.
+- `RooflineCost`: a GPU node from `ops.plan.Plan` (a `workers.engine.roofline.Roofline`) — the longer of the
+  step's FLOPs at the card's peak × MFU and its bytes (the weights once, every request's KV) at its bandwidth
+  × MBU, plus the tensor-parallel all-reduces. The same arithmetic as `tokenbus plan`'s steps, for any batch,
+  and the mock engine's (it and `StepShape` live in workers/engine/roofline.py, which the worker may import).
 - `FittedCost`: this machine's CPU — a constant plus nonnegative seconds per unit of each field, and
   seconds of their own for steps of few tokens, fitted to the real engine's steps of many shapes (`fit`),
   cached under $TOKENBUS_HOME/sim (`load_or_fit`).
@@ -20,6 +21,10 @@ from typing import Protocol
 
 import numpy as np
 
+from workers.engine.roofline import RooflineCost, StepShape
+
+__all__ = ["FEATURES", "FittedCost", "RooflineCost", "StepCost", "StepShape", "fit", "load_or_fit", "measure"]
+
 FEATURES = ("tokens", "rows", "sampled", "attention", "kv_read")
 HELD_OUT = 0.25                  # of the measured steps, kept out of the fit to judge it
 SPIKE = 1.5                      # a step this many times slower than the first fit says was slowed by a neighbour
@@ -27,48 +32,10 @@ SMALL = 16                       # steps of up to this many tokens get seconds o
 SCENARIOS = 3                    # the version of `scenarios` and `fit`: a cached fit of another is measured again
 
 
-@dataclass(slots=True)
-class StepShape:
-    tokens: int = 0              # tokens computed
-    rows: int = 0                # requests in the step
-    sampled: int = 0             # rows that sample (prefill chunks short of the prompt's end do not), × (1 + drafts)
-    attention: float = 0.0       # Σ over rows of new tokens × the keys each attends to (its context after the step)
-    kv_read: int = 0             # Σ over rows of the context after the step
-
-    def add(self, new_tokens: int, context: int, samples: int) -> None:
-        self.tokens += new_tokens
-        self.rows += 1
-        self.sampled += samples
-        self.attention += new_tokens * (context - (new_tokens - 1) / 2)
-        self.kv_read += context
-
-
 class StepCost(Protocol):
     name: str
 
     def seconds(self, shape: StepShape) -> float: ...
-
-
-class RooflineCost:
-    """A GPU node's step from the plan's roofline (ops.plan): FLOPs and bytes, whichever takes longer."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        c = plan.cfg
-        self.name = f"roofline {plan.tp} × {plan.gpu.name}"
-        self.flops_per_token = 2 * c.matmul_params()
-        self.flops_per_pair = 4 * c.num_layers * c.num_heads * c.head_dim
-        self.flops_per_sample = 2 * c.hidden_size * c.vocab_size
-        self.weights = plan.weight_bytes()
-        self.kv_per_token = plan.kv_bytes_per_token()
-        self.flop_rate = plan.tp * plan.gpu.flops * plan.eff.mfu
-        self.byte_rate = plan.tp * plan.gpu.bandwidth * plan.eff.mbu
-        self.fixed = plan.allreduces()
-
-    def seconds(self, s: StepShape) -> float:
-        flops = self.flops_per_token * s.tokens + self.flops_per_pair * s.attention + self.flops_per_sample * s.sampled
-        bytes_ = self.weights + self.kv_per_token * (s.kv_read + s.tokens)
-        return max(flops / self.flop_rate, bytes_ / self.byte_rate) + self.fixed
 
 
 @dataclass(slots=True)
