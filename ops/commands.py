@@ -2,7 +2,7 @@
 module is imported when its command runs."""
 import sys
 
-from ops.args import MODEL, count, delegate, deployment, size
+from ops.args import GPU_PRESETS, MODEL, count, delegate, deployment, size
 from ops.models import DEFAULT_MODEL
 from schemas import generation
 from schemas.messages import SCHEDULING_POLICIES
@@ -15,9 +15,12 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # workers.engine.engine's (which impo
 KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's, the default), int8 or fp8 (e4m3), each token's "
                        "row under each KV head with its own scale: about half the bytes of bfloat16, a quarter of "
                        "float32's")
-QUANTIZATIONS = ("none", "int8")           # what workers.layers.quant makes at load (which imports torch)
-QUANTIZATION_HELP = ("the linear weights: none (the checkpoint's, the default) or int8, quantized at load with a "
-                     "scale per output channel and multiplied in int8 (docs/models.md)")
+QUANTIZATIONS = ("none", "int8", "w4a16", "gguf")   # workers.layers.quant's (which imports torch)
+QUANTIZATION_HELP = ("the linear weights: none (the checkpoint's, the default); int8, quantized at load with a scale "
+                     "per output channel and multiplied in int8; w4a16 is read from a checkpoint (a compressed-tensors "
+                     "W4A16 one is served as its 4-bit codes with none too; asking w4a16 of another is refused); "
+                     "gguf keeps a GGUF file's Q8_0 and Q4_0 linear weights quantized, other types dequantized as "
+                     "with none (docs/models.md)")
 
 
 def generate(sub) -> None:
@@ -90,8 +93,9 @@ def eval_numerics(p) -> None:
                         "(default: float32)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="the engine's KV cache: auto (the model's dtype) or quantized (default: auto)")
-    p.add_argument("--quantization", default="none", metavar="none|int8|...",
-                   help="the engine's weights: none (as loaded) or a quantization the engine takes, e.g. int8 "
+    p.add_argument("--quantization", default="none", metavar="none|int8|gguf|...",
+                   help="the engine's weights: none (as loaded: a W4A16 checkpoint's 4-bit codes), or a quantization "
+                        "the engine takes: int8 (made at load), gguf (a GGUF file's Q8_0/Q4_0 weights kept) "
                         "(default: none)")
     p.add_argument("--reference", metavar="MODEL", help="the unquantized model compared with, run in float32 with "
                    "the KV cache in float32 and no quantization (default: --model itself)")
@@ -240,6 +244,16 @@ def up_engine(u) -> None:
                         "fair, priority then each tenant's share of generated tokens by its key's weight")
     u.add_argument("--kv-cache-memory", type=size, metavar="BYTES",
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
+    u.add_argument("--engine", choices=("model", "mock"),
+                   help="every worker's engine: model (the default) or mock: no model, the real scheduler and KV "
+                        "cache, each step held for the roofline's time on --mock-tp × --mock-gpu, tokens a hash of "
+                        "the request's seed and position (docs/engine.md#the-mock-engine)")
+    u.add_argument("--mock-gpu", choices=GPU_PRESETS,
+                   help="with --engine mock: the GPU preset whose roofline times each worker's steps "
+                        "(default h100-sxm)")
+    u.add_argument("--mock-tp", type=int, metavar="N",
+                   help="with --engine mock: each worker's simulated tensor-parallel size (no ranks are started; "
+                        "--tp starts real ones) (default 1)")
     u.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every worker's " + KV_CACHE_DTYPE_HELP)
     u.add_argument("--quantization", choices=QUANTIZATIONS, help="every worker's " + QUANTIZATION_HELP)
     u.add_argument("--kv-host-memory", type=size, metavar="BYTES",

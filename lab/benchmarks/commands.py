@@ -70,8 +70,9 @@ def bench_engine(sub) -> None:
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is one, else cpu")
     b.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="the engine's KV cache: auto (the model's dtype), or int8 or fp8 with a scale per row")
-    b.add_argument("--quantization", choices=["none", "int8"], default="none",
-                   help="the engine's linear weights: none (the checkpoint's) or int8, quantized at load")
+    b.add_argument("--quantization", choices=["none", "int8", "w4a16", "gguf"], default="none",
+                   help="the engine's linear weights: none (the checkpoint's), int8 (quantized at load), w4a16 (read "
+                        "from a compressed-tensors checkpoint) or gguf (a GGUF file's Q8_0/Q4_0 weights kept)")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.set_defaults(func=delegate("lab.benchmarks.engine"))
 

@@ -1,7 +1,9 @@
-"""Other projects' benchmark clients (guidellm, aiperf), unchanged, each in a virtual environment of its
-own under $TOKENBUS_HOME/peer-clients/<name>-<version>/, made on first use and reused after:
+"""Other projects' tools, unchanged, each in a virtual environment of its own under
+$TOKENBUS_HOME/peer-clients/<name>-<version>/, made on first use and reused after: the benchmark clients
+(guidellm, aiperf) and llm-compressor (which pins an older transformers than ours):
 
-    guidellm = client("guidellm")     # .../peer-clients/guidellm-0.8.1/bin/guidellm
+    guidellm = client("guidellm")        # .../peer-clients/guidellm-0.8.1/bin/guidellm
+    python = interpreter("llmcompressor")   # .../peer-clients/llmcompressor-0.14.0.1/bin/python
 
 The venv reads this environment's site-packages through a .pth file, so pip installs only what is
 missing here (torch, transformers and tokenizers are found, not downloaded) and puts a client's own
@@ -23,7 +25,8 @@ from filelock import FileLock
 
 from workers.models.builder import tokenbus_home
 
-CLIENTS = {"guidellm": "0.8.1", "aiperf": "0.13.0"}   # pinned: a client's version is part of what its run says
+CLIENTS = {"guidellm": "0.8.1", "aiperf": "0.13.0",   # pinned: a client's version is part of what its run says
+           "llmcompressor": "0.14.0.1"}
 HELD = ("torch",)                                     # never installed into a client's venv: ours is used
 MARKER = "tokenbus-peer-client.json"
 INSTALL_TIMEOUT = 900.0
@@ -35,12 +38,21 @@ class InstallError(RuntimeError):
 
 def client(name: str, log=print) -> Path:
     """The client's executable, its venv made first unless it is complete."""
+    return ready(name, log) / "bin" / name
+
+
+def interpreter(name: str, log=print) -> Path:
+    """The Python of the tool's venv (for a library without a command), made first unless complete."""
+    return ready(name, log) / "bin" / "python"
+
+
+def ready(name: str, log=print) -> Path:
     root = venv_dir(name)
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{root}.lock"):
         if not complete(root, name):
             install(root, name, log)
-    return root / "bin" / name
+    return root
 
 
 def venv_dir(name: str) -> Path:

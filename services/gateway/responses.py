@@ -289,7 +289,8 @@ class Answer:
             "output": self.items if status != "in_progress" else [],
             "parallel_tool_calls": b.get("parallel_tool_calls", True),    # the sampling it ran with (the model's
             "temperature": self.call.req.sampling.temperature,           # defaults for what the body left out)
-            "top_p": self.call.req.sampling.top_p, "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+            "top_p": self.call.req.sampling.top_p, "tool_choice": b.get("tool_choice", "auto"),
+            "tools": b.get("tools") or [],
             "max_output_tokens": b.get("max_output_tokens"), "previous_response_id": self.asked.previous,
             "store": self.asked.store, "text": b.get("text", {"format": {"type": "text"}}), "truncation": "disabled",
             "usage": None if status == "in_progress" else {

@@ -37,10 +37,10 @@ def other_params(i: int) -> SamplingParams:
 WATCHED = {"greedy": (prompt(99, 40), GREEDY), "seeded": (prompt(98, 17), SEEDED)}
 
 
-def generate(model_dir: str, batch_size: int, names: tuple[str, ...] = ("greedy", "seeded")) -> dict:
+def generate(model_dir: str, batch_size: int, names: tuple[str, ...] = ("greedy", "seeded"), **options) -> dict:
     """{name: (tokens, logprobs)} of the watched requests, the first arriving in the middle of
     batch_size - len(names) neighbours of other prompt lengths, the others last."""
-    engine = LLMEngine(model_dir, EngineConfig(device="cpu", num_kv_blocks=3000))
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", num_kv_blocks=3000, **options))
     neighbours = [f"n{i}" for i in range(batch_size - len(names))]
     half = len(neighbours) // 2
     watched = {}
@@ -80,6 +80,19 @@ def test_2000_token_generations_are_identical_with_1_and_2_threads(tiny_model, b
     with threads(1):
         one_thread = generate(tiny_model, 5)
     assert one_thread == batch_of_5
+
+
+@pytest.mark.slow
+@pytest.mark.serial            # two threads: alone, or they wait on the other tests
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_2000_token_generations_over_a_quantized_kv_cache_are_identical_alone_and_in_a_batch_of_5(tiny_model, kv):
+    """Each (token, KV head) row is quantized with its own scale when written, so its bytes never depend
+    on which other tokens share its block or its step."""
+    with threads(2):
+        alone = generate(tiny_model, 1, ("greedy",), kv_cache_dtype=kv)["greedy"]
+        batched = generate(tiny_model, 5, ("greedy",), kv_cache_dtype=kv)["greedy"]
+    assert len(alone[0]) == LONG
+    assert batched == alone
 
 
 # -- one token's logits and KV, however its sequence was computed -----------------------------------

@@ -17,6 +17,7 @@ from workers.engine.grammar import Grammars, Pending
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.kv_tiers import KVTiers, identity
 from workers.engine.request import Request, Status
+from workers.engine.roofline import GPUS
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from workers.engine.speculative import SpeculativeConfig, Speculator
@@ -25,6 +26,7 @@ from workers.models.config import ModelConfig
 from workers.models.llama import CausalLM
 
 CPU_KV_CACHE_MEMORY = 1 << 30
+ENGINES = ("model", "mock")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -52,7 +54,14 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"           # the KV pool's: "auto" (the model's dtype), "int8" or "fp8" (e4m3),
     #                                        quantized with a scale per token and KV head (docs/engine.md)
     quantization: str | None = None        # the linear weights': None or "none" (the checkpoint's), "int8"
-    #                                        (weight-only, per output channel, made at load; docs/models.md)
+    #                                        (weight-only, per output channel, made at load; docs/models.md),
+    #                                        "w4a16" (read from a checkpoint: only checks it is one), "gguf" (keep
+    #                                        a GGUF file's Q8_0/Q4_0 linear weights quantized; other types are
+    #                                        dequantized as today)
+    engine: str = "model"                  # or "mock": no model, each step held for the roofline's time on
+    #                                        mock_tp × mock_gpu, tokens a hash of (seed, position) (engine/mock.py)
+    mock_gpu: str = "h100-sxm"             # the mock's GPU preset (workers.engine.roofline.GPUS)
+    mock_tp: int = 1                       # the mock's simulated tensor-parallel size (no ranks are started)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -70,6 +79,26 @@ class EngineConfig:
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
               f"must be one of {', '.join(SCHEDULING_POLICIES)}", self.scheduling_policy)
         self.check_tiers()
+        self.check_mock()
+
+    def check_mock(self) -> None:
+        """The mock engine's options, and what it refuses (each named)."""
+        check(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
+        check(self.mock_gpu in GPUS, "mock_gpu", f"must be one of {', '.join(GPUS)}", self.mock_gpu)
+        check(self.mock_tp >= 1, "mock_tp", "must be at least 1", self.mock_tp)
+        if self.engine != "mock":
+            return
+        check(self.tensor_parallel_size == 1, "tensor_parallel_size",
+              "must be 1 with engine='mock': its tensor-parallel size is mock_tp (no ranks are started)",
+              self.tensor_parallel_size)
+        check(self.kv_host_memory is None and self.kv_disk_dir is None, "kv_host_memory",
+              "the prefix cache's tiers (kv_host_memory, kv_disk_dir) are not supported by engine='mock'",
+              self.kv_host_memory)
+        check(self.quantization in (None, "none"), "quantization", "is not supported by engine='mock'",
+              self.quantization)
+        spec = SpeculativeConfig.of(self.speculative)
+        check(spec is None or spec.method != "draft", "speculative",
+              "a draft model is not supported by engine='mock' (ngram is)", self.speculative)
 
     def check_tiers(self) -> None:
         for name in ("kv_host_memory", "kv_disk_size"):
@@ -92,7 +121,7 @@ class StepTrace:
     seconds: float          # the whole step
     forward_seconds: float  # model forward + logits
     kv_waste_slots: int     # allocated but unused KV slots over the scheduled requests
-    num_sampled: int = 0    # the step's shape for a cost model (lab.capacity.cost.StepShape): rows that sample
+    num_sampled: int = 0    # the step's shape for a cost model (workers.engine.roofline.StepShape): rows that sample
     attention: float = 0.0  # Σ new tokens × the keys each attends to
     kv_read: int = 0        # Σ context after the step
 
@@ -164,6 +193,9 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
         check_vocabulary(params, vocab)
         to_grammar(params)                       # a constraint xgrammar cannot convert (no compile here)
+        if params.constraint is not None and self.config.engine == "mock":
+            raise ValueError("structured output (json_schema, json_object, regex, choice, grammar) is not supported "
+                             "by the mock engine (engine='mock', --engine mock)")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len={self.max_model_len} (the model's context) "
                              "leaves no room for output")
@@ -288,6 +320,8 @@ class LLMEngine:
         shape = step_shape(batch) if self.trace is not None else None
         self.check_alive()
         run_start = time.perf_counter()
+        if self.config.engine == "mock":
+            self.runner.step_start = start       # the mock holds the step until the roofline's time from here
         try:
             tokens, logprobs = self.run(batch, tables)
         except Exception as e:                   # one request's fault, most likely: find it, fail it alone
@@ -443,6 +477,9 @@ def as_int64(seed: int) -> int:
 def build_runner(model_dir: str, model_cfg: ModelConfig, config: EngineConfig, tp: TPGroup) -> ModelRunner:
     """This rank's model shard and KV pool; every rank of a group calls it with the same config.
     The pool has the same block count on every rank: the fewest any rank's memory allows."""
+    if config.engine == "mock":
+        from workers.engine.mock import MockRunner
+        return MockRunner(model_cfg, config)
     device = pick_device(config.device, tp)
     model_cfg = model_cfg.quantized(config.quantization)
     runner = ModelRunner(model_dir, model_cfg, pick_dtype(config.dtype, model_cfg.dtype, device), device,

@@ -36,6 +36,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp)
         self.packed_weight = None
 
+    def loader_of(self, unit: int):
+        """A quantized weight's parameters split by rows too, whatever their columns hold."""
+        return self.load_rows
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits on rank 0 (the sampler's rank); None on the other ranks."""
         logits = self.tp.gather_to_first(linear(hidden, self.weight, None, self.packed_weight))

@@ -16,7 +16,7 @@ from workers.layers import quant
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, quant.Int8Weight):
+    if isinstance(packed, quant.Int8Weight | quant.Int4Weight):
         return quant.linear(x, packed, bias)
     if isinstance(packed, amx_linear.Packed):
         return amx_linear.linear(x, packed, bias)
@@ -60,7 +60,7 @@ def prepack_for_cpu(model: nn.Module) -> bool:
     (workers.layers.quant.pack_for_cpu)."""
     quant.pack_for_cpu(model)
     layers = [m for m in model.modules()
-              if hasattr(m, "packed_weight") and not isinstance(m.packed_weight, quant.Int8Weight)]
+              if hasattr(m, "packed_weight") and not isinstance(m.packed_weight, quant.Int8Weight | quant.Int4Weight)]
     if layers and all(m.weight.dtype == torch.bfloat16 for m in layers) and amx_linear.available():
         for m in layers:
             m.packed_weight = amx_linear.pack(m.weight)
@@ -123,6 +123,10 @@ class ColumnParallelLinear(nn.Module):
         offset = self.offsets[shard_id]
         param.data[offset:offset + n].copy_(loaded[start:start + n])
 
+    def loader_of(self, unit: int):
+        """A quantized weight's parameters split by rows too, whatever their columns hold."""
+        return self.load_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
 
@@ -145,6 +149,18 @@ class RowParallelLinear(nn.Module):
     def load_cols(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         start = self.tp.rank * self.cols
         param.data.copy_(loaded[:, start:start + self.cols])
+
+    def loader_of(self, unit: int):
+        """The weight loader of a quantized weight's parameter that holds a column per `unit` inputs
+        (two 4-bit codes a byte, a scale per group): a rank's inputs must be whole units."""
+        if self.cols % unit:
+            raise ValueError(f"quantization: tensor_parallel_size={self.tp.size} leaves each rank {self.cols} of "
+                             f"a row-parallel layer's inputs, which cuts its groups of {unit} (a group is never split)")
+
+        def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+            start = self.tp.rank * self.cols // unit
+            param.data.copy_(loaded[:, start:start + self.cols // unit])
+        return load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed_weight)

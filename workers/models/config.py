@@ -1,6 +1,6 @@
 """The model facts the engine needs, read from an HF checkpoint's config.json (or a GGUF's metadata)."""
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -27,14 +27,19 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     dtype: str  # the checkpoint's torch dtype name, e.g. "bfloat16"
-    quantization: str | None = None  # the linear weights': None, "int8" (made at load) or "w4a16" (the checkpoint's)
+    quantization: str | None = None  # the linear weights': None, "int8" (made at load), "w4a16" (the checkpoint's)
+    #                                  or "gguf" (a GGUF's Q8_0/Q4_0 weights kept as they are)
+    quant_group_size: int | None = None   # w4a16: inputs per scale
+    quant_symmetric: bool = True          # w4a16: False where each group has a zero too
+    gguf: bool = field(default=False, compare=False)   # read from a GGUF file (the same model as its source's)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
         if model_dir.is_file():
             from workers.models import gguf
-            return cls.from_hf(gguf.hf_config(model_dir), as_ids(gguf.generation_config(model_dir).get("eos_token_id")))
+            cfg = cls.from_hf(gguf.hf_config(model_dir), as_ids(gguf.generation_config(model_dir).get("eos_token_id")))
+            return replace(cfg, gguf=True)
         path = model_dir / "config.json"
         if not path.is_file():
             raise ValueError(f"model: {model_dir} has no config.json (an HF checkpoint directory or a GGUF file "
@@ -52,8 +57,11 @@ class ModelConfig:
             return self
         if self.quantization is not None:
             raise ValueError(f"quantization={asked!r}: the checkpoint is quantized already ({self.quantization})")
-        if asked != "int8":
-            raise ValueError(f"quantization={asked!r} is read from a checkpoint, not made at load (made at load: int8)")
+        if asked == "gguf" and not self.gguf:
+            raise ValueError("quantization='gguf' keeps a GGUF file's Q8_0/Q4_0 weights; this model is not a GGUF file")
+        if asked not in ("int8", "gguf"):
+            raise ValueError(f"quantization={asked!r} is read from a checkpoint, not made at load (made at load: int8; "
+                             "kept from a GGUF file: gguf)")
         return replace(self, quantization=asked)
 
     def matmul_params(self) -> int:
@@ -83,7 +91,7 @@ class ModelConfig:
         if c.get("sliding_window") and c.get("use_sliding_window", kind == "mistral"):
             max_len = min(max_len, c["sliding_window"])  # no sliding-window attention: stay inside one window
         bias = bool(c.get("attention_bias", False))
-        return cls(
+        return cls(**compressed_tensors(c.get("quantization_config")),
             model_type=kind,
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -104,6 +112,39 @@ class ModelConfig:
             eos_token_ids=generation_eos or as_ids(c.get("eos_token_id")),
             dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
         )
+
+
+def compressed_tensors(config: dict | None) -> dict:
+    """ModelConfig's quantization fields from config.json's `quantization_config` ({} when there is none):
+    a compressed-tensors W4A16 checkpoint (workers.models.compressed reads its tensors); ValueError naming
+    the field for a scheme tokenbus does not serve."""
+    if not config:
+        return {}
+    method = config.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(f"model: quantization_config.quant_method={method!r} is not served (tokenbus reads "
+                         "'compressed-tensors' W4A16 checkpoints)")
+    groups = list((config.get("config_groups") or {}).items())
+    if len(groups) != 1:
+        raise ValueError(f"model: quantization_config.config_groups has {len(groups)} groups; tokenbus reads one")
+    name, group = groups[0]
+    weights = group.get("weights") or {}
+    where = f"quantization_config.config_groups.{name}"
+    wanted = {"num_bits": 4, "type": "int", "strategy": "group", "dynamic": False}
+    for key, value in wanted.items():
+        if weights.get(key, value) != value:
+            raise ValueError(f"model: {where}.weights.{key}={weights.get(key)!r}; tokenbus serves "
+                             f"{key}={value!r} (W4A16, a scale per group)")
+    for key in ("input_activations", "output_activations"):
+        if group.get(key):
+            raise ValueError(f"model: {where}.{key} is set; tokenbus serves weight-only (W4A16) schemes")
+    fmt = group.get("format") or config.get("format")
+    if fmt != "pack-quantized":
+        raise ValueError(f"model: quantization_config format {fmt!r}; tokenbus reads 'pack-quantized'")
+    if not weights.get("group_size") or weights["group_size"] % 2:
+        raise ValueError(f"model: {where}.weights.group_size={weights.get('group_size')!r} must be even and set")
+    return {"quantization": "w4a16", "quant_group_size": int(weights["group_size"]),
+            "quant_symmetric": bool(weights.get("symmetric", True))}
 
 
 def rope_settings(c: dict) -> tuple[float, dict | None]:

@@ -6,7 +6,8 @@ its HF form, which the rest of tokenbus reads:
 
 - `write_files`: config.json, generation_config.json and the tokenizer files, from the metadata;
 - `tensors`: (HF name, slice) pairs, dequantized when sliced, rows first, so that a tensor-parallel
-  rank dequantizes only its own rows;
+  rank dequantizes only its own rows; with `keep` (quantization "gguf"), a linear weight in Q8_0 or
+  Q4_0 as its codes and scales instead (`Kept`, `kept_layers`), which the layers hold as they are;
 - `hf_dir`: for a GGUF loaded directly, those files written once under $TOKENBUS_HOME/gguf (the
   tokenizer service and the gateway read a directory);
 - `convert`: a whole HF checkpoint directory, safetensors included (`tokenbus model pull`).
@@ -26,6 +27,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
+from workers.layers.quant import Layout, pack_nibbles
 from workers.models.builder import build_once, save_weights, tokenbus_home, write_json
 
 Q = GGMLQuantizationType
@@ -256,10 +258,12 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def tensors(path) -> list[tuple[str, Slice]]:
+def tensors(path, keep: bool = False) -> list[tuple[str, Slice]]:
     """Every tensor under its HF name; ValueError naming the tensor for a type not dequantized here or
-    a name with no place in the model."""
+    a name with no place in the model. With `keep`, a kept linear weight X.weight (`kept_layers`) comes
+    as X.weight_packed and X.weight_scale."""
     reader, config = read(path), hf_config(path)
+    kept = kept_layers(path) if keep else {}
     out = []
     for t in reader.tensors:
         if t.tensor_type not in TYPES:
@@ -269,8 +273,68 @@ def tensors(path) -> list[tuple[str, Slice]]:
         if name is None:
             raise ValueError(f"model: {path}: tensor {t.name!r} has no place in a {config['model_type']} model")
         rotated = ".q_proj." in name or ".k_proj." in name
-        out.append((name, Slice(t, config["head_dim"] if rotated else None)))
+        head_dim = config["head_dim"] if rotated else None
+        layer = name.removesuffix(".weight")
+        if layer in kept:
+            out += [(f"{layer}.weight_packed", Kept(t, head_dim, "codes")), (f"{layer}.weight_scale",
+                                                                            Kept(t, head_dim, "scale"))]
+        else:
+            out.append((name, Slice(t, head_dim)))
     return out
+
+
+KEPT_TYPES = {Q.Q4_0: Layout(4, 32), Q.Q8_0: Layout(8, 32)}   # W = d * (q - 8), q 0..15; W = d * q, q int8
+LINEARS = tuple(LAYER[k] for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+
+
+def kept_layers(path) -> dict[str, Layout]:
+    """The linear layers (HF names) whose weights are Q4_0 or Q8_0: all but the embedding, which is looked
+    up, not multiplied (a tied LM head shares it, so stays float too)."""
+    kept = {}
+    for t in read(path).tensors:
+        name = hf_name(t.name)
+        if t.tensor_type in KEPT_TYPES and name and (name == "lm_head.weight" or name.endswith(
+                tuple(f".{n}.weight" for n in LINEARS))):
+            kept[name.removesuffix(".weight")] = KEPT_TYPES[t.tensor_type]
+    return kept
+
+
+class Kept:
+    """A Q4_0 or Q8_0 tensor's `codes` (Q4_0: uint8 [N, K/2], two codes 0..15 a byte, input 2j in the low
+    nibble; Q8_0: int8 [N, K]) or `scale` (float32 [N, K/32], each block's float16 d widened), sliced like
+    `Slice`: rows cut before decoding, q/k rows un-interleaved, columns (whole blocks) cut after."""
+
+    def __init__(self, tensor, head_dim: int | None, part: str):
+        self.tensor, self.head_dim, self.part = tensor, head_dim, part
+        n, k = (int(d) for d in reversed(tensor.shape))
+        per_row = k // 2 if tensor.tensor_type == Q.Q4_0 and part == "codes" else k
+        self.shape = (n, per_row if part == "codes" else k // 32)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1, "rows are read in one run"
+        blocks = torch.from_numpy(np.array(self.tensor.data[start:stop])).view(stop - start, -1, 34 if self.q8 else 18)
+        data = self.decode(blocks)
+        if self.head_dim:
+            assert start % self.head_dim == 0 == stop % self.head_dim, "q/k rows are read in whole heads"
+            data = torch.from_numpy(unpermute(data.numpy(), self.head_dim).copy())
+        return data[:, cols]
+
+    @property
+    def q8(self) -> bool:
+        return self.tensor.tensor_type == Q.Q8_0
+
+    def decode(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[rows, blocks, bytes] -> this part [rows, ...]: a block is float16 d, then 32 int8 (Q8_0) or
+        16 bytes of codes (Q4_0: input j in byte j's low nibble, j + 16 in its high)."""
+        rows = blocks.shape[0]
+        if self.part == "scale":
+            return blocks[..., :2].contiguous().view(torch.float16).float().view(rows, -1)
+        if self.q8:
+            return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
+        qs = blocks[..., 2:]
+        return pack_nibbles(torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(rows, -1))
 
 
 def convert(path, out: Path, dtype: str, progress: bool = True) -> None:

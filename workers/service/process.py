@@ -19,7 +19,9 @@ from schemas.revision import revision as revision_of
 from schemas.sampling import SamplingParams
 from workers import faults
 from workers.engine import speculative
-from workers.engine.engine import KV_CACHE_DTYPES, EngineConfig, LLMEngine
+from workers.engine.engine import ENGINES, KV_CACHE_DTYPES, EngineConfig, LLMEngine
+from workers.engine.roofline import GPUS
+from workers.layers.quant import QUANTIZATIONS
 from workers.models import catalogue
 from workers.service.registry import last_suspect
 from workers.service.worker import WorkerService
@@ -48,9 +50,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV pool's dtype: auto (the model's, the default), int8 or fp8 (e4m3), each row with "
                         "its own scale: about half the bytes of bfloat16 per token, a quarter of float32's")
-    p.add_argument("--quantization", choices=["none", "int8"], default="none",
-                   help="the linear weights: none (the checkpoint's, the default) or int8, quantized at load with a "
-                        "scale per output channel")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="the linear weights: none (the checkpoint's, the default); int8, quantized at load with a "
+                        "scale per output channel; w4a16 is read from a checkpoint (a compressed-tensors W4A16 one "
+                        "is served as its 4-bit codes with none too); gguf keeps a GGUF file's Q8_0 and Q4_0 linear "
+                        "weights quantized, other types dequantized as with none")
     p.add_argument("--kv-host-memory", type=int, metavar="BYTES",
                    help="a host-memory tier of the prefix cache below the KV pool: blocks evicted from the pool are "
                         "copied here and copied back on a hit, not recomputed (default: none)")
@@ -62,6 +66,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="ranks of this replica: this process and tp-1 followers it starts")
+    p.add_argument("--engine", choices=ENGINES, default="model",
+                   help="model: run the model (the default); mock: no model, the real scheduler and KV cache, each "
+                        "step held for the roofline's time on --mock-tp × --mock-gpu, tokens a hash of the request's "
+                        "seed and position (docs/engine.md#the-mock-engine)")
+    p.add_argument("--mock-gpu", choices=list(GPUS), default="h100-sxm",
+                   help="with --engine mock: the GPU preset whose roofline times the steps (default h100-sxm)")
+    p.add_argument("--mock-tp", type=int, default=1, metavar="N",
+                   help="with --engine mock: the simulated tensor-parallel size, N GPUs' memory, FLOPs and bandwidth "
+                        "(no ranks are started; --tp starts real ones) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
                    "the tokens do not depend on it")
     p.add_argument("--chunk-rate", type=subjects.chunk_rate, default=subjects.CHUNK_RATE,
@@ -97,7 +110,8 @@ def engine_config(args) -> EngineConfig:
                         tensor_parallel_size=args.tp, speculative=speculative_config(args),
                         scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
                         kv_host_memory=args.kv_host_memory, kv_disk_dir=args.kv_disk_dir,
-                        kv_disk_size=args.kv_disk_size, quantization=args.quantization)
+                        kv_disk_size=args.kv_disk_size, quantization=args.quantization,
+                        engine=args.engine, mock_gpu=args.mock_gpu, mock_tp=args.mock_tp)
 
 
 def speculative_config(args) -> dict | None:
@@ -155,4 +169,7 @@ def main(argv=None) -> None:
     if args.role != "both" and args.tp > 1:
         p.error(f"--role {args.role} with --tp {args.tp}: the KV transfer of disaggregated serving moves one "
                 f"rank's pool; tensor-parallel workers serve with --role both")
+    if args.engine == "mock" and args.tp > 1:
+        p.error(f"--engine mock with --tp {args.tp}: the mock starts no ranks; its simulated tensor-parallel size "
+                "is --mock-tp")
     bus.run(serve(args))
