@@ -122,6 +122,10 @@ def reference_model(args, model: str) -> str:
     from workers.models.config import ModelConfig
 
     if not args.reference:
+        made = ModelConfig.load(model).quantization
+        if made is not None:
+            raise ValueError(f"--model {model} is a {made} checkpoint: name the unquantized model it was made from "
+                             "with --reference")
         return model
     base = resolve(args.reference)
     ours, theirs = ModelConfig.load(model).vocab_size, ModelConfig.load(base).vocab_size
@@ -171,18 +175,21 @@ def ppl(args) -> None:
             reference.close()
     finally:
         engine.close()
+    checkpoint = engine.model_cfg.quantization   # a quantized checkpoint's own (w4a16), else what was asked
     result = {"model": model, "text": str(text), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-              "quantization": args.quantization, "tokens": len(ids), "predicted": len(ids) - 1,
+              "quantization": checkpoint or args.quantization, "tokens": len(ids), "predicted": len(ids) - 1,
               "engine": summary(cols["logprob"], cols["seconds"][0].item()),
               "reference": {"model": base, "dtype": "float32", **UNQUANTIZED,
                             **summary(cols["reference_logprob"], cols["seconds"][1].item())}}
     result["ppl_ratio"] = result["engine"]["perplexity"] / result["reference"]["perplexity"]
     result |= divergence(cols)
-    start = time.perf_counter()
-    theirs = hf_logprobs(hf.hf_model(model, getattr(torch, args.dtype)), ids)
-    result["hf"] = summary(theirs, time.perf_counter() - start)
-    result["relative_difference"] = abs(result["engine"]["perplexity"] / result["hf"]["perplexity"] - 1)
-    result["max_token_difference"] = (cols["logprob"] - theirs).abs().max().item()
+    result |= {"hf": None, "relative_difference": None, "max_token_difference": None}
+    if checkpoint is None:   # transformers' side reads float checkpoints; a W4A16 one is compared with its source
+        start = time.perf_counter()
+        theirs = hf_logprobs(hf.hf_model(model, getattr(torch, args.dtype)), ids)
+        result["hf"] = summary(theirs, time.perf_counter() - start)
+        result["relative_difference"] = abs(result["engine"]["perplexity"] / result["hf"]["perplexity"] - 1)
+        result["max_token_difference"] = (cols["logprob"] - theirs).abs().max().item()
     print(json.dumps(result) if args.json else table(result))
 
 
@@ -190,13 +197,16 @@ def table(r: dict) -> str:
     rows = [f"{'':18}{'mean log-likelihood':>21}{'perplexity':>12}{'seconds':>9}"]
     for name, key in (("tokenbus engine", "engine"), ("HF transformers", "hf"), ("unquantized fp32", "reference")):
         s = r[key]
+        if s is None:
+            continue
         rows.append(f"{name:18}{s['mean_logprob']:>21.5f}{s['perplexity']:>12.4f}{s['seconds']:>9.1f}")
     q, dp = r["kld_quantiles"], r["delta_p"]
     return "\n".join([
         f"{r['model']} ({r['dtype']}, kv {r['kv_cache_dtype']}, weights {r['quantization']}) on {r['text']}: "
         f"{r['tokens']} tokens, {r['predicted']} predicted", *rows,
         f"relative difference of the perplexity: {r['relative_difference']:.2g}; largest per-token difference of "
-        f"the log-likelihood: {r['max_token_difference']:.2g}",
+        f"the log-likelihood: {r['max_token_difference']:.2g}" if r["hf"] else "HF transformers: not run on a "
+        "quantized checkpoint",
         f"against the unquantized float32 model ({r['reference']['model']}):",
         f"  PPL ratio {r['ppl_ratio']:.5f}",
         f"  KLD mean {r['kld']:.6f}, max {r['kld_max']:.6f}, 99.9% {q['99.9']:.6f}, 99% {q['99']:.6f}, "

@@ -1,9 +1,17 @@
 """`tokenbus quantize`, registered through the entry-point group tokenbus.commands: its parser only, the
 run imported when chosen."""
+import argparse
 import os
 
 from ops.args import MODEL, delegate
 from ops.models import DEFAULT_MODEL
+
+
+def grid(text: str) -> int:
+    n = int(text)
+    if n < 3:    # llm-compressor's duo-scaling grid divides by n - 2
+        raise argparse.ArgumentTypeError(f"{n}: at least 3")
+    return n
 
 
 def quantize(sub) -> None:
@@ -21,8 +29,8 @@ def quantize(sub) -> None:
     q.add_argument("--symmetric", action="store_true", help="no zero points (default: asymmetric, as AWQ)")
     q.add_argument("--samples", type=int, default=32, help="calibration windows of the text (default: 32)")
     q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default: 512)")
-    q.add_argument("--n-grid", type=int, default=20, help="awq: scale grid points searched per layer "
-                                                          "(default: 20, llm-compressor's)")
+    q.add_argument("--n-grid", type=grid, default=20, help="awq: scale grid points searched per layer, at least 3 "
+                                                           "(default: 20, llm-compressor's)")
     q.add_argument("--text", metavar="FILE", help="calibration text (default: the Python docstrings corpus "
                                                   "shipped with tokenbus, not the text eval ppl scores)")
     q.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
