@@ -65,7 +65,7 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
 
 def grouped(k: int, scale: torch.Tensor) -> int:
     group = k // scale.shape[1]
-    if group * scale.shape[1] != k or group % 16:
+    if group * scale.shape[1] != k or not takes(k, group):
         raise ValueError(f"int8_linear: {scale.shape[1]} scales per output over {k} inputs; the kernel takes groups "
                          "of a multiple of 16 inputs")
     return group

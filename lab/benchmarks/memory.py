@@ -25,6 +25,7 @@ from ops.args import size
 from ops.plan import measured_cpu
 from schemas.sampling import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
+from workers.layers.quant import Int4Weight
 from workers.models import catalogue
 
 KV_DTYPES = ("auto", "int8", "fp8")
@@ -57,12 +58,15 @@ def storage_bytes(obj, seen: set) -> int:
 
 def weight_bytes_read(engine: LLMEngine) -> int:
     """What one decode step reads of the linear weights: each layer's packed form where it has one (the
-    kernel's layout, scales included), else its weight."""
+    kernel's layout, scales included), else its weight. A 4-bit weight is held in two layouts; bfloat16
+    steps read PyTorch's."""
     total = 0
     for m in engine.runner.model.modules():
         if not hasattr(m, "packed_weight"):
             continue
         packed = m.packed_weight
+        if isinstance(packed, Int4Weight) and packed.packed is not None:
+            packed = packed.packed
         total += storage_bytes(packed if packed is not None else m.weight, set())
     return total
 
@@ -136,7 +140,7 @@ def preempting(setups_: dict, concurrencies: list[int], memory: int, prompt_len:
                 engine.step()
             seconds, tokens = time.perf_counter() - start, n * output
             stats = engine.stats()
-            rows[f"{name} @ {n}"] = {"concurrency": n, "tok_s": tokens / seconds, "seconds": seconds,
+            rows[f"{name} @ {n}"] = {"setup": name, "concurrency": n, "tok_s": tokens / seconds, "seconds": seconds,
                                      "kv_blocks": stats["kv_blocks_total"], "preemptions": stats["preemptions"]}
             del engine
     return {"kv_cache_memory": memory, "prompt": prompt_len, "output": output, "rows": rows}
@@ -156,7 +160,7 @@ def preempting_table(r: dict) -> str:
     lines = [f"--kv-cache-memory {r['kv_cache_memory'] / 2 ** 20:.0f} MiB, {r['prompt']} + {r['output']} tokens each",
              f"{'':34}{'tok/s':>8}{'blocks':>8}{'preempted':>11}{'x bf16 KV':>11}"]
     for name, m in r["rows"].items():
-        base = r["rows"][name.replace(name.split(", ")[1].split(" @")[0], "bf16 KV")]["tok_s"]
+        base = r["rows"][f"{m['setup'].split(', ')[0]}, bf16 KV @ {m['concurrency']}"]["tok_s"]
         lines.append(f"{name:34}{m['tok_s']:>8.0f}{m['kv_blocks']:>8}{m['preemptions']:>11}"
                      f"{m['tok_s'] / base:>10.2f}x")
     return "\n".join(lines)

@@ -4,7 +4,6 @@ serves quantized and scores near the model it came from."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

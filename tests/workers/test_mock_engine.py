@@ -42,6 +42,7 @@ def params(n: int, seed: int | None = 7, **more) -> SamplingParams:
     return SamplingParams(max_tokens=n, seed=seed, **more)
 
 
+@pytest.mark.serial            # it times steps: alone, or a neighbour's work is counted as Python's
 def test_step_times_follow_the_roofline_for_decode_prefill_and_mixed_steps(tmp_path):
     """On an L4 preset a SmolLM2-sized decode step is ~1.3 ms of weight reads and a 1024-token prefill chunk
     ~3.6 ms of FLOPs: each traced step lasts at least its roofline's time, and only Python's few ms more."""

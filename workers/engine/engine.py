@@ -317,7 +317,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.draft(batch, self.scheduler)
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
-        shape = step_shape(batch) if self.trace is not None else None
+        shape = batch.shape() if self.trace is not None else None
         self.check_alive()
         run_start = time.perf_counter()
         if self.config.engine == "mock":
@@ -341,7 +341,8 @@ class LLMEngine:
             waste = sum(len(t) * self.config.block_size - r.num_computed_tokens
                         for r, t in zip(batch.requests, tables))
             self.trace.append(StepTrace(len(batch.requests), batch.num_tokens, time.perf_counter() - start,
-                                        self.runner.forward_seconds - forward_before, waste, *shape))
+                                        self.runner.forward_seconds - forward_before, waste, shape.sampled,
+                                        shape.attention, shape.kv_read))
         return updated
 
     def move_tiers(self, batch: Batch) -> None:
@@ -443,18 +444,6 @@ def check_priority(priority: int) -> None:
 def check_weight(weight: float) -> None:
     check(isinstance(weight, int | float) and not isinstance(weight, bool) and MIN_WEIGHT <= weight <= MAX_WEIGHT,
           "weight", f"must be a number in [MIN_WEIGHT, MAX_WEIGHT] = [{MIN_WEIGHT}, {MAX_WEIGHT}]", weight)
-
-
-def step_shape(batch: Batch) -> tuple[int, float, int]:
-    """(rows that sample × (1 + drafts), attention pairs, KV read) of a step about to run: what a cost
-    model needs beyond its tokens and rows."""
-    sampled, pairs, kv_read = 0, 0.0, 0
-    for req, n, samples, drafts in zip(batch.requests, batch.num_new_tokens, batch.samples, batch.drafts):
-        context = req.num_computed_tokens + n
-        sampled += samples * (1 + len(drafts))
-        pairs += n * (context - (n - 1) / 2)
-        kv_read += context
-    return sampled, pairs, kv_read
 
 
 def sub_batch(batch: Batch, rows: list[int]) -> Batch:

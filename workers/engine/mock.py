@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.request import TokenLogprobs
-from workers.engine.roofline import GPUS, Efficiency, Roofline, RooflineCost, StepShape
+from workers.engine.roofline import GPUS, Efficiency, Roofline, RooflineCost
 from workers.engine.scheduler import Batch
 
 MAX_BLOCKS = 1 << 18                 # a bigger pool only costs the block manager's memory: 4M tokens of 16
@@ -128,12 +128,6 @@ class MockRunner:
 
     # -- the step ------------------------------------------------------------------------------------------
 
-    def shape(self, batch: Batch) -> StepShape:
-        shape = StepShape()
-        for req, n, samples, drafts in zip(batch.requests, batch.num_new_tokens, batch.samples, batch.drafts):
-            shape.add(n, req.num_computed_tokens + n, samples * (1 + len(drafts)))
-        return shape
-
     def run(self, batch: Batch, block_tables: list[list[int]]
             ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each sampling request's tokens (one, and one after each draft), after the roofline's time for the
@@ -144,7 +138,7 @@ class MockRunner:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             ids += req.token_ids[req.num_computed_tokens:req.num_computed_tokens + n]
         self.execute(MockInputs(torch.tensor(ids, dtype=torch.long)))
-        seconds = self.cost.seconds(self.shape(batch))
+        seconds = self.cost.seconds(batch.shape())
         self.roofline_seconds += seconds
         tokens, logprobs = [], []
         vocab = self.cfg.vocab_size

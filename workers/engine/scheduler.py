@@ -35,6 +35,7 @@ from schemas.messages import SCHEDULING_POLICIES
 from workers.engine.fair import FairQueue
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.request import Request, Status, TokenLogprobs
+from workers.engine.roofline import StepShape
 
 
 @dataclass(slots=True)
@@ -65,6 +66,13 @@ class Batch:
     @property
     def block_copies(self) -> list[tuple[int, int]]:
         return [(src, dst) for _, src, dst in self.copies]
+
+    def shape(self) -> StepShape:
+        """The step's shape for a cost model (the mock engine's roofline, the simulator's fit), before it runs."""
+        shape = StepShape()
+        for req, n, samples, drafts in zip(self.requests, self.num_new_tokens, self.samples, self.drafts):
+            shape.add(n, req.num_computed_tokens + n, samples * (1 + len(drafts)))
+        return shape
 
     def add(self, req: Request, n: int, drafts: list[int] = ()) -> None:
         self.requests.append(req)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from workers.layers.quant import Layout
+from workers.layers.quant import Layout, unpack_nibbles
 
 
 def layout(cfg) -> Layout:
@@ -60,5 +60,4 @@ class Nibbles:
 
 def unpack_rows(words: torch.Tensor) -> torch.Tensor:
     """int32 [N/8, G] zeros packed down the outputs -> uint8 codes [N, G]."""
-    codes = words.t().contiguous().view(torch.uint8)                  # [G, N/2]
-    return torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(1).t().contiguous()
+    return unpack_nibbles(words.t().contiguous().view(torch.uint8)).t().contiguous()   # [G, N/2] -> [N, G]
