@@ -8,6 +8,7 @@ import sys
 MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 GPU_PRESETS = ["h100-sxm", "h200", "a100", "l4"]    # workers.engine.roofline.GPUS (importing workers imports torch)
+PLAN_MODELS = ["llama-3-70b", "llama-3-8b", "smollm2-135m"]   # ops.plan.MODELS (it imports workers)
 
 
 def delegate(module: str, function: str = "main", exits: bool = False):

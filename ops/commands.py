@@ -172,7 +172,8 @@ def up_fleet(u) -> None:
                         "(default: the worker's, recompute)")
     u.add_argument("--gateways", type=int, default=1,
                    help="gateway processes, on --port, --port + 1, ...: a client cut off by one resumes on another")
-    u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica)")
+    u.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker (ranks per replica); with "
+                   "--engine mock, the simulated size: no ranks are started")
     u.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy: prefix (cache- and load-aware, the default), least-loaded, round-robin")
     u.add_argument("--max-local-prefill", type=count, metavar="N",
@@ -246,14 +247,11 @@ def up_engine(u) -> None:
                    help="each worker's KV cache, e.g. 4GiB (default: 1 GiB on CPU, 90%% of free GPU memory)")
     u.add_argument("--engine", choices=("model", "mock"),
                    help="every worker's engine: model (the default) or mock: no model, the real scheduler and KV "
-                        "cache, each step held for the roofline's time on --mock-tp × --mock-gpu, tokens a hash of "
+                        "cache, each step held for the roofline's time on --tp × --mock-gpu, tokens a hash of "
                         "the request's seed and position (docs/engine.md#the-mock-engine)")
     u.add_argument("--mock-gpu", choices=GPU_PRESETS,
                    help="with --engine mock: the GPU preset whose roofline times each worker's steps "
                         "(default h100-sxm)")
-    u.add_argument("--mock-tp", type=int, metavar="N",
-                   help="with --engine mock: each worker's simulated tensor-parallel size (no ranks are started; "
-                        "--tp starts real ones) (default 1)")
     u.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every worker's " + KV_CACHE_DTYPE_HELP)
     u.add_argument("--quantization", choices=QUANTIZATIONS, help="every worker's " + QUANTIZATION_HELP)
     u.add_argument("--kv-host-memory", type=size, metavar="BYTES",

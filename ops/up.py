@@ -430,7 +430,7 @@ def worker_args(args) -> list[str]:
             *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative",
                    "kv-load-failure-policy", "scheduling-policy"),
             *given(args, "kv-cache-dtype"),
-            *given(args, "engine", "mock-gpu", "mock-tp"),
+            *given(args, "engine", "mock-gpu"),
             *given(args, "quantization"),
             *given(args, "kv-host-memory", "kv-disk-size"), *disk_dirs(args),
             *(["--no-speculative-adaptive"] if args.no_speculative_adaptive else [])]
@@ -452,17 +452,13 @@ def colocated(args) -> int:
 
 
 def check_roles(args) -> None:
-    """ValueError (the CLI prints it) for prefill workers with no worker to decode, or roles (or the mock engine)
-    with --tp."""
+    """ValueError (the CLI prints it) for prefill workers with no worker to decode, or roles with --tp."""
     if args.prefill_workers and not args.decode_workers and not colocated(args):
         raise ValueError(f"--prefill-workers {args.prefill_workers} needs a worker to decode what they prefill: "
                          "give --decode-workers (or --workers) too")
     if (args.prefill_workers or args.decode_workers) and args.tp > 1:
         raise ValueError(f"--prefill-workers and --decode-workers do not take --tp {args.tp}: the KV transfer does "
                          "not support tensor-parallel workers yet")
-    if args.engine == "mock" and args.tp > 1:
-        raise ValueError(f"--engine mock with --tp {args.tp}: the mock starts no ranks; its simulated tensor-parallel "
-                         "size is --mock-tp")
 
 
 def router_args(args) -> list[str]:
@@ -541,8 +537,9 @@ def main(args) -> None:
     status = 0
     try:
         stack.start()
-        mock = f" (mock engine: {args.mock_tp or 1} × {args.mock_gpu or 'h100-sxm'})" if args.engine == "mock" else ""
-        print(f"tokenbus: starting {workers_line(stack)}{mock} of tensor-parallel size {args.tp} on "
+        tp = (f"mock engines of simulated tensor-parallel size {args.tp} × {args.mock_gpu or 'h100-sxm'}"
+              if args.engine == "mock" else f"tensor-parallel size {args.tp}")
+        print(f"tokenbus: starting {workers_line(stack)} of {tp} on "
               f"{models_line(stack)} (logs in {data_dir / 'logs'}) ...", flush=True)
         stack.wait_ready()
         more = "".join(f"\n  gateway {i}  {u}" for i, u in enumerate(stack.urls[1:], 1))

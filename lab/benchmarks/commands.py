@@ -4,7 +4,7 @@ slow to import)."""
 import os
 
 from lab.common.options import BENCH_MODEL
-from ops.args import MODEL, delegate
+from ops.args import GPU_PRESETS, MODEL, PLAN_MODELS, delegate
 from ops.models import DEFAULT_MODEL
 from schemas.subjects import chunk_rate
 from services.router.policy import POLICIES
@@ -117,6 +117,37 @@ def bench_pipeline(sub) -> None:
                          "every running request a token (no engine side)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bp.set_defaults(func=delegate("lab.benchmarks.pipeline"))
+
+
+def bench_bus(sub) -> None:
+    bb = sub.add_parser("bench-bus", help="the pipeline and its bus at GPU token rates: mock workers, open-loop "
+                                          "Poisson arrivals, what each service and nats-server costs per request "
+                                          "and token")
+    bb.add_argument("--model", default=DEFAULT_MODEL, help="the tokenizer and files of the model (default: "
+                    f"{DEFAULT_MODEL}); its config is reshaped to --shape (the mock loads no weights)")
+    bb.add_argument("--shape", choices=PLAN_MODELS, default="llama-3-70b",
+                    help="the layers the mock engine times its steps for (default: llama-3-70b, the seed's)")
+    bb.add_argument("--mock-gpu", choices=GPU_PRESETS, default="h100-sxm", help="the mock's GPU (default h100-sxm)")
+    bb.add_argument("--tp", type=int, default=8, help="the mock's simulated tensor-parallel size (default 8)")
+    bb.add_argument("--workers", type=int, default=2, help="mock workers (default 2)")
+    bb.add_argument("--max-num-seqs", type=int, default=256, help="requests in a worker's batch at most (default 256)")
+    bb.add_argument("--bus", nargs="+", choices=["single", "cluster"], default=["single"],
+                    help="single: one nats-server; cluster: 3 nodes with R3 streams (default: single)")
+    bb.add_argument("--fsync", nargs="+", choices=["default", "always"], default=["default"],
+                    help="default: NATS's (every 2 minutes); always: before every acknowledgement (default: default)")
+    bb.add_argument("--protocol", nargs="+", choices=["ws", "sse"], default=["ws", "sse"],
+                    help="ws: the websocket protocol; sse: streamed text completions (default: both)")
+    bb.add_argument("--rate", type=float, nargs="+", default=[2.0, 4.0, 8.0, 16.0],
+                    help="Poisson arrivals per second, one run each in turn: a step sweep (default 2 4 8 16)")
+    bb.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    bb.add_argument("--input-len", type=int, default=3000, help="prompt tokens (default 3000, the seed's)")
+    bb.add_argument("--output-len", type=int, default=400, help="output tokens, exactly (default 400, the seed's)")
+    bb.add_argument("--connections", type=int, default=16, help="ws: websockets the requests share (default 16)")
+    bb.add_argument("--timeout", type=float, default=600.0, help="seconds a run's requests may take to end")
+    bb.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
+    bb.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bb.add_argument("--plot", metavar="FILE.png", help="sustained rate and added TTFT against the offered rate")
+    bb.set_defaults(func=delegate("lab.benchmarks.bus_load", exits=True))
 
 
 def bench_spec(sub) -> None:

@@ -180,13 +180,13 @@ def test_the_worker_and_up_take_the_mock_flags():
     from workers.service import engine_config
     from workers.service import parser as worker
 
-    argv = worker_args(tokenbus().parse_args(["up", "--engine", "mock", "--mock-gpu", "h200", "--mock-tp", "8"]))
-    assert argv == ["--engine", "mock", "--mock-gpu", "h200", "--mock-tp", "8"]
-    cfg = engine_config(worker().parse_args(["--model", "m", *argv]))
-    assert (cfg.engine, cfg.mock_gpu, cfg.mock_tp) == ("mock", "h200", 8)
+    argv = worker_args(tokenbus().parse_args(["up", "--engine", "mock", "--mock-gpu", "h200", "--tp", "8"]))
+    assert argv == ["--tp", "8", "--engine", "mock", "--mock-gpu", "h200"]
+    cfg = engine_config(worker().parse_args(["--model", "m", *argv]))     # --tp is the simulated size: no ranks
+    assert (cfg.engine, cfg.mock_gpu, cfg.mock_tp, cfg.tensor_parallel_size) == ("mock", "h200", 8, 1)
+    assert engine_config(worker().parse_args(["--model", "m", "--tp", "2"])).tensor_parallel_size == 2
     assert worker_args(tokenbus().parse_args(["up"])) == []
     assert engine_config(worker().parse_args(["--model", "m"])).engine == "model"
-    with pytest.raises(ValueError, match="--mock-tp"):
-        check_roles(tokenbus().parse_args(["up", "--engine", "mock", "--tp", "2"]))
+    check_roles(tokenbus().parse_args(["up", "--engine", "mock", "--tp", "8"]))
     with pytest.raises(SystemExit):
         worker().parse_args(["--model", "m", "--mock-gpu", "tpu"])

@@ -65,16 +65,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="ranks of this replica: this process and tp-1 followers it starts")
+                   help="ranks of this replica: this process and tp-1 followers it starts; with --engine mock, the "
+                        "simulated tensor-parallel size (N GPUs' memory, FLOPs and bandwidth; no ranks are started)")
     p.add_argument("--engine", choices=ENGINES, default="model",
                    help="model: run the model (the default); mock: no model, the real scheduler and KV cache, each "
-                        "step held for the roofline's time on --mock-tp × --mock-gpu, tokens a hash of the request's "
+                        "step held for the roofline's time on --tp × --mock-gpu, tokens a hash of the request's "
                         "seed and position (docs/engine.md#the-mock-engine)")
     p.add_argument("--mock-gpu", choices=list(GPUS), default="h100-sxm",
                    help="with --engine mock: the GPU preset whose roofline times the steps (default h100-sxm)")
-    p.add_argument("--mock-tp", type=int, default=1, metavar="N",
-                   help="with --engine mock: the simulated tensor-parallel size, N GPUs' memory, FLOPs and bandwidth "
-                        "(no ranks are started; --tp starts real ones) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads for the engine (default: torch's, one per core); "
                    "the tokens do not depend on it")
     p.add_argument("--chunk-rate", type=subjects.chunk_rate, default=subjects.CHUNK_RATE,
@@ -107,11 +105,12 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        tensor_parallel_size=args.tp, speculative=speculative_config(args),
+                        tensor_parallel_size=1 if args.engine == "mock" else args.tp,     # mock: simulated, mock_tp
+                        speculative=speculative_config(args),
                         scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
                         kv_host_memory=args.kv_host_memory, kv_disk_dir=args.kv_disk_dir,
                         kv_disk_size=args.kv_disk_size, quantization=args.quantization,
-                        engine=args.engine, mock_gpu=args.mock_gpu, mock_tp=args.mock_tp)
+                        engine=args.engine, mock_gpu=args.mock_gpu, mock_tp=args.tp)
 
 
 def speculative_config(args) -> dict | None:
@@ -169,7 +168,4 @@ def main(argv=None) -> None:
     if args.role != "both" and args.tp > 1:
         p.error(f"--role {args.role} with --tp {args.tp}: the KV transfer of disaggregated serving moves one "
                 f"rank's pool; tensor-parallel workers serve with --role both")
-    if args.engine == "mock" and args.tp > 1:
-        p.error(f"--engine mock with --tp {args.tp}: the mock starts no ranks; its simulated tensor-parallel size "
-                "is --mock-tp")
     bus.run(serve(args))

@@ -1,0 +1,70 @@
+"""`tokenbus bench-bus`: a small run (one mock worker, one nats-server, both protocols, a second of Poisson
+arrivals) reports every figure it promises, from what the stack really did: each request streamed to its
+length, the pipeline's added TTFT paired per request from the records, the CPU of every service and of
+nats-server, and the durable writes by stream; the mock model is the source's tokenizer with the shape's
+layers; the command parses."""
+import json
+from argparse import Namespace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from lab.benchmarks import bus_load
+from ops.cli import parser
+
+OUTPUT_LEN = 12
+
+
+def bench_args(model: str, tmp_path: Path, **kw) -> Namespace:
+    defaults = {"model": model, "shape": "llama-3-8b", "mock_gpu": "h100-sxm", "tp": 1, "workers": 1,
+                "max_num_seqs": 64, "bus": ["single"], "fsync": ["default"], "protocol": ["ws", "sse"],
+                "rate": [6.0], "duration": 1.5, "input_len": 48, "output_len": OUTPUT_LEN, "connections": 2,
+                "timeout": 60.0, "seed": 0, "json": str(tmp_path / "r.json"), "plot": str(tmp_path / "r.png")}
+    return Namespace(**{**defaults, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_small_run_reports_rates_added_latency_cpu_and_durable_writes(tiny_model, tmp_path, capsys):
+    args = bench_args(tiny_model, tmp_path)
+    assert bus_load.main(args) == 0
+    assert Path(args.plot).read_bytes().startswith(b"\x89PNG")
+    report = orjson.loads(Path(args.json).read_bytes())
+    assert [r["protocol"] for r in report["runs"]] == ["ws", "sse"]
+    for r in report["runs"]:
+        assert r["requests"] >= 2 and r["errors"] == 0, r
+        assert r["tokens_per_s"] > 0 and r["sustained_rps"] > 0
+        assert r["tokens_per_s"] / r["sustained_rps"] == pytest.approx(OUTPUT_LEN, rel=1e-3)   # every one to its length
+        assert 0 < r["ttft_added_ms"]["p50"] <= r["ttft_added_ms"]["p99"] < r["ttft_ms"]["p99"]
+        assert r["engine_itl_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
+        for process in ("gateway", "tokenizer", "router", "w0", "w0.engine", "nats"):
+            assert r["cpu_ms_per_request"][process] > 0, process
+        assert r["pipeline_cpu_ms_per_request"] > r["cpu_ms_per_request"]["gateway"]
+        assert "w0.engine" not in r["busiest"]["process"]
+        d = r["durable"]
+        for stream in ("TB_REQUESTS", "TB_WORK", "TB_RESULTS", "TB_USAGE", "KV_tb_outcomes"):
+            assert d["stored_by_stream"][stream] >= r["requests"], stream    # at least one write a request each
+        assert d["publishes_per_request"] >= d["stored_per_request"] >= 5     # today's design (issue 44: to 3)
+        assert d["bytes_per_request"] > 48                                    # the prompt's text, at least
+    assert [s["protocol"] for s in report["saturation"]] == ["ws", "sse"]
+    out = capsys.readouterr().out
+    assert "saturates first" in out and "single  default ws" in out
+
+
+def test_the_mock_model_has_the_shapes_layers_and_the_sources_tokenizer(tiny_model, tmp_path):
+    path = Path(bus_load.shaped_model(tiny_model, "llama-3-70b", tmp_path))
+    config, source = json.loads((path / "config.json").read_text()), json.loads(
+        (Path(tiny_model) / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (80, 8192, 8)
+    assert config["vocab_size"] == source["vocab_size"]          # the tokens the tokenizer knows
+    assert (path / "tokenizer.json").read_bytes() == (Path(tiny_model) / "tokenizer.json").read_bytes()
+    assert [f.name for f in path.iterdir() if f.is_symlink()] == ["model.safetensors"]
+
+
+def test_the_command_parses():
+    args = parser().parse_args(["bench-bus", "--bus", "single", "cluster", "--fsync", "default", "always",
+                                "--rate", "2", "4", "--tp", "8", "--json", "r.json"])
+    assert (args.bus, args.fsync, args.rate, args.tp, args.shape) == (["single", "cluster"], ["default", "always"],
+                                                                      [2.0, 4.0], 8, "llama-3-70b")
+    assert args.protocol == ["ws", "sse"] and args.input_len == 3000 and args.output_len == 400
