@@ -16,9 +16,11 @@ its time whether or not earlier ones finished), each a prompt of --input-len tok
   the client's own TTFT beside it;
 - inter-token latency added: the clients' gaps between token chunks against the mock's own step times
   (each step's seconds from the workers' --step-trace, once per request it sampled for), p50 and p99;
-- CPU: each process's CPU seconds over the run, per request and per 1,000 streamed tokens, and in cores; a
-  worker is split into its event loop's thread (the worker service: intake, chunks, records) and the rest
-  (the engine's thread), and `pipeline` sums every service and nats-server but not the engine;
+- CPU: each process's CPU seconds over the run, in cores, and per request and per 1,000 streamed tokens net
+  of what it uses idle (heartbeats, timers: measured for --idle seconds before the runs, its rate times
+  the run's time subtracted), so that the per-request figures are what a request costs; a worker is split
+  into its event loop's thread (the worker service: intake, chunks, records) and the rest (the engine's
+  thread), and `pipeline` sums every service and nats-server but not the engine;
 - durable writes: messages stored in JetStream (the streams' last sequence, key-value buckets included) and
   publishes on durable subjects with their bytes (a duplicate the broker drops counts as a publish, not a
   store), per request; the heartbeats' buckets (workers, gateways) apart, in writes per second;
@@ -149,7 +151,15 @@ def client_gaps(results: list[Result]) -> list[float]:
 
 # -- one run: a rate on a protocol ----------------------------------------------------------------
 
-async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts: list[str], args) -> dict:
+def idle_cores(stack: Stack, seconds: float) -> dict[str, float]:
+    """Each process's CPU with no request in flight (heartbeats, timers, polls), in cores."""
+    before = cpu_now(stack)
+    time.sleep(seconds)
+    return {k: max(0.0, v - before.get(k, 0.0)) / seconds for k, v in cpu_now(stack).items()}
+
+
+async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts: list[str], args,
+              idle: dict[str, float]) -> dict:
     """Poisson arrivals at `rate` for --duration seconds, open loop; what it cost (the module's docstring)."""
     client = (WsClient(stack.url, args.connections, None, {}) if protocol == "ws" else
               HttpClient(stack.http, None, None, {}, endpoint="/completions"))
@@ -171,7 +181,7 @@ async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts
         t_end = time.monotonic()
         await asyncio.sleep(USAGE_BACKUP_SECONDS + 1)      # the workers' backup usage records, published late
         await nc.flush()
-        after, cpu1 = await stored(js), cpu_now(stack)
+        after, cpu1, t_cpu = await stored(js), cpu_now(stack), time.monotonic()
     finally:
         await client.close()
         await nc.close()
@@ -179,8 +189,10 @@ async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts
     ends = sorted(r.end for r in ok)
     n, tokens = len(ok), sum(r.output_tokens for r in ok)
     sustained = (n - 1) / (ends[-1] - ends[0]) if n > 1 and ends[-1] > ends[0] else None   # the rate of completions
+    window = t_cpu - t0                           # what the CPU figures span: the run and the records after it
     used = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
-    pipeline = sum(v for k, v in used.items() if not k.endswith(".engine"))
+    net = {k: max(0.0, v - idle.get(k, 0.0) * window) for k, v in used.items()}   # what the requests cost
+    pipeline = sum(v for k, v in net.items() if not k.endswith(".engine"))
     writes = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     per_request = sum(v for k, v in writes.items() if k not in PERIODIC)
     periodic = sum(v for k, v in writes.items() if k in PERIODIC)
@@ -198,9 +210,10 @@ async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts
         "itl_added_ms": {q: None if itl[q] is None or engine_itl[q] is None else round(itl[q] - engine_itl[q], 3)
                          for q in ("p50", "p99")},
         "cpu_s": {k: round(v, 3) for k, v in used.items()},
-        "cores": {k: round(v / (t_end - t0), 3) for k, v in used.items()},
-        "cpu_ms_per_request": {k: round(v / n * 1e3, 3) for k, v in used.items()} if n else {},
-        "cpu_ms_per_1k_tokens": {k: round(v / tokens * 1e6, 3) for k, v in used.items()} if tokens else {},
+        "cores": {k: round(v / window, 3) for k, v in used.items()},
+        "idle_cores": {k: round(v, 4) for k, v in idle.items()},
+        "cpu_ms_per_request": {k: round(v / n * 1e3, 3) for k, v in net.items()} if n else {},
+        "cpu_ms_per_1k_tokens": {k: round(v / tokens * 1e6, 3) for k, v in net.items()} if tokens else {},
         "pipeline_cpu_ms_per_request": round(pipeline / n * 1e3, 3) if n else None,
         "pipeline_cpu_ms_per_1k_tokens": round(pipeline / tokens * 1e6, 3) if tokens else None,
         "durable": {"stored_per_request": round(per_request / n, 2) if n else None,
@@ -209,7 +222,7 @@ async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts
                     "bytes_per_request": round(sum(v for k, v in watch.bytes.items()
                                                    if f"KV_{k[4:]}" not in PERIODIC) / n) if n else None,
                     "stored_by_stream": writes, "publishes_by_subject": watch.publishes},
-        "busiest": {"process": busiest, "cores": round(used[busiest] / (t_end - t0), 3)},
+        "busiest": {"process": busiest, "cores": round(used[busiest] / window, 3)},
     }
 
 
@@ -249,8 +262,9 @@ def series(args, model: str, prompts: list[str], home: Path) -> list[dict]:
             try:
                 for protocol in args.protocol:
                     asyncio.run(warm_up(stack, protocol, prompts, args))
+                    idle = idle_cores(stack, args.idle)
                     for rate in args.rate:
-                        row = asyncio.run(run(stack, stack.data_dir, protocol, rate, prompts, args))
+                        row = asyncio.run(run(stack, stack.data_dir, protocol, rate, prompts, args, idle))
                         rows.append({"bus": bus_name, "fsync": fsync, **row})
                         print(line(rows[-1]), flush=True)
             finally:

@@ -142,6 +142,8 @@ def bench_bus(sub) -> None:
     bb.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     bb.add_argument("--input-len", type=int, default=3000, help="prompt tokens (default 3000, the seed's)")
     bb.add_argument("--output-len", type=int, default=400, help="output tokens, exactly (default 400, the seed's)")
+    bb.add_argument("--idle", type=float, default=5.0,
+                    help="seconds each process's idle CPU is measured before the runs, to net it out (default 5)")
     bb.add_argument("--connections", type=int, default=16, help="ws: websockets the requests share (default 16)")
     bb.add_argument("--timeout", type=float, default=600.0, help="seconds a run's requests may take to end")
     bb.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
