@@ -128,6 +128,11 @@ def plan(sub) -> None:
                     "weights and KV (default 0.9)")
     pn.add_argument("--usd-per-gpu-hour", type=float, nargs="+", default=[2.0, 4.0],
                     help="prices the $ per 1M tokens is given at (default 2 4)")
+    pn.add_argument("--bus-calibration", metavar="FILE",
+                    help="what the pipeline costs, as `tokenbus bench-bus --calibration FILE` wrote it (default: the "
+                         "one measured for the repository, ops/bus-calibration.json)")
+    pn.add_argument("--server-cores", type=int, default=16,
+                    help="cores of each machine that runs a nats-server (default 16)")
     pn.add_argument("--json", action="store_true", help="the figures as JSON")
     pn.set_defaults(func=delegate("ops.plan"))
 

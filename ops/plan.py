@@ -23,7 +23,12 @@ estimates):
    the TPOT SLO, whose B fits the KV, and whose first token (a prompt's prefill spread over the
    steps it shares, ≈ t_prefill / (1 − λ · t_prefill)) stays within the TTFT SLO, is a node's capacity;
 7. nodes for the peak: the peak request rate / λ, over the target utilization; GPU-hours a day and
-   $ per 1M tokens (input + output) when every node runs all day, and when the fleet follows the load.
+   $ per 1M tokens (input + output) when every node runs all day, and when the fleet follows the load;
+8. the pipeline around the engines, from what `tokenbus bench-bus --calibration` measured (each role's CPU
+   as ms a request + ms per 1,000 output tokens, the durable writes a request): each role's cores at the
+   peak's requests/s and output tokens/s, over the target utilization (the tokenizer's scaled by the prompt's
+   length over the calibration's); the broker's in servers of --server-cores, a whole number of the
+   calibration's cluster (3 nodes, R3: replication is in the measured cost).
 """
 import json
 import math
@@ -34,6 +39,8 @@ from pathlib import Path
 
 from workers.engine.roofline import GB, GPUS, Efficiency, Gpu, Roofline, parameters
 from workers.models.config import ModelConfig
+
+BUS_CALIBRATION = Path(__file__).with_name("bus-calibration.json")   # measured for the repository (docs/capacity.md)
 
 __all__ = ["GB", "GPUS", "MODELS", "Efficiency", "Gpu", "Plan", "Workload", "hf", "model_config", "parameters"]
 
@@ -232,6 +239,25 @@ class Plan(Roofline):
         return out
 
 
+# 8: the pipeline around the engines
+def bus(cal: dict, w: Workload, nodes: int, util: float, server_cores: int) -> dict:
+    """Each role's cores at the peak from a bench-bus calibration, and the nats-servers (module docstring, 8)."""
+    rps, ktok = w.peak_rps, w.peak_rps * w.output_tokens / 1e3
+    scale = {"tokenizer": w.input_tokens / cal["input_len"]}          # tokenizing is linear in the prompt
+    cores = {role: (rps * c["ms_per_request"] + ktok * c["ms_per_1k_tokens"]) / 1e3 * scale.get(role, 1.0)
+             for role, c in cal["roles"].items()}
+    cluster = cal["nodes"]
+    servers = cluster * max(1, math.ceil(cores["broker"] / util / (cluster * server_cores)))
+    return {"calibration": {k: cal[k] for k in ("measured", "machine", "bus", "fsync", "nodes", "input_len",
+                                                "tokens_separated")},
+            "roles": cal["roles"], "input_scale": scale["tokenizer"], "cores": cores,
+            "cores_at_target": {k: v / util for k, v in cores.items()},
+            "worker_service_cores_per_node": cores["worker_service"] / nodes if nodes else None,
+            "nats_servers": servers, "server_cores": server_cores,
+            "durable_writes_per_s": rps * cal["durable"]["stored_per_request"],
+            "durable_bytes_per_s": rps * cal["durable"]["bytes_per_request"]}
+
+
 def text(r: dict, model: str) -> str:
     w, e, node = r["workload"], r["efficiency"], r["node"]
     g = r["gpu"]
@@ -271,7 +297,28 @@ def text(r: dict, model: str) -> str:
     for price, cost in r["usd_per_million_tokens"].items():
         lines.append(f"    $ per 1M tokens at ${price}/GPU-hour: {cost['provisioned_for_peak']:.3f} provisioned for "
                      f"the peak, {cost['following_the_load']:.3f} following the load")
+    if "bus" in r:
+        lines += bus_text(r["bus"], w, e["target_utilization"])
     return "\n".join(lines)
+
+
+def bus_text(b: dict, w: dict, util: float) -> list[str]:
+    c = b["calibration"]
+    ktok = w["peak_rps"] * w["output_tokens"] / 1e3
+    lines = [f" 8. the pipeline         bench-bus on {c['bus']} ({c['nodes']} node{'s' * (c['nodes'] > 1)}, fsync "
+             f"{c['fsync']}), {c['machine']}, {c['measured']}:",
+             f"    a role's CPU is ms a request + ms per 1k output tokens"
+             f"{'' if c['tokens_separated'] else ' (one output length measured: all counted per request)'}"]
+    for role, k in b["roles"].items():
+        scale = f" × {b['input_scale']:.2f} (prompt length)" if role == "tokenizer" and b["input_scale"] != 1 else ""
+        lines.append(f"    {role.replace('_', ' '):15} ({w['peak_rps']:,.4g} × {k['ms_per_request']:.2f} + {ktok:,.0f} "
+                     f"× {k['ms_per_1k_tokens']:.2f}) ms{scale} = {b['cores'][role]:,.0f} cores, "
+                     f"{b['cores_at_target'][role]:,.0f} at {util:.0%}")
+    lines += [f"    nats-servers    {b['cores_at_target']['broker']:,.0f} cores / {b['server_cores']} a server, "
+              f"whole clusters of {c['nodes']} = {b['nats_servers']} servers; {b['durable_writes_per_s']:,.0f} durable "
+              f"writes/s, {b['durable_bytes_per_s'] / 1e6:,.0f} MB/s",
+              f"    worker service  {b['worker_service_cores_per_node']:.2f} cores on each GPU node"]
+    return lines
 
 
 def main(args) -> None:
@@ -284,6 +331,9 @@ def main(args) -> None:
     plan = Plan(cfg, gpu, args.tp, workload, eff, dtype_bytes, args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3,
                 tuple(args.usd_per_gpu_hour))
     report = plan.report()
+    if report.get("nodes_at_peak"):
+        cal = json.loads(Path(args.bus_calibration or BUS_CALIBRATION).read_text())
+        report["bus"] = bus(cal, workload, report["nodes_at_peak"], eff.target_utilization, args.server_cores)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

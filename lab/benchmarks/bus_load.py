@@ -26,11 +26,16 @@ its time whether or not earlier ones finished), each a prompt of --input-len tok
   store), per request; the heartbeats' buckets (workers, gateways) apart, in writes per second;
 - which component saturates first: the busiest process (in cores) at the highest rate, and whether the
   stack kept up with the offered rate.
+
+With --calibration FILE it writes what `tokenbus plan --bus-calibration` reads: each role's CPU (gateway,
+tokenizer, router, worker service, broker) as ms a request + ms per 1,000 output tokens, fitted over the
+runs of the last bus given (two or more --output-len tell the two apart), and the durable writes a request.
 """
 import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -158,7 +163,7 @@ def idle_cores(stack: Stack, seconds: float) -> dict[str, float]:
     return {k: max(0.0, v - before.get(k, 0.0)) / seconds for k, v in cpu_now(stack).items()}
 
 
-async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts: list[str], args,
+async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, output_len: int, prompts: list[str], args,
               idle: dict[str, float]) -> dict:
     """Poisson arrivals at `rate` for --duration seconds, open loop; what it cost (the module's docstring)."""
     client = (WsClient(stack.url, args.connections, None, {}) if protocol == "ws" else
@@ -174,7 +179,7 @@ async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts
         while (at := at + rng.expovariate(rate)) < args.duration:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             late.append((time.monotonic() - t0 - at) * 1e3)
-            fields = {"prompt": prompts[len(tasks) % len(prompts)], "max_tokens": args.output_len}
+            fields = {"prompt": prompts[len(tasks) % len(prompts)], "max_tokens": output_len}
             tasks.append(asyncio.create_task(client.send(fields)))
             open_max = max(open_max, sum(not t.done() for t in tasks))
         results = await asyncio.wait_for(asyncio.gather(*tasks), args.timeout)
@@ -201,7 +206,8 @@ async def run(stack: Stack, trace_dir: Path, protocol: str, rate: float, prompts
     itl, engine_itl = stats(c_gaps), stats(e_gaps)
     busiest = max((k for k in used if not k.endswith(".engine")), key=lambda k: used[k])
     return {
-        "protocol": protocol, "offered_rps": rate, "requests": len(results), "errors": len(results) - n,
+        "protocol": protocol, "offered_rps": rate, "output_len": output_len, "requests": len(results),
+        "errors": len(results) - n, "completed": n, "tokens": tokens,
         "sustained_rps": sustained and round(sustained, 2),
         "tokens_per_s": sustained and round(sustained * tokens / n, 1),
         "streams_max": open_max, "arrival_late_ms": stats(late),
@@ -264,9 +270,10 @@ def series(args, model: str, prompts: list[str], home: Path) -> list[dict]:
                     asyncio.run(warm_up(stack, protocol, prompts, args))
                     idle = idle_cores(stack, args.idle)
                     for rate in args.rate:
-                        row = asyncio.run(run(stack, stack.data_dir, protocol, rate, prompts, args, idle))
-                        rows.append({"bus": bus_name, "fsync": fsync, **row})
-                        print(line(rows[-1]), flush=True)
+                        for n in args.output_len:
+                            row = asyncio.run(run(stack, stack.data_dir, protocol, rate, n, prompts, args, idle))
+                            rows.append({"bus": bus_name, "fsync": fsync, **row})
+                            print(line(rows[-1]), flush=True)
             finally:
                 stack.stop()
     return rows
@@ -283,7 +290,7 @@ def saturation(rows: list[dict]) -> list[dict]:
 
 
 def main(args) -> int:
-    if args.input_len < 1 or args.output_len < 2:
+    if args.input_len < 1 or min(args.output_len) < 2:
         raise SystemExit("--input-len must be at least 1 and --output-len at least 2 (an inter-token gap)")
     with tempfile.TemporaryDirectory(prefix="tokenbus-bench-bus-") as tmp:
         home = Path(tmp)
@@ -292,12 +299,47 @@ def main(args) -> int:
         prompts = [corpus.text(rng, args.input_len) for _ in range(64)]
         rows = series(args, model, prompts, home)
     report = {"workload": {"shape": args.shape, "mock_gpu": args.mock_gpu, "tp": args.tp, "workers": args.workers,
-                           "input_len": args.input_len, "output_len": args.output_len, "duration_s": args.duration,
+                           "input_len": args.input_len, "output_lens": args.output_len, "duration_s": args.duration,
                            "connections": args.connections},
               "runs": rows, "saturation": saturation(rows)}
+    if args.calibration:
+        Path(args.calibration).write_text(json.dumps(calibration(rows, args), indent=2) + "\n")
     failures = [f"{r['bus']}/{r['fsync']}/{r['protocol']} at {r['offered_rps']}/s: {r['errors']} requests failed"
                 for r in rows if r["errors"]]
     return finish("bench-bus", report, args, table, plot, failures)
+
+
+# -- what `tokenbus plan` reads ------------------------------------------------------------------
+
+ROLES = {"gateway": r"gateway\d*", "tokenizer": r"tokenizer", "router": r"router", "worker_service": r"[wpd]\d+",
+         "broker": r"nats|tb-\d+"}
+
+
+def calibration(rows: list[dict], args) -> dict:
+    """Each role's CPU as ms a request + ms per 1,000 output tokens, fitted by least squares over the runs of one
+    bus (the last given: the one closest to production when `cluster always` is), summed over the role's
+    processes (a cluster's three nodes are the broker's cost, replication included). With one output length
+    tokens and requests cannot be told apart: all of it is a request's (`tokens_separated`: false)."""
+    bus_name, fsync = rows[-1]["bus"], rows[-1]["fsync"]
+    mine = [r for r in rows if (r["bus"], r["fsync"]) == (bus_name, fsync) and r["completed"]]
+    separated = len({r["output_len"] for r in mine}) > 1
+    x = np.array([[r["completed"], r["tokens"] / 1e3] for r in mine], dtype=float)
+    roles = {}
+    for role, pattern in ROLES.items():
+        y = np.array([sum(v * r["completed"] / 1e3 for k, v in r["cpu_ms_per_request"].items()
+                          if re.fullmatch(pattern, k)) for r in mine])
+        a, b = np.linalg.lstsq(x, y, rcond=None)[0] if separated else (y.sum() / x[:, 0].sum(), 0.0)
+        if b < 0:
+            a, b = y.sum() / x[:, 0].sum(), 0.0
+        elif a < 0:
+            a, b = 0.0, y.sum() / x[:, 1].sum()
+        roles[role] = {"ms_per_request": round(a * 1e3, 3), "ms_per_1k_tokens": round(b * 1e3, 3)}
+    d = [r["durable"] for r in mine]
+    return {"measured": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
+            "bus": bus_name, "fsync": fsync, "nodes": BUSES[bus_name], "input_len": args.input_len,
+            "output_lens": sorted({r["output_len"] for r in mine}), "tokens_separated": separated, "roles": roles,
+            "durable": {k: round(float(np.median([x[k] for x in d])), 2)
+                        for k in ("stored_per_request", "publishes_per_request", "bytes_per_request")}}
 
 
 # -- output ---------------------------------------------------------------------------------------

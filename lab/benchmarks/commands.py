@@ -141,7 +141,10 @@ def bench_bus(sub) -> None:
                     help="Poisson arrivals per second, one run each in turn: a step sweep (default 2 4 8 16)")
     bb.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     bb.add_argument("--input-len", type=int, default=3000, help="prompt tokens (default 3000, the seed's)")
-    bb.add_argument("--output-len", type=int, default=400, help="output tokens, exactly (default 400, the seed's)")
+    bb.add_argument("--output-len", type=int, nargs="+", default=[400],
+                    help="output tokens, exactly; several: each in turn at every rate (default 400, the seed's)")
+    bb.add_argument("--calibration", metavar="FILE", help="write the per-request and per-token CPU of each role and "
+                    "the durable writes, fitted over the last bus's runs, for `tokenbus plan --bus-calibration`")
     bb.add_argument("--idle", type=float, default=5.0,
                     help="seconds each process's idle CPU is measured before the runs, to net it out (default 5)")
     bb.add_argument("--connections", type=int, default=16, help="ws: websockets the requests share (default 16)")

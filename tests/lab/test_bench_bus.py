@@ -19,9 +19,9 @@ OUTPUT_LEN = 12
 def bench_args(model: str, tmp_path: Path, **kw) -> Namespace:
     defaults = {"model": model, "shape": "llama-3-8b", "mock_gpu": "h100-sxm", "tp": 1, "workers": 1,
                 "max_num_seqs": 64, "bus": ["single"], "fsync": ["default"], "protocol": ["ws", "sse"],
-                "rate": [6.0], "duration": 1.5, "input_len": 48, "output_len": OUTPUT_LEN, "idle": 1.0,
+                "rate": [6.0], "duration": 1.5, "input_len": 48, "output_len": [OUTPUT_LEN], "idle": 1.0,
                 "connections": 2, "timeout": 60.0, "seed": 0, "json": str(tmp_path / "r.json"),
-                "plot": str(tmp_path / "r.png")}
+                "plot": str(tmp_path / "r.png"), "calibration": str(tmp_path / "calibration.json")}
     return Namespace(**{**defaults, **kw})
 
 
@@ -50,8 +50,33 @@ def test_a_small_run_reports_rates_added_latency_cpu_and_durable_writes(tiny_mod
         assert d["publishes_per_request"] >= d["stored_per_request"] >= 5     # today's design (issue 44: to 3)
         assert d["bytes_per_request"] > 48                                    # the prompt's text, at least
     assert [s["protocol"] for s in report["saturation"]] == ["ws", "sse"]
+    cal = json.loads(Path(args.calibration).read_text())
+    assert (cal["bus"], cal["nodes"], cal["input_len"], cal["tokens_separated"]) == ("single", 1, 48, False)
+    assert set(cal["roles"]) == {"gateway", "tokenizer", "router", "worker_service", "broker"}
+    assert cal["roles"]["gateway"]["ms_per_request"] > 0 and cal["durable"]["stored_per_request"] >= 5
     out = capsys.readouterr().out
     assert "saturates first" in out and "single  default ws" in out
+
+
+def test_the_calibration_separates_a_requests_cost_from_its_tokens_given_two_output_lengths():
+    """Runs whose CPU is exactly 3 ms a request + 20 ms per 1,000 tokens (gateway), 5 ms a request (router),
+    split over the cluster's three nodes (broker): the fit gives those back."""
+    def row(n: int, output_len: int) -> dict:
+        tokens = n * output_len
+        cpu = {"gateway": 3 + 20 * output_len / 1e3, "router": 5.0, "tokenizer": 1.0, "w0": 2.0, "w0.engine": 50.0,
+               **{f"tb-{i}": (1.0 + 3 * output_len / 1e3) / 3 for i in (1, 2, 3)}}     # ms a request
+        return {"bus": "cluster", "fsync": "always", "output_len": output_len, "completed": n, "tokens": tokens,
+                "cpu_ms_per_request": cpu, "durable": {"stored_per_request": 6, "publishes_per_request": 7,
+                                                       "bytes_per_request": 40000}}
+    rows = [row(40, 100), row(30, 400), row(80, 100), row(60, 400)]
+    cal = bus_load.calibration(rows, Namespace(input_len=3000))
+    assert cal["tokens_separated"] and cal["output_lens"] == [100, 400] and cal["nodes"] == 3
+    r = cal["roles"]
+    assert r["gateway"] == {"ms_per_request": pytest.approx(3, abs=1e-3),
+                            "ms_per_1k_tokens": pytest.approx(20, abs=1e-3)}
+    assert r["router"]["ms_per_request"] == pytest.approx(5, abs=1e-3) and r["router"]["ms_per_1k_tokens"] < 1e-3
+    assert r["broker"] == {"ms_per_request": pytest.approx(1, abs=1e-3), "ms_per_1k_tokens": pytest.approx(3, abs=1e-3)}
+    assert r["worker_service"]["ms_per_request"] == pytest.approx(2, abs=1e-3)        # the engine's thread not counted
 
 
 def test_the_mock_model_has_the_shapes_layers_and_the_sources_tokenizer(tiny_model, tmp_path):
@@ -69,4 +94,4 @@ def test_the_command_parses():
                                 "--rate", "2", "4", "--tp", "8", "--json", "r.json"])
     assert (args.bus, args.fsync, args.rate, args.tp, args.shape) == (["single", "cluster"], ["default", "always"],
                                                                       [2.0, 4.0], 8, "llama-3-70b")
-    assert args.protocol == ["ws", "sse"] and args.input_len == 3000 and args.output_len == 400
+    assert args.protocol == ["ws", "sse"] and args.input_len == 3000 and args.output_len == [400]

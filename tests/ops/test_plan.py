@@ -99,3 +99,31 @@ def test_the_gpu_choices_of_plan_and_sim_are_the_presets_and_this_cpu():
     model = next(a for a in p._actions if a.dest == "model")
     assert gpu.choices == [*plan.GPUS, "cpu"]
     assert all(name in model.help for name in plan.MODELS)
+
+
+def test_the_pipeline_s_cores_and_nats_servers_follow_from_a_bench_bus_calibration(tmp_path, capsys):
+    """Step 8 by hand: the seed's peak (10M users × 15 turns / 86,400 s × 3 = 5,208.3 requests/s, 400 tokens each)
+    on a calibration of whole numbers; the tokenizer's cost scaled by the prompt (3,000 over 1,500 tokens)."""
+    cal = {"measured": "2026-12-03", "machine": "2 cores", "bus": "cluster", "fsync": "always", "nodes": 3,
+           "input_len": 1500, "output_lens": [100, 400], "tokens_separated": True,
+           "roles": {"gateway": {"ms_per_request": 2.0, "ms_per_1k_tokens": 10.0},
+                     "tokenizer": {"ms_per_request": 3.0, "ms_per_1k_tokens": 0.0},
+                     "router": {"ms_per_request": 1.0, "ms_per_1k_tokens": 0.0},
+                     "worker_service": {"ms_per_request": 1.0, "ms_per_1k_tokens": 5.0},
+                     "broker": {"ms_per_request": 4.0, "ms_per_1k_tokens": 1.0}},
+           "durable": {"stored_per_request": 3.0, "publishes_per_request": 3.0, "bytes_per_request": 1000.0}}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    main(["plan", "--bus-calibration", str(path), "--server-cores", "8", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    b, rps = r["bus"], 10e6 * 15 / 86400 * 3
+    assert b["cores"]["gateway"] == pytest.approx((rps * 2.0 + rps * 0.4 * 10.0) / 1e3)       # 10.4 + 20.8 = 31.25
+    assert b["cores"]["tokenizer"] == pytest.approx(rps * 3.0 / 1e3 * 2)                       # twice the prompt
+    assert b["cores"]["broker"] == pytest.approx(rps * (4.0 + 0.4 * 1.0) / 1e3)                # 22.9 cores
+    assert b["cores_at_target"]["broker"] == pytest.approx(b["cores"]["broker"] / 0.8)        # 28.6: 4 servers of 8
+    assert b["nats_servers"] == 6                                                             # whole clusters of 3
+    assert b["durable_writes_per_s"] == pytest.approx(3 * rps)
+    assert b["worker_service_cores_per_node"] == pytest.approx(b["cores"]["worker_service"] / r["nodes_at_peak"])
+    main(["plan"])                                          # the repository's own calibration, printed
+    out = capsys.readouterr().out
+    assert " 8. the pipeline" in out and "nats-servers" in out and "tokenizer" in out
