@@ -13,10 +13,10 @@ from bus.consume import add_consumer, consume, gone, recreate
 from bus.heartbeats import lapsed, live_workers, restated, spare, watch
 from bus.publish import PUBLISH_ATTEMPT, PUBLISH_DEADLINE, PUBLISH_RETRY, NotStored, publish, refused
 from bus.streams import (
+                         HANDOFFS,
                          NOT_CLUSTERED,
                          ROUTER,
                          STREAMS,
-                         TOKENIZER,
                          ensure_streams,
                          gateways,
                          limits,
@@ -28,8 +28,8 @@ from bus.streams import (
                          worker_consumer,
 )
 
-__all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT", "PUBLISH_DEADLINE",
-           "PUBLISH_RETRY", "ROUTER", "STREAMS", "TOKENIZER", "NotStored", "add_consumer", "close", "connect",
+__all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "HANDOFFS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT",
+           "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "NotStored", "add_consumer", "close", "connect",
            "consume", "ensure_streams", "gateways", "gone", "lapsed", "limits", "live_workers", "outcomes", "publish",
            "recreate", "refused", "registry", "replicated", "responses", "restated", "run", "run_until_signal",
            "servers_of", "spare", "suspects", "watch", "worker_consumer"]

@@ -41,8 +41,8 @@ def consumer(durable: str, filter_subject: str, ack_wait: float = s.ACK_WAIT) ->
                               max_ack_pending=10_000)
 
 
-TOKENIZER = consumer(s.TOKENIZER_DURABLE, "tb.req.new.>")   # on REQUESTS_STREAM
-ROUTER = consumer(s.ROUTER_DURABLE, s.ROUTE_SUBJECTS)        # on ROUTE_STREAM
+ROUTER = consumer(s.ROUTER_DURABLE, "tb.req.new.>")          # on REQUESTS_STREAM: new requests
+HANDOFFS = consumer(s.ROUTER_DURABLE, s.ROUTE_SUBJECTS)      # on ROUTE_STREAM: prefilled requests handed back
 
 
 def worker_consumer(worker: str) -> api.ConsumerConfig:

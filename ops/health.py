@@ -1,7 +1,8 @@
 """`python -m ops.health ROLE`: the health checks of compose.yaml's containers; exit 0 when healthy.
 
 gateway: it answers /healthz (200, or 503 while no worker is registered: it serves either way);
-tokenizer, router: their durable consumer has pull requests waiting (a replica is pulling);
+tokenizer: a replica answers a tb.tokenize probe; router: its durable consumer of the request log has
+pull requests waiting (a replica is pulling);
 worker: its id has a live heartbeat in the registry."""
 import argparse
 import asyncio
@@ -9,12 +10,30 @@ import sys
 import urllib.error
 import urllib.request
 
+import nats.errors
+
 import bus
 from ops.status import heartbeats
 from schemas import subjects
+from schemas.messages import GenerateRequest, encode
+from schemas.sampling import SamplingParams
 
-STAGES = {"tokenizer": (subjects.REQUESTS_STREAM, bus.TOKENIZER),
-          "router": (subjects.ROUTE_STREAM, bus.ROUTER)}
+PROBE_SECONDS = 2.0
+
+
+async def answering(nc) -> bool:
+    """Whether a tokenizer replica answers tb.tokenize (any answer: the probe's tokens or its refusal)."""
+    probe = GenerateRequest("health", "default", SamplingParams(max_tokens=1), prompt_token_ids=[0])
+    try:
+        await nc.request(subjects.TOKENIZE, encode(probe), timeout=PROBE_SECONDS)
+        return True
+    except (nats.errors.Error, asyncio.TimeoutError):
+        return False
+
+
+async def routing(js) -> bool:
+    """Whether a router replica pulls the request log (its durable has pull requests waiting)."""
+    return (await js.consumer_info(subjects.REQUESTS_STREAM, bus.ROUTER.durable_name)).num_waiting > 0
 
 
 def gateway(url: str) -> bool:
@@ -28,10 +47,9 @@ def gateway(url: str) -> bool:
 
 
 async def pulling(nats_url: str, role: str) -> bool:
-    stream, config = STAGES[role]
     nc = await bus.connect(nats_url, "tokenbus-health", role="admin")
     try:
-        return (await nc.jetstream().consumer_info(stream, config.durable_name)).num_waiting > 0
+        return await (answering(nc) if role == "tokenizer" else routing(nc.jetstream()))
     finally:
         await nc.close()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bus as nats_bus
-from ops import broker, bus, cluster, procs
+from ops import broker, bus, cluster, health, procs
 from ops.models import resolve
 from ops.status import heartbeats
 from schemas import generation, served, subjects
@@ -317,11 +317,8 @@ async def pipeline_ready(nats_url: str, num_workers: int, credentials: Credentia
     nc = await nats_bus.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
         js = nc.jetstream()
-        stages = ((subjects.REQUESTS_STREAM, nats_bus.TOKENIZER), (subjects.ROUTE_STREAM, nats_bus.ROUTER))
-        for stream, config in stages:
-            info = await js.consumer_info(stream, config.durable_name)
-            if not info.num_waiting:
-                return False
+        if not (await health.routing(js) and await health.answering(nc)):
+            return False
         return len(await heartbeats(js)) >= num_workers
     except Exception:
         return False

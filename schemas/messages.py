@@ -41,7 +41,9 @@ def check_meter(meter: "Meter | None") -> None:
 
 @dataclass(slots=True)
 class GenerateRequest:
-    """gateway → TB_REQUESTS: what the client asked, exactly one of messages, prompt and prompt_token_ids."""
+    """gateway → TB_REQUESTS: what the client asked, exactly one of messages, prompt and prompt_token_ids, and
+    the prompt's tokens as a tokenizer made them (`tokens`: the gateway asks one on tb.prepare before it
+    stores the request; the router asks when they are missing)."""
     TYPE: typing.ClassVar[str] = "request"
     id: str
     tenant: str
@@ -58,6 +60,7 @@ class GenerateRequest:
     weight: float = 1.0                           # the tenant's (its key's): its share under the fair policy
     tools: list[dict] | None = None               # OpenAI function tools the chat template shows the model
     group: str = ""                               # n > 1: the first choice's id, shared by its prompt's choices
+    tokens: list[int] | None = None               # the prompt's token ids, the chat template applied
 
     def check(self) -> None:
         given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(self, name) is not None]
@@ -79,6 +82,8 @@ class GenerateRequest:
             limit(len(self.prompt), MAX_PROMPT_CHARS, "prompt", "MAX_PROMPT_CHARS", "characters")
         if self.prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
+        if self.tokens is not None:
+            check_token_ids("tokens", self.tokens, MAX_PROMPT_TOKENS, "MAX_PROMPT_TOKENS")
 
 
 @dataclass(slots=True)
@@ -493,8 +498,10 @@ class TenantBucket:
 
 @dataclass(slots=True)
 class Tokens:
-    """tokenizer → the asker of tb.tokenize (request-reply on a GenerateRequest): the prompt's token ids as the
-    pipeline would run them (the chat template applied), and the model's context; or the error (code, message)."""
+    """tokenizer → the asker of tb.tokenize or tb.prepare (request-reply on a GenerateRequest): the prompt's token
+    ids as the pipeline runs them (the chat template applied), and the model's context; or the error (code,
+    message). tb.prepare also refuses what the pipeline would: a prompt that leaves no room for output, a token
+    id outside the vocabulary, a constraint the engine cannot follow."""
     TYPE: typing.ClassVar[str] = "tokens"
     token_ids: list[int]
     max_model_len: int

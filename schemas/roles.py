@@ -71,19 +71,18 @@ ROLES: dict[str, Permissions] = {
     "gateway": Permissions(
         publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, s.RESUMED_ALL, each(s.usage),
                  *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES), *kv_get(LIMITS),
-                 *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE, *kv_get(RESPONSES), *kv_write(RESPONSES),
+                 *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE, s.PREPARE, *kv_get(RESPONSES),
+                 *kv_write(RESPONSES),
                  f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
         subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL], replies=1),
-    # the request log → tokenized requests; answers tb.tokenize
-    "tokenizer": Permissions(
-        publish=[each(s.route), each(s.out), *keep_streams(),
-                 *durable(s.REQUESTS_STREAM, s.TOKENIZER_DURABLE)],
-        subscribe=[s.TOKENIZE], replies=1),
-    # tokenized requests → one worker's work queue; moves a departed worker's work; ends requests past
-    # their deadline
+    # answers tb.prepare and tb.tokenize: a request's tokens; writes nothing
+    "tokenizer": Permissions(publish=[*keep_streams()], subscribe=[s.PREPARE, s.TOKENIZE], replies=1),
+    # the request log (tokenized, or tokenized here by asking tb.prepare) and handed-back prefilled requests
+    # → one worker's work queue; moves a departed worker's work; ends requests past their deadline
     "router": Permissions(
-        publish=[each(s.work), each(s.out), each(s.kv_snapshot), s.ROUTER_STATS_ALL,
-                 *keep_streams(), *durable(s.ROUTE_STREAM, s.ROUTER_DURABLE), *reader(f"KV_{REGISTRY}"),
+        publish=[each(s.work), each(s.out), each(s.kv_snapshot), s.ROUTER_STATS_ALL, s.PREPARE,
+                 *keep_streams(), *durable(s.REQUESTS_STREAM, s.ROUTER_DURABLE),
+                 *durable(s.ROUTE_STREAM, s.ROUTER_DURABLE), *reader(f"KV_{REGISTRY}"),
                  *kv_write(OUTCOMES), *kv_get(OUTCOMES),
                  f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*", f"{API}.CONSUMER.DELETE.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.CREATE.{s.WORK_STREAM}.*.{each(s.work)}",

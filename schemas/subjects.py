@@ -10,7 +10,7 @@ import re
 # -- subjects ------------------------------------------------------------------------------------
 
 REQUESTS_STREAM, REQUESTS_SUBJECTS = "TB_REQUESTS", "tb.req.>"     # the replayable request log
-ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # tokenized requests, a work queue
+ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # prefilled requests handed back, a work queue
 WORK_STREAM, WORK_SUBJECTS = "TB_WORK", "tb.work.>"                # one subject per worker, a work queue
 RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the completions log
 USAGE_STREAM, USAGE_SUBJECTS = "TB_USAGE", "tb.usage.>"            # the metering log: one record per request
@@ -27,6 +27,7 @@ RESEND_ALL = "tb.resend.*"
 PROGRESS_ALL = "tb.progress.*"
 RESUMED_ALL = "tb.resumed.*"
 TOKENIZE = "tb.tokenize"                                           # request-reply: a prompt's tokens
+PREPARE = "tb.prepare"                                             # request-reply: a request's tokens, checked
 
 TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -132,9 +133,9 @@ MAX_MSG_SIZE = 4 << 20
 STREAM_NAMES = (REQUESTS_STREAM, ROUTE_STREAM, WORK_STREAM, RESULTS_STREAM, USAGE_STREAM, DEAD_STREAM)
 REPLICAS = 3                             # copies of every stream and bucket on a cluster: one server may die
 
-TOKENIZER_DURABLE = "tokenizer"           # the tokenizer stage's pull consumer on REQUESTS_STREAM
-TOKENIZE_QUEUE = "tokenizer"              # the tokenizers' queue group on TOKENIZE: one answers each ask
-ROUTER_DURABLE = "router"                 # the routers' on ROUTE_STREAM
+TOKENIZE_QUEUE = "tokenizer"              # the tokenizers' queue group on TOKENIZE and PREPARE: one answers
+ROUTER_DURABLE = "router"                 # the routers' pull consumer on REQUESTS_STREAM and on ROUTE_STREAM
+PREPARE_SECONDS = 2.0                     # a PREPARE ask unanswered this long: the asker goes on without it
 
 
 def worker_durable(worker: str) -> str:

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 import bus
 from schemas import subjects
-from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, Usage, decode, encode, ending
+from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, Tokens, Usage, decode, encode, ending
 from schemas.wire import WireError
 from services.gateway.admission import Ticket
 from services.gateway.models import Revision
@@ -86,10 +86,17 @@ class Request:
         return len(self.tokens)
 
     async def submit(self, req) -> None:
-        """Publishes the request; its chunks wait on the lock until the ack, as a worker can take it and send
-        a token before the ack comes back: the accepted frame goes first and SSE event ids carry the seq."""
+        """Has a tokenizer prepare the request's tokens (one it refuses ends here with its error; none
+        answering in PREPARE_SECONDS leaves that to the router), then publishes it; its chunks wait on the
+        lock until the ack, as a worker can take it and send a token before the ack comes back: the accepted
+        frame goes first and SSE event ids carry the seq."""
         gw = self.conn.gw
         async with self.lock:
+            got = await self.prepare(req)
+            if got is not None and got.code:
+                await self.end(error(self.cid, got.code, got.message))
+                return
+            req.tokens = got.token_ids if got is not None else None
             try:
                 ack = await bus.publish(gw.js, subjects.request_new(req.tenant), encode(req),
                                              subjects.msg_id(req.id), self.log,
@@ -105,6 +112,16 @@ class Request:
                           seq=ack.seq)
             if not self.ended:
                 await self.conn.accepted(self)
+
+    async def prepare(self, req) -> Tokens | None:
+        """A tokenizer's answer on tb.prepare; None if none answers in time (the router asks again)."""
+        try:
+            reply = await self.conn.gw.nc.request(subjects.PREPARE, encode(req), timeout=subjects.PREPARE_SECONDS)
+            return decode(reply.data, Tokens)
+        except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
+            self.log.warning("request not prepared here: the router will ask", request_id=self.rid,
+                             error=str(e) or type(e).__name__)
+            return None
 
     async def on_msg(self, msg) -> None:
         if self.ended:                            # messages already queued when the request ended

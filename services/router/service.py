@@ -1,22 +1,27 @@
-"""The router: pulls tokenized requests from TB_ROUTE, picks a worker, publishes the work item to
-tb.work.<worker> (TB_WORK), then acks. Workers come from the heartbeat registry (KV bucket
-tb_workers); one whose heartbeat is older than WORKER_TTL is gone, whether or not the bucket has
-expired its entry yet. The policy (policy.py) reads a prefix index built from the workers' KV
-events on tb.kv.<worker> (index.py); a worker that is new, or whose events skipped a number, is
-asked for a snapshot on tb.kv.snapshot.<worker>.
+"""The router: pulls new requests from TB_REQUESTS (and prefilled ones handed back from TB_ROUTE), picks
+a worker, publishes the work item to tb.work.<worker> (TB_WORK), then acks. A request comes with its
+prompt's tokens (the gateway asked a tokenizer before storing it); one without them (a replay of an old
+log, a tokenizer that did not answer the gateway in time) is tokenized here by asking tb.prepare, and one
+a tokenizer refuses goes back to its tb.out subject as an error. Workers come from the heartbeat
+registry (KV bucket tb_workers); one whose heartbeat is older than WORKER_TTL is gone, whether or not
+the bucket has expired its entry yet. The policy (policy.py) reads a prefix index built from the
+workers' KV events on tb.kv.<worker> (index.py); a worker that is new, or whose events skipped a
+number, is asked for a snapshot on tb.kv.snapshot.<worker>.
 
 Every decision is logged with its predicted prefix hit; the completions log (tb.done.>, read as a
 core subscription) brings the actual hit (usage.cached_tokens) of each request this replica
 routed. The counters are published as a RouterStats record on tb.router.stats.<router> every
-second. Replicas share the durable consumer; each builds its own index from the same events."""
+second. Replicas share the durable consumers; each builds its own index from the same events."""
 import argparse
 import asyncio
 import contextlib
 import os
+import random
 import time
 import uuid
 from collections import OrderedDict
 
+import msgpack
 import nats.errors
 import nats.js.errors
 from nats.js import api
@@ -28,12 +33,14 @@ from schemas import subjects
 from schemas.messages import (
     Completion,
     ErrorChunk,
+    GenerateRequest,
     Heartbeat,
     KvEvent,
     KvSnapshot,
     Outcome,
     RouterStats,
     TokenizedRequest,
+    Tokens,
     WorkItem,
     decode,
     encode,
@@ -78,7 +85,8 @@ class RouterService:
         loops = [asyncio.create_task(f) for f in (watching, self.lapse_loop(), self.stats_loop())]
         self.log.info("router ready", **self.options_log())
         try:
-            await bus.consume(self.nc, subjects.ROUTE_STREAM, bus.ROUTER, self.handle, self.log)
+            await asyncio.gather(bus.consume(self.nc, subjects.REQUESTS_STREAM, bus.ROUTER, self.handle_new, self.log),
+                                 bus.consume(self.nc, subjects.ROUTE_STREAM, bus.HANDOFFS, self.handle, self.log))
         finally:
             for t in loops:
                 t.cancel()
@@ -381,10 +389,58 @@ class RouterService:
         headers = subjects.msg_id(item.request.id, item.msg_id)
         await bus.publish(self.js, subjects.work(item.worker), encode(item), headers, self.log)
 
+    async def handle_new(self, msg) -> None:
+        """A new request from TB_REQUESTS: its tokens (asked of a tokenizer if it came without), then routed."""
+        try:
+            new = decode(msg.data, GenerateRequest)
+        except WireError as e:
+            await self.refuse(msg, request_id(msg.data), "invalid_request", str(e))
+            return
+        ids = new.tokens
+        if ids is None:
+            got = await self.prepare(msg, new)
+            if got is None:
+                await self.give_up(msg, new)
+                return
+            if got.code:
+                await self.refuse(msg, new.id, got.code, got.message)
+                return
+            ids = got.token_ids
+        if new.sampling.seed is None:            # a request the gateway did not seed: a re-routed or replayed
+            new.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
+        await self.route(msg, TokenizedRequest(new.id, new.tenant, new.sampling, ids, new.cache_salt, new.created,
+                                               new.meter, priority=new.priority, model=new.model,
+                                               revision=new.revision, weight=new.weight, group=new.group))
+
+    async def prepare(self, msg, req: GenerateRequest) -> Tokens | None:
+        """A tokenizer's answer on tb.prepare, asked again while none answers (the request stays in
+        TB_REQUESTS, kept alive) until REQUEST_DEADLINE after its creation: then None."""
+        while not subjects.past_deadline(req.created, time.time()):
+            try:
+                reply = await self.nc.request(subjects.PREPARE, msg.data, timeout=subjects.PREPARE_SECONDS)
+                return decode(reply.data, Tokens)
+            except WireError as e:
+                return Tokens([], 0, "internal", f"the tokenizer's answer was not a Tokens message: {e}")
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError):
+                await msg.in_progress()
+                await asyncio.sleep(NO_WORKER_POLL)
+        return None
+
+    async def refuse(self, msg, rid: str | None, code: str, message: str) -> None:
+        """A request the pipeline cannot run: its error on tb.out, never delivered again."""
+        self.log.error("request refused", request_id=rid, code=code, error=message, subject=msg.subject)
+        if rid is not None:
+            await self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, code, message)))
+        await msg.term()
+
     async def handle(self, msg) -> None:
+        """A prefilled request handed back from TB_ROUTE, routed to a decode worker."""
         if (req := received(msg, TokenizedRequest, self.log, "tokenized request")) is None:
             await msg.term()
             return
+        await self.route(msg, req)
+
+    async def route(self, msg, req: TokenizedRequest) -> None:
         choice = await self.pick(msg, req)
         if choice is None:
             await self.give_up(msg, req)
@@ -398,7 +454,7 @@ class RouterService:
 
     async def pick(self, msg, req: TokenizedRequest) -> Choice | None:
         """A worker for the request (a prefilled one: a decode-capable worker); with none alive, waits (the
-        request stays in TB_ROUTE, kept alive), until REQUEST_DEADLINE after its creation: None, the
+        request stays in its stream, kept alive), until REQUEST_DEADLINE after its creation: None, the
         request is to be given up."""
         waited = 0.0
         while True:
@@ -418,12 +474,12 @@ class RouterService:
                 await msg.in_progress()
                 waited = 0.0
 
-    async def give_up(self, msg, req: TokenizedRequest) -> bool:
+    async def give_up(self, msg, req: TokenizedRequest | GenerateRequest) -> bool:
         """Ends a request past its deadline: ErrorChunk "timeout" on tb.out, Outcome "error" in tb_outcomes
         (the first end of a request is the one kept), then acked so no worker runs it after its client was
         answered. False when the Outcome could not be written (not acked: it comes again)."""
-        reason = (f"no worker took the request within REQUEST_DEADLINE={subjects.REQUEST_DEADLINE:g} s "
-                  f"of its creation")
+        who = "worker took" if isinstance(req, TokenizedRequest) else "tokenizer answered for"
+        reason = f"no {who} the request within REQUEST_DEADLINE={subjects.REQUEST_DEADLINE:g} s of its creation"
         await self.nc.publish(subjects.out(req.id), encode(ErrorChunk(req.id, "timeout", reason)))
         outcome = Outcome(req.id, req.tenant, self.id, "error", [], error_code="timeout", error_message=reason,
                           ts=time.time())
@@ -458,6 +514,14 @@ class RouterService:
                       cost=round(choice.cost, 2), guarded=choice.guarded, prefill=choice.why or None,
                       costs={w: round(c, 2) for w, c in choice.costs.items()})
         choice.costs = {}                           # it waits for its completion: keep it small
+
+
+def request_id(data: bytes) -> str | None:
+    """The id of a message that failed to decode, if it has a usable one (to send the error back)."""
+    try:
+        return subjects.token("request id", msgpack.unpackb(data).get("id"))
+    except Exception:
+        return None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,18 +1,18 @@
-"""A tokenizer replica: pulls requests from the shared durable consumer on TB_REQUESTS, applies the
-chat template (for `messages`) and encodes, publishes the tokenized request to TB_ROUTE, then acks.
-A request it cannot encode goes straight back to its tb.out subject as an error."""
+"""A tokenizer replica, a request-reply service in the tokenizers' queue group (one replica answers each
+ask): tb.prepare tokenizes a request as the pipeline runs it (the chat template applied, then checked
+against the model's context, vocabulary and what the engine can constrain) or names why not; the gateway
+asks before it stores a request, the router when a stored request has no tokens. tb.tokenize answers
+/tokenize: the tokens, whatever their count. It writes nothing to the bus."""
 import argparse
+import asyncio
 import contextlib
 import json
-import random
 from pathlib import Path
-
-import msgpack
 
 import bus
 from bus.log import configure
 from schemas import served, subjects
-from schemas.messages import MAX_TEXT_CHARS, ErrorChunk, GenerateRequest, TokenizedRequest, Tokens, decode, encode
+from schemas.messages import MAX_TEXT_CHARS, GenerateRequest, Tokens, decode, encode
 from schemas.sampling import check_vocabulary, to_grammar
 from schemas.served import SEPARATOR, Served
 from schemas.wire import WireError
@@ -127,7 +127,7 @@ class Tokenizers:
 
 class TokenizerService:
     def __init__(self, nc, tokenizer: Tokenizer | Tokenizers):
-        self.nc, self.js = nc, nc.jetstream()
+        self.nc = nc
         self.toks = tokenizer if isinstance(tokenizer, Tokenizers) else Tokenizers.one(tokenizer)
         self.log = LOG
 
@@ -136,41 +136,32 @@ class TokenizerService:
         return self.toks.of[self.toks.default]
 
     async def run(self) -> None:
-        await bus.ensure_streams(self.js)
+        await self.nc.subscribe(subjects.PREPARE, queue=subjects.TOKENIZE_QUEUE, cb=self.prepare)
         await self.nc.subscribe(subjects.TOKENIZE, queue=subjects.TOKENIZE_QUEUE, cb=self.tokenize)
         self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len,
                       models=[f"{n}{SEPARATOR}{r}" for n, r in self.toks.of])
-        await bus.consume(self.nc, subjects.REQUESTS_STREAM, bus.TOKENIZER, self.handle, self.log)
+        await asyncio.Event().wait()             # the subscriptions serve until the connection closes
 
-    async def handle(self, msg) -> None:
+    async def prepare(self, msg) -> None:
+        """tb.prepare: the request's tokens as the pipeline runs them, or its refusal (code, message)."""
+        await msg.respond(encode(self.prepared(msg.data)))
+
+    def prepared(self, data: bytes) -> Tokens:
         try:
-            req = decode(msg.data, GenerateRequest)
+            req = decode(data, GenerateRequest)
         except WireError as e:
-            await self.refuse(msg, request_id(msg.data), "invalid_request", str(e))
-            return
+            return refused("invalid_request", str(e))
         try:
             tok = self.toks.pick(req)
         except ValueError as e:
-            await self.refuse(msg, req.id, "model_not_found", str(e))
-            return
+            return refused("model_not_found", str(e), req.id)
         try:
             ids = tok.encode(req)
         except ValueError as e:
-            code = "context_length_exceeded" if isinstance(e, ContextTooLong) else "invalid_request"
-            await self.refuse(msg, req.id, code, str(e))
-            return
-        if req.sampling.seed is None:            # every request gets a seed here: a re-routed or replayed
-            req.sampling.seed = random.getrandbits(63)   # request then yields the same tokens
-        out = TokenizedRequest(req.id, req.tenant, req.sampling, ids, req.cache_salt, req.created, req.meter,
-                               priority=req.priority, model=req.model, revision=req.revision,
-                               weight=req.weight, group=req.group)
-        try:
-            await bus.publish(self.js, subjects.route(req.tenant), encode(out), subjects.msg_id(req.id), self.log)
-        except bus.NotStored as e:          # not acked: JetStream redelivers it
-            self.log.error("route publish failed", request_id=req.id, error=str(e))
-            return
-        await msg.ack()
+            return refused("context_length_exceeded" if isinstance(e, ContextTooLong) else "invalid_request", str(e),
+                           req.id)
         self.log.info("tokenized", request_id=req.id, tenant=req.tenant, prompt_tokens=len(ids))
+        return Tokens(ids, tok.max_model_len)
 
     async def tokenize(self, msg) -> None:
         """tb.tokenize: the tokens of a GenerateRequest's prompt, as the pipeline would run it (/tokenize)."""
@@ -186,20 +177,10 @@ class TokenizerService:
             out = Tokens([], tok.max_model_len, "invalid_request", str(e)[:MAX_TEXT_CHARS])
         await msg.respond(encode(out))
 
-    async def refuse(self, msg, rid: str | None, code: str, message: str) -> None:
-        self.log.error("request refused", request_id=rid, code=code, error=message, subject=msg.subject)
-        if rid is not None:
-            await self.nc.publish(subjects.out(rid), encode(ErrorChunk(rid, code, message)))
-        await msg.term()
 
-
-def request_id(data: bytes) -> str | None:
-    """The id of a message that failed to decode, if it has a usable one (to send the error back)."""
-    try:
-        rid = msgpack.unpackb(data).get("id")
-        return subjects.token("request id", rid)
-    except Exception:
-        return None
+def refused(code: str, message: str, rid: str | None = None) -> Tokens:
+    LOG.error("request refused", request_id=rid, code=code, error=message)
+    return Tokens([], 0, code, message[:MAX_TEXT_CHARS])
 
 
 def parser() -> argparse.ArgumentParser:

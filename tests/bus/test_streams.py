@@ -9,7 +9,8 @@ def test_streams_are_the_named_streams_in_order():
 
 
 def test_stage_consumers_are_the_named_durables():
-    assert bus.TOKENIZER.durable_name == subjects.TOKENIZER_DURABLE
-    assert bus.ROUTER.durable_name == subjects.ROUTER_DURABLE
+    assert bus.ROUTER.durable_name == bus.HANDOFFS.durable_name == subjects.ROUTER_DURABLE
+    assert bus.ROUTER.filter_subject.startswith(subjects.REQUESTS_SUBJECTS[:-1])       # within TB_REQUESTS
+    assert bus.HANDOFFS.filter_subject == subjects.ROUTE_SUBJECTS
     assert bus.worker_consumer("w-1").durable_name == subjects.worker_durable("w-1") == "worker-w-1"
     assert bus.worker_consumer("w-1").filter_subject == subjects.work("w-1")

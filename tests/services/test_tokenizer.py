@@ -52,3 +52,21 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused_naming_it(tok):
     with pytest.raises(ValueError, match=f"logit_bias: token id {n} is outside the vocabulary \\[0, {n}\\)"):
         tok.encode(GenerateRequest("r1", "t", SamplingParams(logit_bias={n: 1}), prompt="x"))
     assert tok.encode(GenerateRequest("r1", "t", SamplingParams(logit_bias={n - 1: 1}), prompt="x"))
+
+
+def test_prepare_answers_the_tokens_or_the_refusal_the_pipeline_would_send(tok):
+    from types import SimpleNamespace
+
+    from schemas.messages import encode
+    from services.tokenizer.service import TokenizerService
+
+    svc = TokenizerService(SimpleNamespace(), tok)
+    got = svc.prepared(encode(request(prompt="The engine")))
+    assert (got.token_ids, got.max_model_len, got.code) == (tok.encode(request(prompt="The engine")), 64, "")
+    for data, code, message in (
+            (encode(request(prompt="word " * 200)), "context_length_exceeded", "max_model_len=64"),
+            (encode(GenerateRequest("r1", "t", SamplingParams(logit_bias={1 << 20: 1}), prompt="x")),
+             "invalid_request", "logit_bias: token id"),
+            (b"\xc1garbage", "invalid_request", "")):
+        got = svc.prepared(data)
+        assert (got.token_ids, got.code) == ([], code) and message in got.message

@@ -312,21 +312,21 @@ def test_priority_round_trips_and_out_of_range_is_refused_naming_the_field_and_b
         decode(encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority="high")))
 
 
-def test_the_tokenizer_carries_priority_and_weight_into_the_tokenized_request(tiny_model, monkeypatch):
-    from services.tokenizer import service as tokenizer
+def test_the_router_carries_priority_weight_and_tokens_into_the_tokenized_request_and_seeds_it(monkeypatch):
+    from services.router.service import RouterService
 
-    published = []
+    routed = []
 
-    async def publish(js, subject, data, msg_id, log):
-        published.append(decode(data, TokenizedRequest))
+    async def route(self, msg, req):
+        routed.append(req)
 
-    monkeypatch.setattr(tokenizer.bus, "publish", publish)
-    acked = []
-    msg = SimpleNamespace(data=encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority=-3, weight=3)),
-                          subject="tb.requests.t", ack=lambda: asyncio.sleep(0, acked.append(True)))
-    svc = tokenizer.TokenizerService(SimpleNamespace(jetstream=lambda: None), tokenizer.Tokenizer(tiny_model))
-    asyncio.run(svc.handle(msg))
-    assert [(p.priority, p.weight) for p in published] == [(-3, 3.0)] and acked == [True]
+    monkeypatch.setattr(RouterService, "route", route)
+    msg = SimpleNamespace(data=encode(GenerateRequest("r1", "t", SamplingParams(), prompt="x", priority=-3, weight=3,
+                                                      tokens=[5, 6])), subject="tb.req.new.t")
+    svc = RouterService(SimpleNamespace(jetstream=lambda: None, stats={"reconnects": 0}))
+    asyncio.run(svc.handle_new(msg))
+    assert [(p.priority, p.weight, p.prompt_token_ids) for p in routed] == [(-3, 3.0, [5, 6])]
+    assert routed[0].sampling.seed is not None          # a re-routed or replayed request yields the same tokens
 
 
 def test_the_worker_passes_priority_to_the_engine(model_dir):
