@@ -16,6 +16,7 @@ from schemas.messages import MAX_TEXT_CHARS, GenerateRequest, Tokens, decode, en
 from schemas.sampling import check_vocabulary, to_grammar
 from schemas.served import SEPARATOR, Served
 from schemas.wire import WireError
+from services.tokenizer.segments import Segments
 from text import toolcalls
 
 LOG = configure("tokenizer")
@@ -38,6 +39,8 @@ class Tokenizer:
         context = config.get("max_position_embeddings") or 1 << 30
         self.max_model_len = min(max_model_len or context, context)
         self.vocab_size = config.get("vocab_size") or len(self.hf)
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self.segments = Segments(backend) if backend is not None else None   # a chat's history, encoded once
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids; ValueError naming the field or the limit."""
@@ -76,10 +79,12 @@ class Tokenizer:
         else:
             messages, kw = toolcalls.plain_history(messages, tools), {}
         try:
-            return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False, **kw))
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
         except Exception as e:                   # the template's own complaints (roles, order)
             raise ValueError(f"messages: the chat template refused them: {e}") from None
+        if self.segments is None:
+            return self.hf.encode(text, add_special_tokens=False)
+        return self.segments(text)
 
 
 def with_calls(m: dict[str, str]) -> dict:

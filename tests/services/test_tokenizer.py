@@ -70,3 +70,51 @@ def test_prepare_answers_the_tokens_or_the_refusal_the_pipeline_would_send(tok):
             (b"\xc1garbage", "invalid_request", "")):
         got = svc.prepared(data)
         assert (got.token_ids, got.code) == ([], code) and message in got.message
+
+
+def conversations(seed: int, n: int) -> list[list[dict[str, str]]]:
+    """Random chats whose texts hold what splits or merges tokens: spaces, newlines, digits, emoji, added tokens."""
+    import random
+    rng = random.Random(seed)
+    words = ["hello", "world", "  ", "\n", "\n\n", "123", "3.14", "é", "日本語", "😀", "<|im_start|>", "<|im_end|>",
+             "tab\t", " x", "'s", "don't", "a" * 70, "The engine streams its tokens back to the gateway."]
+    return [[{"role": ("system" if t == 0 and rng.random() < 0.5 else ("user", "assistant")[t % 2]),
+              "content": "".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randint(0, 40)))}
+             for t in range(rng.randint(1, 6))] for _ in range(n)]
+
+
+def test_a_chat_s_tokens_a_message_at_a_time_equal_the_templates_whole_encode(tok):
+    assert tok.segments.exact
+    for messages in conversations(0, 200):
+        assert tok.chat(messages) == list(tok.hf.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=True, return_dict=False))
+
+
+def test_a_chat_s_history_is_encoded_once_and_the_next_turn_encodes_only_its_new_messages(tiny_model):
+    tok = Tokenizer(tiny_model)
+    history = [{"role": "system", "content": "You answer questions about paged attention. " * 8}]
+    misses = []
+    for turn in range(4):
+        history.append({"role": "user", "content": f"Question {turn}: how are blocks of the KV cache shared? " * 3})
+        before = tok.segments.misses
+        ids = tok.chat(history)
+        misses.append(tok.segments.misses - before)
+        assert ids == list(tok.hf.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
+        history.append({"role": "assistant", "content": f"Answer {turn}: by reference counts on full blocks. " * 3})
+    assert misses == [2, 2, 2, 2] and tok.segments.hits == 2 + 4 + 6    # each turn: its question and the reply
+
+
+def test_a_tokenizer_the_segments_cannot_match_encodes_whole_texts():
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    from services.tokenizer.segments import Segments
+
+    backend = Backend(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|im_end|>"])
+    assert Segments(backend).exact                      # no normalizer: exact
+    backend.normalizer = normalizers.Lowercase()        # added tokens matched after normalizing: not
+    segments = Segments(backend)
+    assert not segments.exact and segments("Hello<|im_end|>WORLD") == [1, 3, 2] and not segments.kept
