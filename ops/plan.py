@@ -250,7 +250,7 @@ def bus(cal: dict, w: Workload, nodes: int, util: float, server_cores: int) -> d
     servers = cluster * max(1, math.ceil(cores["broker"] / util / (cluster * server_cores)))
     return {"calibration": {k: cal[k] for k in ("measured", "machine", "bus", "fsync", "nodes", "input_len",
                                                 "tokens_separated")},
-            "roles": cal["roles"], "input_scale": scale["tokenizer"], "cores": cores,
+            "roles": cal["roles"], "input_scale": scale["tokenizer"], "output_ktokens_per_s": ktok, "cores": cores,
             "cores_at_target": {k: v / util for k, v in cores.items()},
             "worker_service_cores_per_node": cores["worker_service"] / nodes if nodes else None,
             "nats_servers": servers, "server_cores": server_cores,
@@ -303,8 +303,7 @@ def text(r: dict, model: str) -> str:
 
 
 def bus_text(b: dict, w: dict, util: float) -> list[str]:
-    c = b["calibration"]
-    ktok = w["peak_rps"] * w["output_tokens"] / 1e3
+    c, ktok = b["calibration"], b["output_ktokens_per_s"]
     lines = [f" 8. the pipeline         bench-bus on {c['bus']} ({c['nodes']} node{'s' * (c['nodes'] > 1)}, fsync "
              f"{c['fsync']}), {c['machine']}, {c['measured']}:",
              f"    a role's CPU is ms a request + ms per 1k output tokens"

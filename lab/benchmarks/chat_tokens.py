@@ -30,10 +30,11 @@ def run(args) -> dict:
     corpus = Corpus(tok.hf.backend_tokenizer)
     system = corpus.text(random.Random(args.seed + 1), args.system_len)
     histories = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
+    turns = chats(args, corpus)
     rows = []
     for turn in range(args.turns):
         kept, whole, tokens = [], [], []
-        for history, chat in zip(histories, chats(args, corpus)):
+        for history, chat in zip(histories, turns):
             user, reply = chat[turn]
             history.append({"role": "user", "content": user})
             start = time.perf_counter()
