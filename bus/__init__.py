@@ -19,17 +19,22 @@ from bus.streams import (
                          STREAMS,
                          ensure_streams,
                          gateways,
+                         handoffs,
                          limits,
                          outcomes,
                          registry,
                          replicated,
                          responses,
+                         router,
+                         streams,
                          suspects,
+                         work_filter,
                          worker_consumer,
 )
 
 __all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "HANDOFFS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT",
            "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "NotStored", "add_consumer", "close", "connect",
-           "consume", "ensure_streams", "gateways", "gone", "lapsed", "limits", "live_workers", "outcomes", "publish",
-           "recreate", "refused", "registry", "replicated", "responses", "restated", "run", "run_until_signal",
-           "servers_of", "spare", "suspects", "watch", "worker_consumer"]
+           "consume", "ensure_streams", "gateways", "gone", "handoffs", "lapsed", "limits", "live_workers",
+           "outcomes", "publish", "recreate", "refused", "registry", "replicated", "responses", "restated", "router",
+           "run", "run_until_signal", "servers_of", "spare", "streams", "suspects", "watch", "work_filter",
+           "worker_consumer"]

@@ -1,8 +1,9 @@
-"""What JetStream stores, as this build configures it: the six streams, the durable pull consumers of
-the stages, and the five KV buckets (worker heartbeats, request outcomes, tenants' shared limits, live
-gateways, suspects). ensure_streams() creates them or brings them to this build's config, each with
-REPLICAS copies on a cluster and one on a single server; the bucket functions find or make one bucket.
-Names, subjects and sizes are schemas/subjects.py's: this module turns them into nats.js.api configs."""
+"""What JetStream stores, as this build configures it: the six streams (six per partition of a
+partitioned bus), the durable pull consumers of the stages, and the five KV buckets (worker heartbeats,
+request outcomes, tenants' shared limits, live gateways, suspects). ensure_streams() creates them or
+brings them to this build's config, each with REPLICAS copies on a cluster and one on a single server;
+the bucket functions find or make one bucket. Names, subjects and sizes are schemas/subjects.py's: this
+module turns them into nats.js.api configs."""
 import dataclasses
 
 import nats.js.errors
@@ -34,6 +35,13 @@ STREAMS = [
 ]
 
 
+def streams(n: int | None = None) -> list[api.StreamConfig]:
+    """The streams of a bus of n partitions (default: TB_BUS_PARTITIONS): STREAMS, or each of them once
+    per partition, capturing the subjects the partition() mapping gives it (schemas/subjects.py)."""
+    return [dataclasses.replace(c, name=s.stream(c.name, p), subjects=s.stream_subjects(c.name, p))
+            for c in STREAMS for p in s.parts(n)]
+
+
 def consumer(durable: str, filter_subject: str, ack_wait: float = s.ACK_WAIT) -> api.ConsumerConfig:
     """A durable pull consumer with explicit acks: any number of replicas fetch from it."""
     return api.ConsumerConfig(durable_name=durable, filter_subject=filter_subject, ack_policy=api.AckPolicy.EXPLICIT,
@@ -41,17 +49,32 @@ def consumer(durable: str, filter_subject: str, ack_wait: float = s.ACK_WAIT) ->
                               max_ack_pending=10_000)
 
 
-ROUTER = consumer(s.ROUTER_DURABLE, "tb.req.new.>")          # on REQUESTS_STREAM: new requests
-HANDOFFS = consumer(s.ROUTER_DURABLE, s.ROUTE_SUBJECTS)      # on ROUTE_STREAM: prefilled requests handed back
+def router(part: int | None = None) -> api.ConsumerConfig:
+    """The routers' consumer on REQUESTS_STREAM (of partition `part`): new requests."""
+    return consumer(s.ROUTER_DURABLE, s.within(s.ENTRIES[s.REQUESTS_STREAM], part))
 
 
-def worker_consumer(worker: str) -> api.ConsumerConfig:
-    return consumer(s.worker_durable(worker), s.work(worker), s.WORK_ACK_WAIT)
+def handoffs(part: int | None = None) -> api.ConsumerConfig:
+    """The routers' consumer on ROUTE_STREAM (of partition `part`): prefilled requests handed back."""
+    return consumer(s.ROUTER_DURABLE, s.within(s.ENTRIES[s.ROUTE_STREAM], part))
 
 
-async def ensure_streams(js) -> None:
-    """Creates the streams and the buckets, or updates them to this build's config."""
-    for config in STREAMS:
+ROUTER, HANDOFFS = router(), handoffs()
+
+
+def work_filter(worker: str, part: int | None = None) -> str:
+    """The subjects of one worker's work queue (in partition `part`)."""
+    return s.within(f"tb.work.{s.token('worker', worker)}.*", part)
+
+
+def worker_consumer(worker: str, part: int | None = None) -> api.ConsumerConfig:
+    return consumer(s.worker_durable(worker), work_filter(worker, part), s.WORK_ACK_WAIT)
+
+
+async def ensure_streams(js, partitions: int | None = None) -> None:
+    """Creates the streams (each partition's, on a bus of `partitions`; default TB_BUS_PARTITIONS) and the
+    buckets, or updates them to this build's config."""
+    for config in streams(partitions):
         try:
             await replicated(js.add_stream, config, "num_replicas")
         except nats.js.errors.BadRequestError:      # exists with another config: this build's, its copies kept

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import nkeys
 
-from schemas import roles
+from schemas import roles, subjects
 from schemas.credentials import default_dir, seed_file
 from services.gateway.keys import is_loopback
 
@@ -51,9 +51,9 @@ def public_key(seed: bytes) -> str:
         raise ValueError(f"not a valid nkey seed: {e}") from None
 
 
-def authorization(creds: Path) -> dict:
-    """The `authorization` block: one nkey user per role, with its permissions."""
-    return {"users": [{"nkey": public_key(seed), "permissions": roles.permissions(role)}
+def authorization(creds: Path, partitions: int = 1) -> dict:
+    """The `authorization` block: one nkey user per role, with its permissions on a bus of `partitions`."""
+    return {"users": [{"nkey": public_key(seed), "permissions": roles.permissions(role, partitions)}
                       for role, seed in seeds(creds).items()]}
 
 
@@ -67,18 +67,21 @@ class Tls:
         return {"cert_file": str(self.cert), "key_file": str(self.key), "timeout": 2}
 
 
-def config(creds: Path | None, tls: Tls | None) -> str:
-    """The nats-server config for the security flags of `tokenbus up`: top-level `authorization` and `tls`
-    blocks (their values JSON, which nats-server's config format takes), to use as is or `include`."""
-    blocks = {"authorization": authorization(creds) if creds is not None else None,
-              "tls": tls.block() if tls is not None else None}
+def config(creds: Path | None, tls: Tls | None, partitions: int | None = None) -> str:
+    """The nats-server config for the security flags of `tokenbus up` and a partitioned bus: top-level
+    `authorization`, `tls` and `mappings` blocks (their values JSON, which nats-server's config format
+    takes), to use as is or `include`. partitions: default TB_BUS_PARTITIONS."""
+    partitions = subjects.partitions() if partitions is None else partitions
+    blocks = {"authorization": authorization(creds, partitions) if creds is not None else None,
+              "tls": tls.block() if tls is not None else None,
+              "mappings": subjects.mappings(partitions) or None}
     return "".join(f"{key}: {json.dumps(value, indent=1)}\n" for key, value in blocks.items() if value is not None)
 
 
-def write_config(path: Path, creds: Path | None, tls: Tls | None) -> Path:
+def write_config(path: Path, creds: Path | None, tls: Tls | None, partitions: int | None = None) -> Path:
     """The config file beside the server's store; rewritten on every start (the seeds may have changed)."""
     path.unlink(missing_ok=True)
-    write_private(path, config(creds, tls).encode())
+    write_private(path, config(creds, tls, partitions).encode())
     return path
 
 
@@ -113,7 +116,8 @@ def url_host(url: str) -> str:
 
 def register(sub) -> None:
     bc = sub.add_parser("bus-config", help="print the nats-server config that authorizes every role (an nkey each, "
-                        "its subject permissions), for a server of your own")
+                        "its subject permissions), for a server of your own; with TB_BUS_PARTITIONS set, "
+                        "its partition mappings too")
     bc.add_argument("--creds", metavar="DIR", help="the nkey seeds, <role>.nk; missing ones are generated "
                                                    "(default: $TOKENBUS_HOME/bus)")
     bc.add_argument("--tls-cert", metavar="FILE", help="the server's certificate (PEM): add its tls block")

@@ -4,7 +4,7 @@ import sys
 
 from ops.args import GPU_PRESETS, MODEL, count, delegate, deployment, size
 from ops.models import DEFAULT_MODEL
-from schemas import generation
+from schemas import generation, subjects
 from schemas.messages import SCHEDULING_POLICIES
 from schemas.subjects import CHUNK_RATE, MAX_TOKENS, chunk_rate
 from services.router.policy import POLICIES, Options
@@ -159,6 +159,10 @@ def up_nats(u) -> None:
     u.add_argument("--nats-sync", metavar="always|DURATION",
                    help="the started nats-servers' fsync: before every acknowledgement (always: the default of a "
                         "cluster) or every DURATION (2m: NATS's default, kept by one server); see docs/cluster.md")
+    u.add_argument("--bus-partitions", type=subjects.partition_count, default=None, metavar="N",
+                   help="split the request, work and record streams into N partitions by nats-server's partition() "
+                        "mapping of the request id, with a router per partition (default: TB_BUS_PARTITIONS, or 1); "
+                        "see docs/cluster.md")
 
 
 def up_fleet(u) -> None:

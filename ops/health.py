@@ -31,9 +31,14 @@ async def answering(nc) -> bool:
         return False
 
 
-async def routing(js) -> bool:
-    """Whether a router replica pulls the request log (its durable has pull requests waiting)."""
-    return (await js.consumer_info(subjects.REQUESTS_STREAM, bus.ROUTER.durable_name)).num_waiting > 0
+async def routing(js, partitions: int | None = None) -> bool:
+    """Whether a router replica pulls the request log (its durable has pull requests waiting), in every
+    partition of a partitioned bus (of `partitions`; default TB_BUS_PARTITIONS)."""
+    for part in subjects.parts(partitions):
+        info = await js.consumer_info(subjects.stream(subjects.REQUESTS_STREAM, part), bus.ROUTER.durable_name)
+        if info.num_waiting == 0:
+            return False
+    return True
 
 
 def gateway(url: str) -> bool:

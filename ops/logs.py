@@ -24,6 +24,8 @@ def start_order(path: Path) -> tuple:
     worker = re.fullmatch(r"([wpd])(\d+)", name)
     if worker:
         return (3, "wpd".index(worker.group(1)), int(worker.group(2)))
+    if re.fullmatch(r"router\d+", name):        # one per partition of a partitioned bus
+        return (2, 0, name)
     return ({"nats": 0, "tokenizer": 1, "router": 2, "gateway": 4}.get(name, 5), 0, name)
 
 

@@ -47,36 +47,44 @@ def selected(rec: Completion, request_id: str | None) -> bool:
 async def select(js, last: int | None = None, since: dt.datetime | None = None,
                  request_id: str | None = None) -> list[Completion]:
     """Records of TB_RESULTS in log order: the last N, those stored since a time, the one of a request
-    id, or all. Replays (ids starting with replay-) are left out unless asked for by id."""
-    if last is not None:
-        return await last_records(js, last)
-    return [rec async for rec in scan(js, since) if selected(rec, request_id)]
+    id, or all. Replays (ids starting with replay-) are left out unless asked for by id. On a partitioned
+    bus each partition's are read and put in the order the requests were created."""
+    parts = subjects.parts()
+    out = []
+    for part in parts:
+        stream = subjects.stream(subjects.RESULTS_STREAM, part)
+        if last is not None:
+            out += await last_records(js, last, stream)
+        else:
+            out += [rec async for rec in scan(js, since, stream) if selected(rec, request_id)]
+    if len(parts) > 1:
+        out.sort(key=lambda rec: rec.created)
+    return out[-last:] if last is not None and last > 0 else out
 
 
-async def last_records(js, n: int) -> list[Completion]:
+async def last_records(js, n: int, stream: str = subjects.RESULTS_STREAM) -> list[Completion]:
     """Walks the stream back from its last message until n records (replays skipped)."""
-    state = (await js.stream_info(subjects.RESULTS_STREAM)).state
+    state = (await js.stream_info(stream)).state
     out, seq = [], state.last_seq
     while len(out) < n and seq >= max(state.first_seq, 1):
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            rec = record((await js.get_msg(subjects.RESULTS_STREAM, seq)).data)
+            rec = record((await js.get_msg(stream, seq)).data)
             if rec is not None and selected(rec, None):
                 out.append(rec)
         seq -= 1
     return out[::-1]
 
 
-async def scan(js, since: dt.datetime | None = None):
+async def scan(js, since: dt.datetime | None = None, stream: str = subjects.RESULTS_STREAM):
     """Every record from the start (or from `since`) to the stream's end as it was when called."""
-    info = await js.stream_info(subjects.RESULTS_STREAM)
+    info = await js.stream_info(stream)
     if info.state.messages == 0:
         return
-    if since is not None and await stored_before(js, info.state.last_seq, since):
+    if since is not None and await stored_before(js, stream, info.state.last_seq, since):
         return                                   # nothing was stored since
     config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=since) \
         if since else None
-    sub = await js.subscribe(subjects.RESULTS_SUBJECTS, stream=subjects.RESULTS_STREAM, ordered_consumer=True,
-                             config=config)
+    sub = await js.subscribe(info.config.subjects[0], stream=stream, ordered_consumer=True, config=config)
     try:
         while True:
             try:
@@ -92,9 +100,9 @@ async def scan(js, since: dt.datetime | None = None):
         await sub.unsubscribe()
 
 
-async def stored_before(js, seq: int, since: dt.datetime) -> bool:
+async def stored_before(js, stream: str, seq: int, since: dt.datetime) -> bool:
     try:
-        return (await js.get_msg(subjects.RESULTS_STREAM, seq)).time < since
+        return (await js.get_msg(stream, seq)).time < since
     except nats.js.errors.NotFoundError:
         return False
 
@@ -144,7 +152,7 @@ async def import_(nats_url: str, path: Path) -> int:
         js = nc.jetstream()
         await bus.ensure_streams(js)
         for rec in records:
-            await js.publish(subjects.done(rec.tenant), encode(rec), headers=subjects.msg_id(rec.id))
+            await js.publish(subjects.done(rec.tenant, rec.id), encode(rec), headers=subjects.msg_id(rec.id))
     finally:
         await bus.close(nc)
     return len(records)

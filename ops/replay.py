@@ -87,7 +87,8 @@ async def run_one(nc, js, rec: Completion, timeout: float) -> Replay:
     r = Replay(rec, f"{records.REPLAY_PREFIX}{uuid.uuid4().hex}")
     sub = await nc.subscribe(subjects.out(r.id), cb=r.on_msg)
     try:
-        await js.publish(subjects.request_new(rec.tenant), encode(request(rec, r.id)), headers=subjects.msg_id(r.id))
+        await js.publish(subjects.request_new(rec.tenant, r.id), encode(request(rec, r.id)),
+                         headers=subjects.msg_id(r.id))
         await asyncio.wait_for(r.done.wait(), timeout)
     except (nats.errors.Error, asyncio.TimeoutError) as e:
         r.end(error=f"no result within {timeout:.0f} s" if isinstance(e, asyncio.TimeoutError) else str(e))

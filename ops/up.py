@@ -121,6 +121,7 @@ class Stack:
     decode_workers: int = 0                       # and with --role decode
     models: list[Entry] = field(default_factory=list)   # the models served; none: `model` alone
     served: list[Served] = field(default_factory=list)  # what the tokenizer and gateways are told (plan())
+    partitions: int = 1                           # the bus's partitions (TB_BUS_PARTITIONS): a router for each
 
     @property
     def address(self) -> str:
@@ -193,10 +194,12 @@ class Stack:
         elif self.nats_url is None:
             self.start_nats()
             self.nats_url = f"nats://{procs.reachable(self.nats_host)}:{self.nats_port}"
-        asyncio.run(prepare(self.nats_url, self.credentials))
+        asyncio.run(prepare(self.nats_url, self.credentials, self.partitions))
         common = ["--nats-url", self.nats_url]
         self.spawn("tokenizer", "services.tokenizer", *common, "--models", str(models_file), *self.tokenizer_args)
-        self.spawn("router", "services.router", *common, *self.router_args)
+        for name, part in self.routers.items():
+            self.spawn(name, "services.router", *common, *self.router_args,
+                       *([] if part is None else ["--partition", str(part)]))
         for name, (role, entry) in self.worker_plan.items():
             self.spawn(name, "workers.service", *common, "--model", entry.model, "--served-model-name",
                        entry.served_name, "--id", name, *([] if role == "both" else ["--role", role]),
@@ -207,13 +210,25 @@ class Stack:
                        "--port", str(self.port + i), *keys_arg, *self.gateway_args, role="gateway")
 
     @property
+    def routers(self) -> dict[str, int | None]:
+        """Every router's name and the partition it routes: "router" alone, or router0.. one per partition."""
+        parts = subjects.parts(self.partitions)
+        return {"router": None} if parts == [None] else {f"router{p}": p for p in parts}
+
+    @property
     def secure(self) -> bool:
         """Whether the nats-servers it starts authorize (nkeys) or serve TLS."""
         return self.bus_creds is not None or self.tls is not None
 
+    @property
+    def configured(self) -> bool:
+        """Whether the nats-servers it starts need a config of ours: secured, or partitioned (mappings)."""
+        return self.secure or self.partitions > 1
+
     def start_nats(self) -> None:
         """The embedded nats-server, with a config file when the bus is authorized or TLS."""
-        config = bus.write_config(self.data_dir / "nats.conf", self.bus_creds, self.tls) if self.secure else None
+        config = bus.write_config(self.data_dir / "nats.conf", self.bus_creds, self.tls, self.partitions) \
+            if self.configured else None
         self.log_starts["nats"] = self.log_size("nats")
         try:
             self.children["nats"] = procs.start_nats(self.nats_port, self.data_dir, self.log("nats"), self.nats_host,
@@ -233,7 +248,7 @@ class Stack:
         TLS blocks if it has them. Call it from the thread that runs the tests: a child dies with the thread
         that started it (PR_SET_PDEATHSIG)."""
         node = next(n for n in self.nats_nodes if n.name == name)
-        blocks = bus.config(self.bus_creds, self.tls) if self.secure else ""
+        blocks = bus.config(self.bus_creds, self.tls, self.partitions) if self.configured else ""
         self.log_starts[name] = self.log_size(name)
         try:
             self.children[name] = cluster.start(node, self.nats_nodes, self.log(name), self.nats_sync or cluster.SYNC,
@@ -247,9 +262,11 @@ class Stack:
         return [name for name in self.children if name == "nats" or name in {n.name for n in self.nats_nodes}]
 
     def spawn(self, name: str, module: str, *args: str, env: dict | None = None, role: str | None = None) -> None:
-        """Starts a service as `role` (default: its name) with the stack's credentials for that role."""
-        creds = self.credentials.env(role or name) if self.credentials else {}
-        self.envs[name] = {**creds, **(env or {})}
+        """Starts a service as `role` (default: its name, less a router's number) with the stack's credentials
+        for that role, told the bus's partitions."""
+        role = role or ("router" if name in self.routers else name)
+        creds = self.credentials.env(role) if self.credentials else {}
+        self.envs[name] = {**creds, subjects.PARTITIONS_ENV: str(self.partitions), **(env or {})}
         self.log_starts[name] = self.log_size(name)
         self.children[name] = procs.spawn(procs.python_module(module, *args), self.log(name), self.envs[name])
 
@@ -266,7 +283,7 @@ class Stack:
         while time.monotonic() < deadline:
             self.check_alive()
             if all(map(healthy, self.https)) and asyncio.run(pipeline_ready(self.nats_url, len(self.worker_roles),
-                                                                            self.credentials)):
+                                                                            self.credentials, self.partitions)):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s; logs in {self.data_dir / 'logs'}")
@@ -305,19 +322,20 @@ class Stack:
         self.children[name] = procs.spawn(old.args, self.log(name), self.envs.get(name))
 
 
-async def prepare(nats_url: str, credentials: Credentials | None = None) -> None:
+async def prepare(nats_url: str, credentials: Credentials | None = None, partitions: int | None = None) -> None:
     nc = await broker.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
-        await nats_bus.ensure_streams(nc.jetstream())
+        await nats_bus.ensure_streams(nc.jetstream(), partitions)
     finally:
         await nc.close()
 
 
-async def pipeline_ready(nats_url: str, num_workers: int, credentials: Credentials | None = None) -> bool:
+async def pipeline_ready(nats_url: str, num_workers: int, credentials: Credentials | None = None,
+                         partitions: int | None = None) -> bool:
     nc = await nats_bus.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
         js = nc.jetstream()
-        if not (await health.routing(js) and await health.answering(nc)):
+        if not (await health.routing(js, partitions) and await health.answering(nc)):
             return False
         return len(await heartbeats(js)) >= num_workers
     except Exception:
@@ -376,6 +394,8 @@ def ops_env(stack: Stack) -> str:
         env.append(f"{CREDS_ENV}={stack.bus_creds}")
     if stack.tls_ca is not None:
         env.append(f"{CA_ENV}={stack.tls_ca}")
+    if stack.partitions > 1:
+        env.append(f"{subjects.PARTITIONS_ENV}={stack.partitions}")
     return "".join(f"{e} " for e in env)
 
 
@@ -393,6 +413,11 @@ def watch(stack: Stack) -> None:
                 gone.add(name)
                 print(f"tokenbus: {name} exited with code {p.returncode} (log: {stack.log(name)})", flush=True)
         time.sleep(0.5)
+
+
+def partitions(args) -> int:
+    """--bus-partitions, or TB_BUS_PARTITIONS (ValueError naming it when it is not a number of partitions)."""
+    return args.bus_partitions or subjects.partitions()
 
 
 def check_nats(args) -> None:
@@ -523,7 +548,7 @@ def main(args) -> None:
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
                   gateway_args=given(args, "max-tokens", "tool-call-parser", "generation-config", *FALLBACK),
                   gateways=args.gateways, nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
-                  decode_workers=args.decode_workers, models=entries, **security)
+                  decode_workers=args.decode_workers, models=entries, partitions=partitions(args), **security)
     stack.plan()                                  # a models file's mistakes before anything starts
     for m in stack.served:                        # and a generation config's (the gateways load them)
         generation.load(m.files, args.generation_config or "auto")

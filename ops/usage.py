@@ -40,26 +40,33 @@ async def read(nats_url: str, tenant: str | None = None, start: float | None = N
     try:
         js = nc.jetstream()
         await bus.ensure_streams(js)
-        config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0,
-                                    deliver_policy=api.DeliverPolicy.BY_START_TIME if start else api.DeliverPolicy.ALL,
-                                    opt_start_time=datetime.datetime.fromtimestamp(start, datetime.UTC) if start
-                                    else None)
-        sub = await js.pull_subscribe(subjects.usage(tenant) if tenant else subjects.USAGE_SUBJECTS,
-                                      stream=subjects.USAGE_STREAM, config=config)
-        records, pending = [], (await sub.consumer_info()).num_pending
-        while pending:
-            try:
-                msgs = await sub.fetch(BATCH, timeout=5)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                break
-            for msg in msgs:
-                with contextlib.suppress(WireError):      # a bad record is skipped, not summed
-                    records.append(decode(msg.data, Usage))
-            pending = msgs[-1].metadata.num_pending
-        await sub.unsubscribe()
+        records = []
+        for part in subjects.parts():               # each partition's TB_USAGE on a partitioned bus
+            records += await read_stream(js, subjects.stream(subjects.USAGE_STREAM, part),
+                                         subjects.tenant_filters(subjects.USAGE_STREAM, tenant, part), start)
         return records
     finally:
         await nc.close()
+
+
+async def read_stream(js, stream: str, filters: list[str], start: float | None) -> list[Usage]:
+    config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0, filter_subjects=filters,
+                                deliver_policy=api.DeliverPolicy.BY_START_TIME if start else api.DeliverPolicy.ALL,
+                                opt_start_time=datetime.datetime.fromtimestamp(start, datetime.UTC) if start
+                                else None)
+    sub = await js.pull_subscribe(filters[0], stream=stream, config=config)
+    records, pending = [], (await sub.consumer_info()).num_pending
+    while pending:
+        try:
+            msgs = await sub.fetch(BATCH, timeout=5)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            break
+        for msg in msgs:
+            with contextlib.suppress(WireError):      # a bad record is skipped, not summed
+                records.append(decode(msg.data, Usage))
+        pending = msgs[-1].metadata.num_pending
+    await sub.unsubscribe()
+    return records
 
 
 def summed(records: list[Usage]) -> list[dict]:

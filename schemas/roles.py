@@ -16,6 +16,11 @@ API = "$JS.API"
 KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
                                    s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET)]
 ALL_STREAMS = [*s.STREAM_NAMES, *KV_STREAMS]
+
+
+def all_streams(partitions: int = 1) -> list[str]:
+    """Every stream of a bus of `partitions`: each of the six once per partition, and the buckets'."""
+    return [*(s.stream(name, p) for name in s.STREAM_NAMES for p in s.parts(partitions)), *KV_STREAMS]
 MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
 
@@ -29,8 +34,10 @@ class Permissions:
 
 
 def each(subject) -> str:
-    """Every subject of a kind: subjects.out → tb.out.* (any request id, tenant or worker)."""
-    return subject("x")[:-1] + "*"
+    """Every subject of a kind: subjects.out → tb.out.*, subjects.done → tb.done.*.* (any request id, tenant
+    or worker)."""
+    sample = subject(*["x"] * subject.__code__.co_argcount)
+    return ".".join("*" if t == "x" else t for t in sample.split("."))
 
 
 def keep_streams() -> list[str]:
@@ -124,12 +131,32 @@ def inbox(role: str) -> str:
 ROLES["inspect"].deny_subscribe += [inbox(r) for r in ROLES if r != "inspect"]
 
 
-def permissions(role: str) -> dict:
-    """The role's `permissions` block of a nats-server user, its own inbox included."""
+def partitioned(entries: list[str], n: int) -> list[str]:
+    """The permissions on a bus of n partitions: one naming one of the six streams, once for each of its
+    partitions; a durable subject's, with the partition token too (nats-server checks the subject its
+    partition() mapping made)."""
+    if n == 1:
+        return entries
+    out = []
+    for entry in entries:
+        variants = [entry, f"{entry}.*"] if entry.endswith(tuple(s.ENTRIES.values())) else [entry]
+        for v in variants:
+            tokens = v.split(".")
+            if not set(tokens) & set(s.STREAM_NAMES):
+                out.append(v)
+                continue
+            out += [".".join(s.stream(t, p) if t in s.STREAM_NAMES else t for t in tokens) for p in range(n)]
+    return out
+
+
+def permissions(role: str, partitions: int = 1) -> dict:
+    """The role's `permissions` block of a nats-server user, its own inbox included, on a bus of
+    `partitions` partitions."""
     p = ROLES[role]
-    out = {"publish": {"allow": p.publish}, "subscribe": {"allow": [*p.subscribe, inbox(role)]}}
+    out = {"publish": {"allow": partitioned(p.publish, partitions)},
+           "subscribe": {"allow": [*p.subscribe, inbox(role)]}}
     if p.deny_publish:
-        out["publish"]["deny"] = p.deny_publish
+        out["publish"]["deny"] = partitioned(p.deny_publish, partitions)
     if p.deny_subscribe:
         out["subscribe"]["deny"] = p.deny_subscribe
     if p.replies:

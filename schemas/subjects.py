@@ -5,6 +5,7 @@ Subjects go broad → narrow. Streams capture tenants and worker ids, never requ
 per-request subjects (tb.out, tb.cancel) are core NATS, stored nowhere."""
 import argparse
 import contextlib
+import os
 import re
 
 # -- subjects ------------------------------------------------------------------------------------
@@ -39,24 +40,27 @@ def token(kind: str, value: str) -> str:
     return value
 
 
-def request_new(tenant: str) -> str:
-    return f"tb.req.new.{token('tenant', tenant)}"
+# A request's durable subjects end in its id: the partition() mapping of a partitioned bus hashes that
+# token, so every record of one request lands in the same partition (see partitions() below).
+
+def request_new(tenant: str, request_id: str) -> str:
+    return f"tb.req.new.{token('tenant', tenant)}.{token('request id', request_id)}"
 
 
-def route(tenant: str) -> str:
-    return f"tb.route.{token('tenant', tenant)}"
+def route(tenant: str, request_id: str) -> str:
+    return f"tb.route.{token('tenant', tenant)}.{token('request id', request_id)}"
 
 
-def work(worker: str) -> str:
-    return f"tb.work.{token('worker', worker)}"
+def work(worker: str, request_id: str) -> str:
+    return f"tb.work.{token('worker', worker)}.{token('request id', request_id)}"
 
 
-def done(tenant: str) -> str:
-    return f"tb.done.{token('tenant', tenant)}"
+def done(tenant: str, request_id: str) -> str:
+    return f"tb.done.{token('tenant', tenant)}.{token('request id', request_id)}"
 
 
-def usage(tenant: str) -> str:
-    return f"tb.usage.{token('tenant', tenant)}"
+def usage(tenant: str, request_id: str) -> str:
+    return f"tb.usage.{token('tenant', tenant)}.{token('request id', request_id)}"
 
 
 def out(request_id: str) -> str:
@@ -82,8 +86,8 @@ def resumed(request_id: str) -> str:
     return f"tb.resumed.{token('request id', request_id)}"
 
 
-def dead(tenant: str) -> str:
-    return f"tb.dead.{token('tenant', tenant)}"
+def dead(tenant: str, request_id: str) -> str:
+    return f"tb.dead.{token('tenant', tenant)}.{token('request id', request_id)}"
 
 
 def kv_events(worker: str) -> str:
@@ -131,6 +135,84 @@ USAGE_MAX_AGE = 400 * 24 * 3600.0        # bills look back a year
 QUEUE_MAX_AGE = 3600.0
 MAX_MSG_SIZE = 4 << 20
 STREAM_NAMES = (REQUESTS_STREAM, ROUTE_STREAM, WORK_STREAM, RESULTS_STREAM, USAGE_STREAM, DEAD_STREAM)
+
+# -- partitions ------------------------------------------------------------------------------------
+# A partitioned bus (TB_BUS_PARTITIONS=N, `tokenbus up --bus-partitions N`; docs/cluster.md) splits each
+# of the six streams into N, TB_REQUESTS_0 .. TB_REQUESTS_<N-1>, and so on. No publisher chooses: every
+# durable subject ends in its request id, nats-server's partition() subject mapping (mappings()) appends
+# the partition that id hashes to, and partition p's streams capture the subjects ending in p. So a
+# request's whole life (request, work item, handoff, completion, usage, dead letter) stays in one
+# partition; partition p's router reads p's streams, and a worker pulls its work from each partition.
+
+PARTITIONS_ENV = "TB_BUS_PARTITIONS"
+MAX_PARTITIONS = 64
+WHOLE = {REQUESTS_STREAM: REQUESTS_SUBJECTS, ROUTE_STREAM: ROUTE_SUBJECTS, WORK_STREAM: WORK_SUBJECTS,
+         RESULTS_STREAM: RESULTS_SUBJECTS, USAGE_STREAM: USAGE_SUBJECTS, DEAD_STREAM: DEAD_SUBJECTS}
+ENTRIES = {REQUESTS_STREAM: "tb.req.new.*.*", ROUTE_STREAM: "tb.route.*.*", WORK_STREAM: "tb.work.*.*",
+           RESULTS_STREAM: "tb.done.*.*", USAGE_STREAM: "tb.usage.*.*", DEAD_STREAM: "tb.dead.*.*"}
+
+
+def partitions() -> int:
+    """The bus's number of partitions, from TB_BUS_PARTITIONS (default 1: not partitioned); ValueError
+    naming the variable for anything but a whole number from 1 to MAX_PARTITIONS."""
+    text = os.environ.get(PARTITIONS_ENV) or "1"
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PARTITIONS:
+        raise ValueError(f"{PARTITIONS_ENV}={text!r}: expected a whole number of partitions from 1 to "
+                         f"{MAX_PARTITIONS}")
+    return int(text)
+
+
+def partition_count(text: str) -> int:
+    """A --bus-partitions value."""
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PARTITIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 1 to {MAX_PARTITIONS}")
+    return int(text)
+
+
+def parts(n: int | None = None) -> list[int | None]:
+    """The partitions of a bus of n (default partitions()): [None] when it is not partitioned."""
+    n = partitions() if n is None else n
+    return [None] if n == 1 else list(range(n))
+
+
+def stream(base: str, part: int | None) -> str:
+    """The name of stream `base` (e.g. TB_WORK) in partition `part` (None: the bus is not partitioned)."""
+    return base if part is None else f"{base}_{part}"
+
+
+def stream_subjects(base: str, part: int | None) -> list[str]:
+    return [WHOLE[base]] if part is None else [f"{ENTRIES[base]}.{part}"]
+
+
+def within(subject: str, part: int | None) -> str:
+    """A subject or filter of one kind of request subject (ending in the request id) in partition `part`."""
+    return subject if part is None else f"{subject}.{part}"
+
+
+def tenant_filters(base: str, tenant: str | None, part: int | None) -> list[str]:
+    """The filters of one tenant's messages (every tenant's: None) in stream `base` of partition `part`. On a
+    bus not partitioned they also match records stored before subjects ended in the request id."""
+    kind = ENTRIES[base].removesuffix(".*.*")
+    if part is not None:
+        return [f"{kind}.{token('tenant', tenant) if tenant else '*'}.*.{part}"]
+    return [f"{kind}.{token('tenant', tenant)}", f"{kind}.{tenant}.>"] if tenant else [WHOLE[base]]
+
+
+def mappings(n: int) -> dict[str, str]:
+    """nats-server's `mappings` for a bus of n partitions (none for one): each durable subject gets the
+    partition its last token, the request id, hashes to."""
+    if n == 1:
+        return {}
+    out = {}
+    for entry in ENTRIES.values():
+        tokens, k = [], 0
+        for t in entry.split("."):
+            if t == "*":
+                k += 1
+                t = f"{{{{wildcard({k})}}}}"
+            tokens.append(t)
+        out[entry] = ".".join([*tokens, f"{{{{partition({n},{k})}}}}"])
+    return out
 REPLICAS = 3                             # copies of every stream and bucket on a cluster: one server may die
 
 TOKENIZE_QUEUE = "tokenizer"              # the tokenizers' queue group on TOKENIZE and PREPARE: one answers

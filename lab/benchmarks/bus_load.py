@@ -311,7 +311,7 @@ def main(args) -> int:
 
 # -- what `tokenbus plan` reads ------------------------------------------------------------------
 
-ROLES = {"gateway": r"gateway\d*", "tokenizer": r"tokenizer", "router": r"router", "worker_service": r"[wpd]\d+",
+ROLES = {"gateway": r"gateway\d*", "tokenizer": r"tokenizer", "router": r"router\d*", "worker_service": r"[wpd]\d+",
          "broker": r"nats|tb-\d+"}
 
 

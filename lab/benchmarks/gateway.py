@@ -210,7 +210,7 @@ async def direct(nats_url: str, n: int) -> list[float]:
         sub = await nc.subscribe(subjects.out(rid), cb=answered)
         req = GenerateRequest(rid, "bench", SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "hi"}],
                               cache_salt="bench", created=time.time())
-        await js.publish(subjects.request_new("bench"), encode(req), headers=subjects.msg_id(rid))
+        await js.publish(subjects.request_new("bench", rid), encode(req), headers=subjects.msg_id(rid))
         await done
         await sub.unsubscribe()
         out.append((time.perf_counter() - start) * 1e3)

@@ -78,12 +78,11 @@ async def bus(url: str, row: Row) -> None:
     await prepare(url)
     nc = await nats_bus.connect(url, "bench-cluster")
     js, payload = nc.jetstream(), bytes(PUBLISH_SIZE)
-    subject = subjects.request_new("bench")
     try:
         took = []
         for i in range(PUBLISHES):
             start = time.perf_counter()
-            await js.publish(subject, payload, headers=subjects.msg_id(f"one-{i}"))
+            await js.publish(subjects.request_new("bench", f"one-{i}"), payload, headers=subjects.msg_id(f"one-{i}"))
             took.append(time.perf_counter() - start)
         took.sort()
         p50, p99 = round(1000 * took[len(took) // 2], 2), round(1000 * took[int(len(took) * 0.99)], 2)
@@ -93,7 +92,8 @@ async def bus(url: str, row: Row) -> None:
 
         async def one(i: int) -> None:
             async with room:
-                await js.publish(subject, payload, headers=subjects.msg_id(f"many-{i}"), timeout=30)
+                await js.publish(subjects.request_new("bench", f"many-{i}"), payload,
+                                 headers=subjects.msg_id(f"many-{i}"), timeout=30)
         start = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(PUBLISH_BURST)))
         row.publishes_per_s = max(row.publishes_per_s, round(PUBLISH_BURST / (time.perf_counter() - start)))

@@ -14,6 +14,9 @@ def chaos(sub) -> None:
     ch.add_argument("--cluster", action="store_true",
                     help="run on a 3-node nats cluster (R3; nodes in network namespaces where root allows): "
                          "node SIGKILLs, a 10 s partition, and the throughput cost of R3 and of fsync policies")
+    ch.add_argument("--bus-partitions", type=int, default=1, metavar="N",
+                    help="run each stack on a bus of N partitions (a router each; the records of every "
+                         "partition are checked)")
     ch.add_argument("--model", help=BENCH_MODEL)
     ch.add_argument("--workers", type=int, default=2, help="workers of each scenario's stack")
     ch.add_argument("--requests", type=int, default=40, help="greedy requests per scenario (3x for overload)")

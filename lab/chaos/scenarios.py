@@ -210,7 +210,7 @@ class Run:
         self.scenario, self.model, self.expected, self.args = scenario, model, expected, args
         self.stack = Stack(model, procs.free_port(), data_dir, nats_port=procs.free_port(), workers=args.workers,
                            worker_args=["--max-num-seqs", str(args.max_num_seqs)],
-                           gateways=2 if scenario == "kill-gateway" else 1)
+                           gateways=2 if scenario == "kill-gateway" else 1, partitions=args.bus_partitions)
         self.outcomes: dict[str, Outcome] = {}
         self.result = Result(scenario)
         self.fault_at = 0.0
@@ -229,7 +229,8 @@ class Run:
                 cluster.wait_ready(self.stack.nats_nodes)
             r = self.result
             answered = r.completed + len(self.probe_done)    # each has its records on the way: wait for them all
-            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url, answered))
+            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url, answered,
+                                                                             partitions=self.stack.partitions))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
@@ -315,7 +316,7 @@ class Run:
         js = nc.jetstream(timeout=0.5)
         try:
             leaders = await self.leaders(js)
-            target = leaders[subjects.REQUESTS_STREAM]
+            target = leaders[subjects.stream(subjects.REQUESTS_STREAM, subjects.parts(self.stack.partitions)[0])]
             if self.scenario == "kill-follower-node":
                 followers = [n.name for n in self.stack.nats_nodes if n.name != target]
                 target = min(followers, key=list(leaders.values()).count)
@@ -342,7 +343,7 @@ class Run:
     async def leaders(self, js) -> dict[str, str]:
         """The leader of every stream and bucket, and of JetStream's meta group (META), by server name."""
         while True:                                                    # a look may go unanswered on a busy CPU
-            leaders = {s: await cluster.stream_leader(js, s) for s in roles.ALL_STREAMS}
+            leaders = {s: await cluster.stream_leader(js, s) for s in roles.all_streams(self.stack.partitions)}
             leaders[META] = await asyncio.to_thread(cluster.meta_leader, self.stack.nats_nodes[0])
             if None not in leaders.values():
                 return leaders
@@ -447,11 +448,13 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
     return {c: o.token_ids for c, o in zip(cids, outs)}
 
 
-async def logs(nats_url: str, want: int = 0, timeout: float = 30.0) -> tuple[int, int, int, int]:
+async def logs(nats_url: str, want: int = 0, timeout: float = 30.0,
+               partitions: int = 1) -> tuple[int, int, int, int]:
     """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
-    completion records beyond the first of a request id, request ids with a usage record). The completion
-    and usage records are stored after the client's last frame (retried through a leader change), so with
-    `want` the logs are read again until each holds `want` request ids or `timeout` seconds pass."""
+    completion records beyond the first of a request id, request ids with a usage record), summed over
+    the partitions of a partitioned bus. The completion and usage records are stored after the client's
+    last frame (retried through a leader change), so with `want` the logs are read again until each holds
+    `want` request ids or `timeout` seconds pass."""
     from schemas.messages import Completion, GenerateRequest, Usage
 
     nc = await bus.connect(nats_url, "tokenbus-chaos", role="admin")
@@ -459,9 +462,11 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0) -> tuple[int
     try:
         js = nc.jetstream()
         while True:
-            requests = await ids(js, subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS, GenerateRequest)
-            done = await ids(js, subjects.RESULTS_STREAM, subjects.RESULTS_SUBJECTS, Completion)
-            usage = await ids(js, subjects.USAGE_STREAM, subjects.USAGE_SUBJECTS, Usage)
+            requests, done, usage = [], [], []
+            for part in subjects.parts(partitions):
+                requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
+                done += await ids(js, subjects.RESULTS_STREAM, part, Completion)
+                usage += await ids(js, subjects.USAGE_STREAM, part, Usage)
             counts = len(requests), len(set(done)), len(done) - len(set(done)), len(set(usage))
             if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
                 return counts
@@ -470,13 +475,14 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0) -> tuple[int
         await nc.close()
 
 
-async def ids(js, stream: str, subject: str, cls: type) -> list[str]:
-    """The request id of every record of a stream, in order."""
+async def ids(js, base: str, part: int | None, cls: type) -> list[str]:
+    """The request id of every record of stream `base` (of partition `part`), in order."""
     from schemas.messages import decode
 
+    stream = subjects.stream(base, part)
     count, out = (await js.stream_info(stream)).state.messages, []
     if count:
-        sub = await js.subscribe(subject, ordered_consumer=True)
+        sub = await js.subscribe(subjects.stream_subjects(base, part)[0], stream=stream, ordered_consumer=True)
         while len(out) < count:
             out.append(decode((await sub.next_msg(timeout=5)).data, cls).id)
         await sub.unsubscribe()

@@ -202,15 +202,20 @@ class Gateway:
         return req
 
     async def logged(self, rid: str, seq: int) -> GenerateRequest:
-        """Request `rid` at sequence number `seq` of the request log; ApiError 404 if it is not there."""
-        try:
-            msg = await self.js.get_msg(subjects.REQUESTS_STREAM, seq)
-            req = decode(msg.data, GenerateRequest)
-        except (nats.js.errors.NotFoundError, WireError):
-            req = None
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
-            raise ApiError(503, f"{subjects.REQUESTS_STREAM} could not be read: {str(e) or type(e).__name__}",
-                           "unavailable", retry_after=1) from None
+        """Request `rid` at sequence number `seq` of the request log (of its partition: each is looked at, on
+        a partitioned bus); ApiError 404 if it is not there."""
+        req = None
+        for part in subjects.parts():
+            stream = subjects.stream(subjects.REQUESTS_STREAM, part)
+            try:
+                req = decode((await self.js.get_msg(stream, seq)).data, GenerateRequest)
+            except (nats.js.errors.NotFoundError, WireError):
+                continue
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                raise ApiError(503, f"{stream} could not be read: {str(e) or type(e).__name__}",
+                               "unavailable", retry_after=1) from None
+            if req.id == rid:
+                break
         if req is None or req.id != rid:
             raise ApiError(404, f"id: no request {rid} at {seq} in the request log (never accepted, or older than "
                                 f"its retention)", "not_found", "id")
@@ -254,7 +259,7 @@ class Gateway:
 
     async def meter(self, u: Usage) -> None:
         try:
-            await bus.publish(self.js, subjects.usage(u.tenant), encode(u), subjects.msg_id(u.id), self.log)
+            await bus.publish(self.js, subjects.usage(u.tenant, u.id), encode(u), subjects.msg_id(u.id), self.log)
         except bus.NotStored as e:
             self.log.error("usage record not stored", request_id=u.id, tenant=u.tenant,
                            error=str(e) or type(e).__name__)

@@ -98,7 +98,7 @@ class Request:
                 return
             req.tokens = got.token_ids if got is not None else None
             try:
-                ack = await bus.publish(gw.js, subjects.request_new(req.tenant), encode(req),
+                ack = await bus.publish(gw.js, subjects.request_new(req.tenant, req.id), encode(req),
                                              subjects.msg_id(req.id), self.log,
                                              min(bus.PUBLISH_DEADLINE, gw.request_timeout))
             except bus.NotStored as e:

@@ -60,8 +60,10 @@ LOG = configure("router")
 
 
 class RouterService:
-    def __init__(self, nc, options: Options | None = None, router_id: str | None = None, index_cap: int = INDEX_CAP):
+    def __init__(self, nc, options: Options | None = None, router_id: str | None = None, index_cap: int = INDEX_CAP,
+                 part: int | None = None):
         self.nc, self.js = nc, nc.jetstream()
+        self.parts = subjects.parts() if part is None else [part]    # the bus partitions it routes
         self.options = options or Options()
         self.id = subjects.token("router", router_id or f"r-{os.getpid()}")
         self.registry = Registry(self.options, KvIndex(index_cap))
@@ -75,7 +77,7 @@ class RouterService:
         self.registry_leader: str | None = None     # the registry stream's leader at the last look (a cluster)
         self.watched = 0                            # the registry stream's last sequence the watch delivered
         self.stored = 0                             # its last sequence stored, at the last look before this one
-        self.rerouting: set[str] = set()            # departed workers whose work is being moved
+        self.rerouting: set[tuple] = set()          # (departed worker, partition) whose work is being moved
 
     async def run(self) -> None:
         await bus.ensure_streams(self.js)
@@ -85,8 +87,11 @@ class RouterService:
         loops = [asyncio.create_task(f) for f in (watching, self.lapse_loop(), self.stats_loop())]
         self.log.info("router ready", **self.options_log())
         try:
-            await asyncio.gather(bus.consume(self.nc, subjects.REQUESTS_STREAM, bus.ROUTER, self.handle_new, self.log),
-                                 bus.consume(self.nc, subjects.ROUTE_STREAM, bus.HANDOFFS, self.handle, self.log))
+            await asyncio.gather(*(c for p in self.parts for c in (
+                bus.consume(self.nc, subjects.stream(subjects.REQUESTS_STREAM, p), bus.router(p), self.handle_new,
+                            self.log),
+                bus.consume(self.nc, subjects.stream(subjects.ROUTE_STREAM, p), bus.handoffs(p), self.handle,
+                            self.log))))
         finally:
             for t in loops:
                 t.cancel()
@@ -274,6 +279,10 @@ class RouterService:
     # -- routing ----------------------------------------------------------------------------------
 
     async def reroute(self, worker: str, suspect: str = "") -> None:
+        """reroute_part() in each partition it routes."""
+        await asyncio.gather(*(self.reroute_part(worker, suspect, p) for p in self.parts))
+
+    async def reroute_part(self, worker: str, suspect: str, part: int | None) -> None:
         """Moves what a departed worker still held (queued for it, or taken and never acked) to live
         workers. Its consumer is deleted first, so it gets nothing more. Each item it had taken gets a
         strike (the strikes follow the request id, across re-routes) — only the suspect, when its last
@@ -282,16 +291,16 @@ class RouterService:
         One re-route per worker at a time; one that fails (a server slow to answer) is tried again every
         REROUTE_RETRY until it is done, the worker is back, the connection is closed or REQUEST_DEADLINE
         has passed (past it, every item it could move would be given up)."""
-        if worker in self.rerouting:                # a second departure of the same life: one move is enough
+        if (worker, part) in self.rerouting:        # a second departure of the same life: one move is enough
             return
-        self.rerouting.add(worker)
+        self.rerouting.add((worker, part))
         taken, deadline = None, time.monotonic() + subjects.REQUEST_DEADLINE
         try:
             while True:
                 try:
                     if taken is None:               # once: a retry finds the consumer deleted
-                        taken = await self.delivered(worker)
-                    await self.move_all(worker, suspect, taken)
+                        taken = await self.delivered(worker, part)
+                    await self.move_all(worker, suspect, taken, part)
                     return
                 except asyncio.CancelledError:
                     self.log.warning("re-route interrupted", worker=worker)
@@ -307,50 +316,51 @@ class RouterService:
                     self.log.warning("work not re-routed: the worker is back", worker=worker)
                     return
         finally:
-            self.rerouting.discard(worker)
+            self.rerouting.discard((worker, part))
 
     def back(self, worker: str) -> bool:
         return any(w.hb.worker == worker for w in self.registry.live(time.time()))
 
-    async def move_all(self, worker: str, suspect: str, taken: int) -> None:
+    async def move_all(self, worker: str, suspect: str, taken: int, part: int | None = None) -> None:
+        stream = subjects.stream(subjects.WORK_STREAM, part)
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.delete_consumer(subjects.WORK_STREAM, f"worker-{worker}")
+            await self.js.delete_consumer(stream, f"worker-{worker}")
         name = f"reroute-{worker}-{uuid.uuid4().hex[:12]}"
         try:
-            await self.js.add_consumer(subjects.WORK_STREAM, api.ConsumerConfig(
-                name=name, filter_subject=subjects.work(worker), ack_policy=api.AckPolicy.EXPLICIT,
+            await self.js.add_consumer(stream, api.ConsumerConfig(
+                name=name, filter_subject=bus.work_filter(worker, part), ack_policy=api.AckPolicy.EXPLICIT,
                 inactive_threshold=REROUTE_INACTIVE))
         except nats.js.errors.BadRequestError as e:  # it was alive after all and made its consumer again
             self.log.warning("work not re-routed", worker=worker, error=str(e))
             return
         try:
-            moved = await self.drain(worker, name, taken, suspect)
+            moved = await self.drain(stream, worker, name, taken, suspect)
         finally:                                    # at once, so the worker can recreate its consumer
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                await self.js.delete_consumer(subjects.WORK_STREAM, name)
+                await self.js.delete_consumer(stream, name)
         if moved:
             self.log.warning("work re-routed", worker=worker, requests=moved, suspect=suspect or None)
 
-    async def delivered(self, worker: str) -> int:
+    async def delivered(self, worker: str, part: int | None = None) -> int:
         """The last stream sequence the worker's consumer delivered: items up to it were taken. 0 when it
         has no consumer; a server that does not answer raises (the re-route is tried again)."""
         try:
-            info = await self.js.consumer_info(subjects.WORK_STREAM, f"worker-{worker}")
+            info = await self.js.consumer_info(subjects.stream(subjects.WORK_STREAM, part), f"worker-{worker}")
         except nats.js.errors.NotFoundError:
             return 0
         return info.delivered.stream_seq if info.delivered else 0
 
-    async def drain(self, worker: str, name: str, taken: int, suspect: str) -> int:
+    async def drain(self, stream: str, worker: str, name: str, taken: int, suspect: str) -> int:
         """Moves every item of the re-route consumer. An empty fetch ends it only once the consumer says
         nothing is left to deliver: on a busy server a fetch can time out with the items still there."""
-        sub = await self.js.pull_subscribe_bind(stream=subjects.WORK_STREAM, name=name)
+        sub = await self.js.pull_subscribe_bind(stream=stream, name=name)
         moved = 0
         try:
             while True:
                 try:
                     msgs = await sub.fetch(batch=64, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    if (await self.js.consumer_info(subjects.WORK_STREAM, name)).num_pending == 0:
+                    if (await self.js.consumer_info(stream, name)).num_pending == 0:
                         return moved
                     continue
                 for msg in msgs:
@@ -387,7 +397,7 @@ class RouterService:
     async def send(self, item: WorkItem) -> None:
         """Publishes the work item, retried under its message id until stored (NotStored past the deadline)."""
         headers = subjects.msg_id(item.request.id, item.msg_id)
-        await bus.publish(self.js, subjects.work(item.worker), encode(item), headers, self.log)
+        await bus.publish(self.js, subjects.work(item.worker, item.request.id), encode(item), headers, self.log)
 
     async def handle_new(self, msg) -> None:
         """A new request from TB_REQUESTS: its tokens (asked of a tokenizer if it came without), then routed."""
@@ -548,13 +558,19 @@ def parser() -> argparse.ArgumentParser:
                    help=f"...unless every prefill worker has more requests queued than this: then the decode worker "
                         f"prefills it (default {d.max_prefill_queue})")
     p.add_argument("--index-cap", type=int, default=INDEX_CAP, help=f"hashes kept per worker (default {INDEX_CAP})")
+    p.add_argument("--partition", type=int, default=None,
+                   help="on a partitioned bus (TB_BUS_PARTITIONS): the one partition it routes (default: every one)")
     return p
 
 
 async def serve(args) -> None:
     options = Options(args.policy, args.alpha, args.kv_watermark, args.queue_watermark, args.load_cap,
                       args.max_local_prefill, args.max_prefill_queue)
-    service = RouterService(await bus.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap)
+    parts = subjects.parts()
+    if args.partition is not None and args.partition not in parts:
+        raise SystemExit(f"--partition {args.partition}: the bus has partitions {parts} ({subjects.PARTITIONS_ENV})")
+    service = RouterService(await bus.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap,
+                            args.partition)
     await bus.run_until_signal(service.run, service.nc)
 
 

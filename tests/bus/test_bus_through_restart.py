@@ -63,11 +63,11 @@ def test_a_pull_consumer_resumes_after_a_broker_restart_without_losing_or_repeat
 
         task = asyncio.create_task(bus.consume(nc, subjects.WORK_STREAM, bus.worker_consumer("w0"), handle,
                                                     LOG))
-        await bus.publish(js, subjects.work("w0"), b"1", subjects.msg_id("r1"), LOG)
+        await bus.publish(js, subjects.work("w0", "r1"), b"1", subjects.msg_id("r1"), LOG)
         assert await asyncio.wait_for(got.get(), 5) == b"1"
         await broker.restart()
         t0 = time.monotonic()
-        await bus.publish(js, subjects.work("w0"), b"2", subjects.msg_id("r2"), LOG)
+        await bus.publish(js, subjects.work("w0", "r2"), b"2", subjects.msg_id("r2"), LOG)
         assert await asyncio.wait_for(got.get(), 10) == b"2"
         assert time.monotonic() - t0 < 5                # well before a pull's own expiry would notice
         await asyncio.sleep(0.5)
@@ -84,12 +84,12 @@ def test_a_publish_retried_through_the_outage_is_stored_once(broker):
         js = nc.jetstream()
         await bus.ensure_streams(js)
         broker.kill()
-        pub = asyncio.create_task(bus.publish(js, subjects.request_new("t"), b"x", subjects.msg_id("r1"), LOG))
+        pub = asyncio.create_task(bus.publish(js, subjects.request_new("t", "r1"), b"x", subjects.msg_id("r1"), LOG))
         await asyncio.sleep(3.0)                    # attempts fail or wait meanwhile
         assert not pub.done()
         broker.start()
         await asyncio.wait_for(pub, 20)
-        await bus.publish(js, subjects.request_new("t"), b"x", subjects.msg_id("r1"), LOG)   # a retry of it
+        await bus.publish(js, subjects.request_new("t", "r1"), b"x", subjects.msg_id("r1"), LOG)   # a retry of it
         assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 1
         await nc.close()
 

@@ -23,11 +23,11 @@ def test_a_consumer_deleted_under_a_running_stage_is_made_again_and_its_messages
 
         config = bus.worker_consumer("w0")
         task = asyncio.create_task(bus.consume(nc, subjects.WORK_STREAM, config, handle, configure("test")))
-        await js.publish(subjects.work("w0"), b"1")
+        await js.publish(subjects.work("w0", "r1"), b"1")
         assert await asyncio.wait_for(got.get(), 5) == b"1"
         await js.delete_consumer(subjects.WORK_STREAM, config.durable_name)
         await asyncio.sleep(0.2)
-        await js.publish(subjects.work("w0"), b"2")
+        await js.publish(subjects.work("w0", "r2"), b"2")
         assert await asyncio.wait_for(got.get(), 10) == b"2"
         task.cancel()
         await nc.close()

@@ -11,6 +11,6 @@ def test_streams_are_the_named_streams_in_order():
 def test_stage_consumers_are_the_named_durables():
     assert bus.ROUTER.durable_name == bus.HANDOFFS.durable_name == subjects.ROUTER_DURABLE
     assert bus.ROUTER.filter_subject.startswith(subjects.REQUESTS_SUBJECTS[:-1])       # within TB_REQUESTS
-    assert bus.HANDOFFS.filter_subject == subjects.ROUTE_SUBJECTS
+    assert bus.HANDOFFS.filter_subject.startswith(subjects.ROUTE_SUBJECTS[:-1])          # within TB_ROUTE
     assert bus.worker_consumer("w-1").durable_name == subjects.worker_durable("w-1") == "worker-w-1"
-    assert bus.worker_consumer("w-1").filter_subject == subjects.work("w-1")
+    assert bus.worker_consumer("w-1").filter_subject == "tb.work.w-1.*"         # subjects.work("w-1", any id)

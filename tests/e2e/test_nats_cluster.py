@@ -6,6 +6,7 @@ engine's tokens; TB_REQUESTS, TB_RESULTS and TB_USAGE hold one record per reques
 leader is printed."""
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -40,9 +41,10 @@ def network():
     net.delete()
 
 
-def cluster_stack(model: str, data_dir, network) -> Stack:
+def cluster_stack(model: str, data_dir, network, partitions: int = 1) -> Stack:
     nodes = network.nodes(data_dir) if network else cluster.local_nodes(3, data_dir)
-    return started(Stack(model, free_port(), data_dir, workers=1, worker_args=WORKER_ARGS, nats_nodes=nodes))
+    return started(Stack(model, free_port(), data_dir, workers=1, worker_args=WORKER_ARGS, nats_nodes=nodes,
+                         partitions=partitions))
 
 
 async def leader(stack: Stack, stream: str) -> str | None:
@@ -97,7 +99,8 @@ def check_nothing_lost_nothing_twice(stack: Stack, model: str, got: dict[str, di
     for (cid, g), want in zip(got.items(), outs, strict=True):
         assert g["end"]["type"] == "done", (cid, g["end"])
         assert g["token_ids"] == want.token_ids, cid
-    stored, recorded, duplicated, metered = asyncio.run(logs(stack.nats_url, BEFORE + DURING))
+    stored, recorded, duplicated, metered = asyncio.run(logs(stack.nats_url, BEFORE + DURING,
+                                                             partitions=stack.partitions))
     assert stored == recorded == metered == BEFORE + DURING and duplicated == 0
 
 
@@ -145,5 +148,56 @@ def test_a_10s_partition_of_the_stream_leader_under_load_loses_no_request_and_ru
         cluster.wait_ready(stack.nats_nodes)          # healed: every node current, one meta leader again
         check_nothing_lost_nothing_twice(stack, tiny_model, got)
         stack.check_alive()
+    finally:
+        stack.stop()
+
+
+def routed_by(stack: Stack) -> dict[str, set[str]]:
+    """Each router's name -> the request ids it routed, from its log."""
+    out = {}
+    for name in stack.routers:
+        lines = (stack.data_dir / "logs" / f"{name}.log").read_text().splitlines()
+        out[name] = {e["request_id"] for e in map(json.loads, filter(None, lines)) if e.get("event") == "routed"}
+    return out
+
+
+async def partitions_of(stack: Stack) -> dict[str, int]:
+    """Each request id in the request logs -> its partition."""
+    nc = await bus.connect(stack.nats_url, "test-partitions")
+    js, out = nc.jetstream(), {}
+    try:
+        for p in subjects.parts(stack.partitions):
+            stream = subjects.stream(subjects.REQUESTS_STREAM, p)
+            for seq in range(1, (await js.stream_info(stream)).state.last_seq + 1):
+                out[(await js.get_msg(stream, seq)).headers[subjects.REQUEST_ID]] = p
+    finally:
+        await nc.close()
+    return out
+
+
+def test_a_node_of_a_3_partition_cluster_killed_under_load_loses_nothing_and_partitions_hold(
+        tiny_model, tmp_path, network):
+    """`--bus-partitions 3` on 3 nodes: a router per partition, the node leading partition 0's request log
+    SIGKILLed under load; every request completes once with the offline engine's tokens, its records in
+    every partition's streams are whole, and each router routed only its own partition's requests."""
+    stack = cluster_stack(tiny_model, tmp_path, network, partitions=3)
+    try:
+        assert set(stack.routers) == {"router0", "router1", "router2"}
+        first = subjects.stream(subjects.REQUESTS_STREAM, 0)
+        killed = asyncio.run(leader(stack, first))
+
+        def kill():
+            stack.kill(killed)
+            leaderless(stack, first, killed)
+
+        got = under_load(stack, kill)
+        check_nothing_lost_nothing_twice(stack, tiny_model, got)
+        where, routed = asyncio.run(partitions_of(stack)), routed_by(stack)
+        assert len(where) == BEFORE + DURING
+        for name, part in stack.routers.items():
+            assert all(where[rid] == part for rid in routed[name]), name
+        assert set().union(*routed.values()) == set(where)
+        stack.start_node(killed)
+        cluster.wait_ready(stack.nats_nodes)
     finally:
         stack.stop()

@@ -104,10 +104,10 @@ def test_a_worker_publishing_a_request_is_refused_by_the_server_and_nothing_is_s
     async def main():
         async with as_role(secured, "worker") as (nc, errors):
             with pytest.raises(nats_bus.NotStored):      # a JetStream publish: no ack ever comes
-                await nats_bus.publish(nc.jetstream(), subjects.request_new("acme"), b"request",
+                await nats_bus.publish(nc.jetstream(), subjects.request_new("acme", "r1"), b"request",
                                        subjects.msg_id("r1"), errors, deadline=0.5)
-            assert refusal("publish", "tb.req.new.acme") in errors.violations()[0]
-            await nats_bus.publish(nc.jetstream(), subjects.done("acme"), b"x", subjects.msg_id("r1"), errors)
+            assert refusal("publish", "tb.req.new.acme.r1") in errors.violations()[0]
+            await nats_bus.publish(nc.jetstream(), subjects.done("acme", "r1"), b"x", subjects.msg_id("r1"), errors)
         assert await stored(secured, subjects.REQUESTS_STREAM) == 0
         assert await stored(secured, subjects.RESULTS_STREAM) == 1    # its own job: a completion record
 
@@ -121,7 +121,7 @@ def test_a_gateway_reading_the_work_queue_is_refused_by_the_server(secured):
                 await nc.jetstream(timeout=1).add_consumer(subjects.WORK_STREAM, nats_bus.worker_consumer("w0"))
             assert refusal("publish", "$JS.API.CONSUMER.DURABLE.CREATE.TB_WORK.worker-w0") in errors.violations()[0]
             assert refusal("subscription", "tb.work.>") in (await subscribed(nc, errors, "tb.work.>"))[0]
-            await nats_bus.publish(nc.jetstream(), subjects.request_new("acme"), b"request",
+            await nats_bus.publish(nc.jetstream(), subjects.request_new("acme", "r1"), b"request",
                                    subjects.msg_id("r1"), errors)                      # its own job
         assert await stored(secured, subjects.REQUESTS_STREAM) == 1
 
@@ -179,10 +179,10 @@ def test_a_router_moves_a_departed_workers_queue_and_a_worker_answers_its_snapsh
     async def main():
         async with as_role(secured, "router") as (router, r_errors), as_role(secured, "worker") as (worker, w_errors):
             js = router.jetstream()
-            await nats_bus.publish(js, subjects.work("w0"), b"item", subjects.msg_id("r1"), r_errors)
+            await nats_bus.publish(js, subjects.work("w0", "r1"), b"item", subjects.msg_id("r1"), r_errors)
             name = "reroute-w0-abc"
             await js.add_consumer(subjects.WORK_STREAM, api.ConsumerConfig(
-                name=name, filter_subject=subjects.work("w0"), ack_policy=api.AckPolicy.EXPLICIT))
+                name=name, filter_subject=nats_bus.work_filter("w0"), ack_policy=api.AckPolicy.EXPLICIT))
             sub = await js.pull_subscribe_bind(stream=subjects.WORK_STREAM, name=name)
             (msg,) = await sub.fetch(1, timeout=5)
             await msg.ack_sync()
@@ -198,7 +198,7 @@ def test_a_router_moves_a_departed_workers_queue_and_a_worker_answers_its_snapsh
             await router.publish(subjects.kv_snapshot("w0"), b"", reply=inbox)
             assert [(await asyncio.wait_for(got.get(), 5)).data for _ in range(3)] == [b"1", b"2", b"3"]
             assert r_errors.violations() == [] and w_errors.violations() == []
-            assert await tried(worker, w_errors, subjects.work("w0"))         # but not a work item of its own
+            assert await tried(worker, w_errors, subjects.work("w0", "r1"))         # but not a work item of its own
 
     asyncio.run(asyncio.wait_for(main(), 30))
 
@@ -212,7 +212,7 @@ def test_the_usage_command_reads_with_its_own_seed_from_the_environment(secured,
     async def main():
         async with as_role(secured, "gateway") as (nc, errors):
             u = Usage("a", "acme", "k1", "tiny", "chat", "stop", 1, 0, 1, {}, 1.0, 2.0)
-            await nats_bus.publish(nc.jetstream(), subjects.usage("acme"), encode(u), subjects.msg_id("a"), errors)
+            await nats_bus.publish(nc.jetstream(), subjects.usage("acme", u.id), encode(u), subjects.msg_id("a"), errors)
         return await read(url)
 
     assert [u.id for u in asyncio.run(asyncio.wait_for(main(), 30))] == ["a"]
@@ -248,7 +248,7 @@ def test_the_rarer_jobs_of_each_service_are_allowed(secured):
             assert (await gw.request(subjects.resend("r1"), b"", timeout=5)).data == b"answer"
             assert (await w.request(subjects.progress("r1"), b"", timeout=5)).data == b"answer"
 
-            await nats_bus.publish(w.jetstream(), subjects.dead("acme"), b"letter", subjects.msg_id("r1"), w_errors)
+            await nats_bus.publish(w.jetstream(), subjects.dead("acme", "r1"), b"letter", subjects.msg_id("r1"), w_errors)
             registry = await nats_bus.registry(w.jetstream())
             await registry.put("w0", b"beat")
             assert (await registry.get("w0")).value == b"beat"
@@ -285,7 +285,7 @@ def test_a_server_without_authorization_ignores_the_seeds_a_process_finds(nats_u
 
     async def main():
         nc = await nats_bus.connect(nats_url, "test-worker", role="worker", credentials=Credentials(tmp_path / "creds"))
-        await nc.publish(subjects.request_new("acme"), b"anything goes here")
+        await nc.publish(subjects.request_new("acme", "r1"), b"anything goes here")
         await nc.flush()
         await nc.close()
 

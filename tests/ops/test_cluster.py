@@ -95,9 +95,9 @@ def test_a_connection_given_the_server_list_moves_on_when_its_server_dies_and_st
         await nats_bus.ensure_streams(js)
         first = nc.connected_url.port
         children[[n.port for n in nodes].index(first)].kill()
-        ack = await nats_bus.publish(js, subjects.dead("t"), b"x", subjects.msg_id("r1"), _Log())
+        ack = await nats_bus.publish(js, subjects.dead("t", "r1"), b"x", subjects.msg_id("r1"), _Log())
         assert nc.connected_url.port != first and nc.stats["reconnects"] == 1
-        again = await nats_bus.publish(js, subjects.dead("t"), b"x", subjects.msg_id("r1"), _Log())
+        again = await nats_bus.publish(js, subjects.dead("t", "r1"), b"x", subjects.msg_id("r1"), _Log())
         await nc.close()
         return ack, again
 

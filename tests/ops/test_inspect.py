@@ -82,8 +82,8 @@ def test_inspect_reads_a_stream_from_a_sequence_and_stops_at_its_end(nats_url):
         await nc.close()
         reqs = [GenerateRequest(f"q{i}", "acme", SamplingParams(max_tokens=i + 1), prompt=f"prompt {i}")
                 for i in range(4)]
-        await publish(nats_url, [(subjects.request_new("acme"), encode(r)) for r in reqs]
-                      + [(subjects.request_new("acme"), b"garbage")], js=True)
+        await publish(nats_url, [(subjects.request_new("acme", r.id), encode(r)) for r in reqs]
+                      + [(subjects.request_new("acme", "bad"), b"garbage")], js=True)
 
     asyncio.run(fill())
     p = subprocess.run([sys.executable, "-m", "ops.cli", "inspect", "tb.req.>", "--stream", subjects.REQUESTS_STREAM,

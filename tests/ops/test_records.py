@@ -30,8 +30,8 @@ async def store(nats_url: str, payloads: list[bytes]) -> None:
     nc = await bus.connect(nats_url, "test")
     js = nc.jetstream()
     await bus.ensure_streams(js)
-    for data in payloads:
-        await js.publish(subjects.done("acme"), data)
+    for i, data in enumerate(payloads):
+        await js.publish(subjects.done("acme", f"r{i}"), data)
     await nc.close()
 
 

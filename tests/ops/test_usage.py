@@ -25,7 +25,7 @@ async def store(nats_url: str, records: list[Usage]) -> None:
     js = nc.jetstream()
     await bus.ensure_streams(js)
     for u in records:
-        await js.publish(subjects.usage(u.tenant), encode(u), headers=subjects.msg_id(u.id))
+        await js.publish(subjects.usage(u.tenant, u.id), encode(u), headers=subjects.msg_id(u.id))
     await nc.close()
 
 

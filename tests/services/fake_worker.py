@@ -82,5 +82,5 @@ class FakeWorker:
         self.served.append(item)
         usage = {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": 0, "cached_tokens": cached}
         record = Completion(r.id, r.tenant, self.id, r.sampling, r.prompt_token_ids, [], "length", usage=usage)
-        await self.js.publish(subjects.done(r.tenant), encode(record), headers=subjects.msg_id(r.id))
+        await self.js.publish(subjects.done(r.tenant, r.id), encode(record), headers=subjects.msg_id(r.id))
         await msg.ack()

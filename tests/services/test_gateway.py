@@ -347,7 +347,8 @@ def test_generate_request_is_stored_in_tb_requests_with_the_request_id_as_msg_id
         async with gateway(nats_url, tiny_model, tok) as down, connect(down.ws) as ws:
             await send(ws, {"type": "generate", "id": "r", "messages": [{"role": "user", "content": "store me"}]})
             await collect(ws, "r")
-            stored = await down.nc.jetstream().get_last_msg(subjects.REQUESTS_STREAM, subjects.request_new("default"))
+            stored = await down.nc.jetstream().get_last_msg(subjects.REQUESTS_STREAM,
+                                                            subjects.request_new("default", down.requests[0].id))
             req = decode(stored.data, GenerateRequest)
             assert stored.headers["Nats-Msg-Id"] == req.id == down.requests[0].id
             assert req.messages == [{"role": "user", "content": "store me"}]

@@ -274,7 +274,7 @@ def test_resumes_of_another_tenant_an_unknown_id_or_a_bad_offset_are_refused(nat
                     "offset: 65 is more than the request's max_tokens=64")]
             old = GenerateRequest("old", "acme", SamplingParams(max_tokens=8), prompt="gone",
                                   created=time.time() - 3 * 3600)          # its Outcome expired an hour ago
-            seq = (await down.nc.jetstream().publish(subjects.request_new("acme"), encode(old))).seq
+            seq = (await down.nc.jetstream().publish(subjects.request_new("acme", old.id), encode(old))).seq
             bad.append(("acme", {"id": f"old.{seq}", "offset": 0}, "not_found", "request old ended more than"))
             for tenant, frame, code, message in bad:
                 async with connect(down.ws + f"?api_key=sk-{tenant}") as ws:

@@ -142,7 +142,7 @@ def test_two_router_replicas_send_every_turn_of_a_conversation_to_the_worker_hol
                 history += tokens(rng, rng.randrange(16 * BS, 18 * BS) if turn == 0 else rng.randrange(BS, 4 * BS))
                 rid = f"c{c}t{turn}"
                 req = TokenizedRequest(rid, "t", SamplingParams(max_tokens=1, seed=0), list(history))
-                await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id(rid))
+                await js.publish(subjects.route("t", rid), encode(req), headers=subjects.msg_id(rid))
                 while rid not in done:
                     arrived.clear()
                     await arrived.wait()

@@ -99,7 +99,7 @@ def test_on_the_first_connection_a_lapsed_heartbeat_is_a_departure_at_once(nats_
 async def routed(js, created: float):
     """The router's delivery of a tokenized request "late", accepted at `created`."""
     req = TokenizedRequest("late", "t", SamplingParams(seed=1), [1, 2, 3], created=created)
-    await js.publish(subjects.route("t"), encode(req), headers=subjects.msg_id("late"))
+    await js.publish(subjects.route("t", "late"), encode(req), headers=subjects.msg_id("late"))
     await js.add_consumer(subjects.ROUTE_STREAM, bus.HANDOFFS)
     (msg,) = await (await js.pull_subscribe_bind(stream=subjects.ROUTE_STREAM, durable="router")).fetch(1)
     return msg

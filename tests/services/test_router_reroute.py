@@ -23,7 +23,7 @@ async def setup(nats_url: str, ids: list[str], taken: int, strikes: int = 0):
     js = nc.jetstream()
     await bus.ensure_streams(js)
     for rid in ids:
-        await js.publish(subjects.work("gone"), encode(item(rid, strikes)), headers=subjects.msg_id(rid))
+        await js.publish(subjects.work("gone", rid), encode(item(rid, strikes)), headers=subjects.msg_id(rid))
     await js.add_consumer(subjects.WORK_STREAM, bus.worker_consumer("gone"))
     sub = await js.pull_subscribe_bind(stream=subjects.WORK_STREAM, durable="worker-gone")
     if taken:
@@ -34,7 +34,7 @@ async def setup(nats_url: str, ids: list[str], taken: int, strikes: int = 0):
 
 
 async def moved(js) -> dict[str, WorkItem]:
-    sub = await js.pull_subscribe(subjects.work("live"), stream=subjects.WORK_STREAM)
+    sub = await js.pull_subscribe(bus.work_filter("live"), stream=subjects.WORK_STREAM)
     got = {}
     for msg in await sub.fetch(10, timeout=2):
         w = decode(msg.data, WorkItem)
@@ -109,7 +109,7 @@ def test_a_worker_back_before_its_work_moved_keeps_it_with_the_strikes(nats_url)
         router.registry.update(Heartbeat("gone", time.time(), "tiny", 16, 8, 0, 0, 100, 100, 0, 0, 0))
         await router.reroute("gone")
         assert await consumers(js) == []
-        sub = await js.pull_subscribe(subjects.work("gone"), stream=subjects.WORK_STREAM)
+        sub = await js.pull_subscribe(bus.work_filter("gone"), stream=subjects.WORK_STREAM)
         items = [decode(m.data, WorkItem) for m in await sub.fetch(10, timeout=2)]
         assert sorted((w.request.id, w.strikes) for w in items) == [("a", 1), ("b", 0)]
         await nc.close()

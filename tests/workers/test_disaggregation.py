@@ -94,7 +94,7 @@ class Cluster:
         q = asyncio.Queue()
         sub = await self.nc.subscribe(subjects.out(rid), cb=q.put)
         req = TokenizedRequest(rid, tenant, params, tokens, salt, time.time())
-        await self.js.publish(subjects.route(tenant), encode(req), headers=subjects.msg_id(rid))
+        await self.js.publish(subjects.route(tenant, rid), encode(req), headers=subjects.msg_id(rid))
         out, chunks = {}, []
         async with asyncio.timeout(60):
             while True:

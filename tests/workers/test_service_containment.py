@@ -44,7 +44,7 @@ def engine(tiny_model):
 
 async def submit(js, rid: str, prompt: list[int], attempt: int = 0, strikes: int = 0) -> None:
     item = WorkItem(TokenizedRequest(rid, "t", PARAMS, prompt), "w0", time.time(), attempt, strikes)
-    await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid, item.msg_id))
+    await js.publish(subjects.work("w0", rid), encode(item), headers=subjects.msg_id(rid, item.msg_id))
 
 
 async def stream(nc, rid: str) -> asyncio.Queue:
@@ -157,8 +157,8 @@ def test_a_request_whose_gateway_died_is_still_metered_once_by_its_worker(nats_u
                                 "w0", time.time())
                 if gateway_metered:              # the gateway's own record, stored first
                     gateway_usage = Usage(rid, "t", "k1", "tiny", "chat", "length", 3, 0, 8, {"ttft_ms": 1.0})
-                    await js.publish(subjects.usage("t"), encode(gateway_usage), headers=subjects.msg_id(rid))
-                await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
+                    await js.publish(subjects.usage("t", rid), encode(gateway_usage), headers=subjects.msg_id(rid))
+                await js.publish(subjects.work("w0", rid), encode(item), headers=subjects.msg_id(rid))
                 assert isinstance((await until_end(q))[-1], FinalChunk)
             await asyncio.sleep(1.0)
             records = {u.id: u for u in await stored(js, subjects.USAGE_SUBJECTS, Usage)}
@@ -182,7 +182,7 @@ def test_an_item_reaching_the_worker_past_its_deadline_is_answered_timeout_recor
         q = await stream(nc, "late")
         steps = engine.num_steps
         item = WorkItem(TokenizedRequest("late", "t", PARAMS, [5, 6], created=time.time() - 1), "w0", time.time())
-        await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id("late", item.msg_id))
+        await js.publish(subjects.work("w0", "late"), encode(item), headers=subjects.msg_id("late", item.msg_id))
         async with worker(nats_url, engine):
             (err,) = await until_end(q)
             await asyncio.sleep(0.5)                                   # the Outcome is stored, the item acked

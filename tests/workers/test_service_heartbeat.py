@@ -26,7 +26,7 @@ def engine(tiny_model):
 
 async def submit(js, rid: str, prompt: list[int], params: SamplingParams) -> None:
     item = WorkItem(TokenizedRequest(rid, "t", params, prompt), "w0", time.time())
-    await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
+    await js.publish(subjects.work("w0", rid), encode(item), headers=subjects.msg_id(rid))
 
 
 async def until(check, what: str) -> None:

@@ -52,7 +52,7 @@ async def generate(js, nc, rid: str, speculative: bool) -> FinalChunk:
     await nc.subscribe(subjects.out(rid), cb=q.put)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, speculative=speculative)
     item = WorkItem(TokenizedRequest(rid, "t", params, PROMPT), "w0", time.time())
-    await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
+    await js.publish(subjects.work("w0", rid), encode(item), headers=subjects.msg_id(rid))
     async with asyncio.timeout(60):
         while type(chunk := decode((await q.get()).data, TokenChunk, FinalChunk)) is TokenChunk:
             pass

@@ -54,7 +54,7 @@ def slow_steps(engine: LLMEngine, monkeypatch, pause: float = STEP_PAUSE):
 
 async def submit(js, rid: str, prompt: list[int], params: SamplingParams = PARAMS) -> None:
     item = WorkItem(TokenizedRequest(rid, "t", params, prompt), "w0", time.time())
-    await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id(rid))
+    await js.publish(subjects.work("w0", rid), encode(item), headers=subjects.msg_id(rid))
 
 
 async def chunks(nc, rids: list[str]) -> dict[str, asyncio.Queue]:

@@ -72,7 +72,7 @@ def run_one_slow_step(nats_url: str, engine: LLMEngine, monkeypatch) -> list[flo
                     done.set()
             await nc.subscribe(subjects.out("slow"), cb=seen)
             item = WorkItem(TokenizedRequest("slow", "t", SamplingParams(max_tokens=3), [5, 6, 7]), "w0", time.time())
-            await js.publish(subjects.work("w0"), encode(item), headers=subjects.msg_id("slow"))
+            await js.publish(subjects.work("w0", "slow"), encode(item), headers=subjects.msg_id("slow"))
             await asyncio.wait_for(done.wait(), 30)
             await asyncio.sleep(0.5)
         stop.set()

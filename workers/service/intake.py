@@ -54,9 +54,12 @@ class Intake:
         self.pulling: dict[str, object] = {}         # request id -> its work item's message, while its KV comes
 
     async def fetch_loop(self) -> None:
+        """Pulls this worker's work queue: one consumer, or one in each partition of a partitioned bus."""
         limit = 4 * self.engine.config.max_num_seqs   # beyond this, work waits in the stream
-        await bus.consume(self.nc, subjects.WORK_STREAM, bus.worker_consumer(self.id), self.taking,
-                          self.log, FETCH_BATCH, room=lambda: limit - len(self.running) - self.admitting)
+        await asyncio.gather(*(bus.consume(self.nc, subjects.stream(subjects.WORK_STREAM, p),
+                                           bus.worker_consumer(self.id, p), self.taking, self.log, FETCH_BATCH,
+                                           room=lambda: limit - len(self.running) - self.admitting)
+                               for p in subjects.parts()))
 
     async def taking(self, msg) -> None:
         """Takes a work item in a task of its own. Its checks wait on the bus (its Outcome, a moved

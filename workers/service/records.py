@@ -70,7 +70,7 @@ class Records:
         rid = record.id
         try:
             if await self.create_outcome(outcome):
-                await bus.publish(self.js, subjects.done(record.tenant), encode(record), subjects.msg_id(rid),
+                await bus.publish(self.js, subjects.done(record.tenant, rid), encode(record), subjects.msg_id(rid),
                                   self.log)
                 if usage is not None:
                     self.spawn(self.meter_later(usage))
@@ -83,7 +83,7 @@ class Records:
     async def meter_later(self, usage: Usage) -> None:
         await asyncio.sleep(USAGE_BACKUP_SECONDS)
         try:
-            await bus.publish(self.js, subjects.usage(usage.tenant), encode(usage), subjects.msg_id(usage.id),
+            await bus.publish(self.js, subjects.usage(usage.tenant, usage.id), encode(usage), subjects.msg_id(usage.id),
                               self.log)
         except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:
             self.log.error("usage record not stored", request_id=usage.id, error=str(e) or type(e).__name__)
@@ -151,7 +151,7 @@ class Records:
         try:
             await self.create_outcome(outcome)
             if letter is not None:
-                await bus.publish(self.js, subjects.dead(r.tenant), encode(letter),
+                await bus.publish(self.js, subjects.dead(r.tenant, r.id), encode(letter),
                                   subjects.msg_id(r.id, f"{r.id}.dead"), self.log)
             await msg.ack()
         except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:

@@ -153,7 +153,7 @@ class Streaming:
         stored: the lease goes and the item stays unacked, so it comes again and is prefilled again."""
         rid = handed.id
         try:
-            await bus.publish(self.js, subjects.route(handed.tenant), encode(handed),
+            await bus.publish(self.js, subjects.route(handed.tenant, rid), encode(handed),
                               subjects.msg_id(rid, f"{rid}.pd"), self.log)
             await run.msg.ack()
         except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:
