@@ -37,8 +37,10 @@ STREAMS = [
 
 def streams(n: int | None = None) -> list[api.StreamConfig]:
     """The streams of a bus of n partitions (default: TB_BUS_PARTITIONS): STREAMS, or each of them once
-    per partition, capturing the subjects the partition() mapping gives it (schemas/subjects.py)."""
-    return [dataclasses.replace(c, name=s.stream(c.name, p), subjects=s.stream_subjects(c.name, p))
+    per partition, capturing the subjects the partition() mapping gives it (schemas/subjects.py) and
+    placed on the servers tagged for the partition."""
+    return [dataclasses.replace(c, name=s.stream(c.name, p), subjects=s.stream_subjects(c.name, p),
+                                placement=None if p is None else api.Placement(tags=[s.partition_tag(p)]))
             for c in STREAMS for p in s.parts(n)]
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ops import procs
+from schemas import subjects
 
 CLUSTER_NAME = "tokenbus"
 SYNC = "always"                   # fsync before every acknowledgement (docs/cluster.md); "2m" is NATS's default
@@ -51,14 +52,28 @@ def url(nodes: list[Node]) -> str:
     return ",".join(n.url for n in nodes)
 
 
-def config(node: Node, nodes: list[Node], sync: str = SYNC, listen: str | None = None, blocks: str = "") -> str:
+def partition_tags(node: Node, nodes: list[Node], partitions: int) -> list[str]:
+    """The placement tags of `node` on a bus of `partitions` (schemas/subjects.py): where the cluster has
+    REPLICAS nodes for each partition, node i serves partition (i // REPLICAS) mod partitions alone, so
+    the partitions' writes land on disjoint servers; on a smaller cluster every node serves every one."""
+    if partitions == 1:
+        return []
+    if len(nodes) < partitions * subjects.REPLICAS:
+        return [subjects.partition_tag(p) for p in range(partitions)]
+    return [subjects.partition_tag(nodes.index(node) // subjects.REPLICAS % partitions)]
+
+
+def config(node: Node, nodes: list[Node], sync: str = SYNC, listen: str | None = None, blocks: str = "",
+           tags: list[str] = ()) -> str:
     """The nats-server configuration file of `node` in a cluster of `nodes` (a single node: no cluster
     block). listen: the address it binds (default node.host; 0.0.0.0 in a namespace or on a host);
-    blocks: more top-level blocks (the bus's authorization and tls: ops/bus.py)."""
+    blocks: more top-level blocks (the bus's authorization and tls: ops/bus.py); tags: its server_tags
+    (partition_tags())."""
     bind = listen or node.host
     lines = [f"server_name: {node.name}", f"listen: {bind}:{node.port}", f"http: {bind}:{node.http_port}",
              f'ping_interval: "{PING}"', f"ping_max: {PING_MAX}",
-             f'jetstream {{\n  store_dir: "{node.store / "jetstream"}"\n  sync_interval: {sync}\n}}']
+             f'jetstream {{\n  store_dir: "{node.store / "jetstream"}"\n  sync_interval: {sync}\n}}',
+             *([f"server_tags: {json.dumps(list(tags))}"] if tags else [])]
     if len(nodes) > 1:
         routes = ", ".join(n.route for n in nodes if n is not node)
         lines.append(f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: {bind}:{node.cluster_port}\n"
@@ -66,15 +81,18 @@ def config(node: Node, nodes: list[Node], sync: str = SYNC, listen: str | None =
     return "\n".join(lines) + "\n" + blocks
 
 
-def start(node: Node, nodes: list[Node], log: Path | None = None, sync: str = SYNC, blocks: str = ""):
+def start(node: Node, nodes: list[Node], log: Path | None = None, sync: str = SYNC, blocks: str = "",
+          partitions: int = 1):
     """Writes the node's configuration beside its store and starts it (inside its namespace, if it has
-    one); waits until it listens for clients. ValueError if something listens on its port already."""
+    one), tagged for its partitions of a partitioned bus; waits until it listens for clients. ValueError
+    if something listens on its port already."""
     if procs.listening(node.port, node.host):
         raise ValueError(f"{node.name}: port {node.port} is in use (another `tokenbus up`?): choose another "
                          f"--nats-port")
     node.store.mkdir(parents=True, exist_ok=True)
     path = node.store / "nats-server.conf"
-    path.write_text(config(node, nodes, sync, "0.0.0.0" if node.netns else None, blocks))
+    path.write_text(config(node, nodes, sync, "0.0.0.0" if node.netns else None, blocks,
+                           partition_tags(node, nodes, partitions)))
     cmd = [procs.nats_server_binary(), "-c", str(path)]
     if node.netns:
         cmd = ["ip", "netns", "exec", node.netns, *cmd]

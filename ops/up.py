@@ -252,7 +252,7 @@ class Stack:
         self.log_starts[name] = self.log_size(name)
         try:
             self.children[name] = cluster.start(node, self.nats_nodes, self.log(name), self.nats_sync or cluster.SYNC,
-                                                blocks)
+                                                blocks, self.partitions)
         except RuntimeError as e:
             raise ChildFailed(str(e), name, self.log(name), self.log_starts[name]) from None
 

@@ -184,6 +184,12 @@ def stream_subjects(base: str, part: int | None) -> list[str]:
     return [WHOLE[base]] if part is None else [f"{ENTRIES[base]}.{part}"]
 
 
+def partition_tag(part: int) -> str:
+    """The server tag that places partition `part`'s streams (a cluster's servers carry the tags of the
+    partitions they serve: ops/cluster.py; a single server ignores placement)."""
+    return f"tb-p{part}"
+
+
 def within(subject: str, part: int | None) -> str:
     """A subject or filter of one kind of request subject (ending in the request id) in partition `part`."""
     return subject if part is None else f"{subject}.{part}"

@@ -11,7 +11,7 @@ from nats.js import api
 import bus
 from bus.log import configure
 from ops import bus as ops_bus
-from ops import procs
+from ops import cluster, procs
 from schemas import roles, subjects
 from schemas.credentials import Credentials
 
@@ -134,3 +134,12 @@ def test_roles_reach_every_partition_on_an_authorized_partitioned_bus(tmp_path):
         asyncio.run(main())
     finally:
         procs.stop([proc])
+
+
+def test_partitions_are_placed_on_disjoint_servers_where_the_cluster_has_room():
+    three, nine = cluster.local_nodes(3, "/unused", port=14222), cluster.local_nodes(9, "/unused", port=15222)
+    assert all(cluster.partition_tags(n, three, N) == ["tb-p0", "tb-p1", "tb-p2"] for n in three)
+    assert [cluster.partition_tags(n, nine, N) for n in nine] == [[f"tb-p{i // 3}"] for i in range(9)]
+    assert cluster.partition_tags(nine[0], nine, 1) == []
+    assert "server_tags" not in cluster.config(three[0], three)
+    assert [c.placement.tags for c in bus.streams(N)][:N] == [["tb-p0"], ["tb-p1"], ["tb-p2"]]

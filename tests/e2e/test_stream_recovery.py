@@ -85,7 +85,8 @@ def test_a_finished_request_delivered_again_late_is_not_run_again_and_recorded_o
         await nc.subscribe(subjects.out(done.id), cb=out)
         item = WorkItem(TokenizedRequest(done.id, done.tenant, done.sampling, done.prompt_token_ids, "default"), "w0",
                         time.time(), attempt=7)             # another Nats-Msg-Id: no dedup window stops it
-        await nc.jetstream().publish(subjects.work("w0", done.id), encode(item), headers=subjects.msg_id(done.id, "late"))
+        await nc.jetstream().publish(subjects.work("w0", done.id), encode(item),
+                                     headers=subjects.msg_id(done.id, "late"))
         await asyncio.sleep(3)
         records = [c for c in await completions(stack.nats_url) if c.id == done.id]
         info = await nc.jetstream().consumer_info(subjects.WORK_STREAM, "worker-w0")

@@ -212,7 +212,8 @@ def test_the_usage_command_reads_with_its_own_seed_from_the_environment(secured,
     async def main():
         async with as_role(secured, "gateway") as (nc, errors):
             u = Usage("a", "acme", "k1", "tiny", "chat", "stop", 1, 0, 1, {}, 1.0, 2.0)
-            await nats_bus.publish(nc.jetstream(), subjects.usage("acme", u.id), encode(u), subjects.msg_id("a"), errors)
+            await nats_bus.publish(nc.jetstream(), subjects.usage("acme", u.id), encode(u), subjects.msg_id("a"),
+                                   errors)
         return await read(url)
 
     assert [u.id for u in asyncio.run(asyncio.wait_for(main(), 30))] == ["a"]
@@ -248,7 +249,8 @@ def test_the_rarer_jobs_of_each_service_are_allowed(secured):
             assert (await gw.request(subjects.resend("r1"), b"", timeout=5)).data == b"answer"
             assert (await w.request(subjects.progress("r1"), b"", timeout=5)).data == b"answer"
 
-            await nats_bus.publish(w.jetstream(), subjects.dead("acme", "r1"), b"letter", subjects.msg_id("r1"), w_errors)
+            await nats_bus.publish(w.jetstream(), subjects.dead("acme", "r1"), b"letter", subjects.msg_id("r1"),
+                                   w_errors)
             registry = await nats_bus.registry(w.jetstream())
             await registry.put("w0", b"beat")
             assert (await registry.get("w0")).value == b"beat"
