@@ -1,8 +1,9 @@
 """Subjects, stream and bucket names, and the limits every service obeys: plain names and numbers
 (bus/ turns them into JetStream configs and connections).
 
-Subjects go broad → narrow. Streams capture tenants and worker ids, never request ids; the
-per-request subjects (tb.out, tb.cancel) are core NATS, stored nowhere."""
+Subjects go broad → narrow. A durable subject ends in its request id (the token a partitioned bus's
+partition() mapping hashes), after the tenant or worker; the per-request subjects of the stream of
+tokens and control (tb.out, tb.cancel) are core NATS, stored nowhere."""
 import argparse
 import contextlib
 import os
