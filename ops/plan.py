@@ -28,7 +28,8 @@ estimates):
    as ms a request + ms per 1,000 output tokens, the durable writes a request): each role's cores at the
    peak's requests/s and output tokens/s, over the target utilization (the tokenizer's scaled by the prompt's
    length over the calibration's); the broker's in servers of --server-cores, a whole number of the
-   calibration's cluster (3 nodes, R3: replication is in the measured cost).
+   calibration's cluster (3 nodes, R3: replication is in the measured cost), each cluster's worth of
+   servers one partition of the bus (`--bus-partitions`: a request's writes stay in its partition).
 """
 import json
 import math
@@ -253,7 +254,7 @@ def bus(cal: dict, w: Workload, nodes: int, util: float, server_cores: int) -> d
             "roles": cal["roles"], "input_scale": scale["tokenizer"], "output_ktokens_per_s": ktok, "cores": cores,
             "cores_at_target": {k: v / util for k, v in cores.items()},
             "worker_service_cores_per_node": cores["worker_service"] / nodes if nodes else None,
-            "nats_servers": servers, "server_cores": server_cores,
+            "nats_servers": servers, "server_cores": server_cores, "bus_partitions": servers // cluster,
             "durable_writes_per_s": rps * cal["durable"]["stored_per_request"],
             "durable_bytes_per_s": rps * cal["durable"]["bytes_per_request"]}
 
@@ -316,6 +317,8 @@ def bus_text(b: dict, w: dict, util: float) -> list[str]:
     lines += [f"    nats-servers    {b['cores_at_target']['broker']:,.0f} cores / {b['server_cores']} a server, "
               f"whole clusters of {c['nodes']} = {b['nats_servers']} servers; {b['durable_writes_per_s']:,.0f} durable "
               f"writes/s, {b['durable_bytes_per_s'] / 1e6:,.0f} MB/s",
+              f"    partitions      {b['bus_partitions']}, each on its own {c['nodes']} servers (--bus-partitions "
+              f"{b['bus_partitions']}, docs/cluster.md)",
               f"    worker service  {b['worker_service_cores_per_node']:.2f} cores on each GPU node"]
     return lines
 

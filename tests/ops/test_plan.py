@@ -121,9 +121,9 @@ def test_the_pipeline_s_cores_and_nats_servers_follow_from_a_bench_bus_calibrati
     assert b["cores"]["tokenizer"] == pytest.approx(rps * 3.0 / 1e3 * 2)                       # twice the prompt
     assert b["cores"]["broker"] == pytest.approx(rps * (4.0 + 0.4 * 1.0) / 1e3)                # 22.9 cores
     assert b["cores_at_target"]["broker"] == pytest.approx(b["cores"]["broker"] / 0.8)        # 28.6: 4 servers of 8
-    assert b["nats_servers"] == 6                                                             # whole clusters of 3
+    assert b["nats_servers"] == 6 and b["bus_partitions"] == 2            # whole clusters of 3, a partition each
     assert b["durable_writes_per_s"] == pytest.approx(3 * rps)
     assert b["worker_service_cores_per_node"] == pytest.approx(b["cores"]["worker_service"] / r["nodes_at_peak"])
     main(["plan"])                                          # the repository's own calibration, printed
     out = capsys.readouterr().out
-    assert " 8. the pipeline" in out and "nats-servers" in out and "tokenizer" in out
+    assert " 8. the pipeline" in out and "nats-servers" in out and "tokenizer" in out and "--bus-partitions" in out
