@@ -5,11 +5,13 @@ each job has its module:
   bus/connection.py  connect (reconnecting, streams made again), run on uvloop, run_until_signal, close
   bus/streams.py     the streams, the stages' consumers and the KV buckets, as nats.js.api configs
   bus/publish.py     JetStream publish retried under one Nats-Msg-Id until stored, or NotStored
+  bus/ends.py        a request's end record in TB_RESULTS, stored once (the first end wins), read back
   bus/consume.py     a durable pull consumer streamed into a handler, made again when lost
   bus/heartbeats.py  the worker registry: watch, live_workers, and when a worker has left or has room
   bus/log.py         structured JSON logs (structlog)"""
 from bus.connection import BUS_ERRORS, CLUSTER_PING, CLUSTER_PINGS, close, connect, run, run_until_signal, servers_of
 from bus.consume import add_consumer, consume, gone, recreate
+from bus.ends import ended, partition, store_end
 from bus.heartbeats import lapsed, live_workers, restated, spare, watch
 from bus.publish import PUBLISH_ATTEMPT, PUBLISH_DEADLINE, PUBLISH_RETRY, NotStored, publish, refused
 from bus.streams import (
@@ -21,7 +23,6 @@ from bus.streams import (
                          gateways,
                          handoffs,
                          limits,
-                         outcomes,
                          registry,
                          replicated,
                          responses,
@@ -34,7 +35,7 @@ from bus.streams import (
 
 __all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "HANDOFFS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT",
            "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "NotStored", "add_consumer", "close", "connect",
-           "consume", "ensure_streams", "gateways", "gone", "handoffs", "lapsed", "limits", "live_workers",
-           "outcomes", "publish", "recreate", "refused", "registry", "replicated", "responses", "restated", "router",
-           "run", "run_until_signal", "servers_of", "spare", "streams", "suspects", "watch", "work_filter",
-           "worker_consumer"]
+           "consume", "ended", "ensure_streams", "gateways", "gone", "handoffs", "lapsed", "limits",
+           "live_workers", "partition", "publish", "recreate", "refused", "registry", "replicated", "responses",
+           "restated", "router", "run", "run_until_signal", "servers_of", "spare", "store_end", "streams", "suspects",
+           "watch", "work_filter", "worker_consumer"]

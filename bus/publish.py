@@ -34,7 +34,7 @@ async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             if refused(e):
-                raise NotStored(f"{subject}: refused by the stream: {reason}") from None
+                raise NotStored(f"{subject}: refused by the stream: {reason}") from e
             if isinstance(e, nats.errors.ConnectionClosedError):     # closed for good: no attempt can succeed
                 raise NotStored(f"{subject}: not stored: {reason}") from None
             if time.monotonic() + PUBLISH_RETRY >= end:

@@ -1,6 +1,6 @@
 """What JetStream stores, as this build configures it: the six streams (six per partition of a
 partitioned bus), the durable pull consumers of the stages, and the five KV buckets (worker heartbeats,
-request outcomes, tenants' shared limits, live gateways, suspects). ensure_streams() creates them or
+tenants' shared limits, live gateways, suspects, stored responses). ensure_streams() creates them or
 brings them to this build's config, each with REPLICAS copies on a cluster and one on a single server;
 the bucket functions find or make one bucket. Names, subjects and sizes are schemas/subjects.py's: this
 module turns them into nats.js.api configs."""
@@ -83,7 +83,6 @@ async def ensure_streams(js, partitions: int | None = None) -> None:
             kept = (await js.stream_info(config.name)).config.num_replicas
             await js.update_stream(dataclasses.replace(config, num_replicas=kept))
     await registry(js)
-    await outcomes(js)
     await limits(js)
     await gateways(js)
     await suspects(js)
@@ -114,12 +113,6 @@ async def registry(js):
     """The KV bucket of worker heartbeats; an entry not refreshed within WORKER_TTL expires. On disk, so
     a restarted broker still has it (and its sequence: a watcher started before goes on)."""
     return await bucket(js, s.WORKERS_BUCKET, ttl=s.WORKER_TTL)
-
-
-async def outcomes(js):
-    """The KV bucket of request outcomes (key = request id), on disk: one entry per request, kept
-    OUTCOME_TTL, written with create() so the first end of a request is the only one recorded."""
-    return await bucket(js, s.OUTCOMES_BUCKET, ttl=s.OUTCOME_TTL, max_value_size=s.MAX_MSG_SIZE)
 
 
 async def limits(js):

@@ -39,9 +39,11 @@ def parse_time(text: str, now: dt.datetime | None = None) -> dt.datetime:
 
 
 def selected(rec: Completion, request_id: str | None) -> bool:
+    """A record asked for by its id; else a request that ran (not one that ended in an error) and is not
+    a replay."""
     if request_id is not None:
         return rec.id == request_id
-    return not rec.id.startswith(REPLAY_PREFIX)
+    return not rec.id.startswith(REPLAY_PREFIX) and rec.finish_reason != "error"
 
 
 async def select(js, last: int | None = None, since: dt.datetime | None = None,

@@ -256,33 +256,14 @@ class Resumed:
         check_name("gateway", self.gateway)
 
 
-@dataclass(slots=True)
-class Outcome:
-    """KV bucket tb_outcomes (key = request id), written once (create) when a request ends, done or
-    failed: a late redelivery finds it and neither runs nor records the request again; a gateway that
-    lost chunks or the final chunk reads the rest here. finish_reason "error" carries error_code/message."""
-    TYPE: typing.ClassVar[str] = "outcome"
-    id: str
-    tenant: str
-    worker: str
-    finish_reason: str                            # stop | length | abort | error
-    output_token_ids: list[int]
-    stop_reason: int | str | None = None
-    usage: dict[str, int] = field(default_factory=dict)
-    timing: dict[str, float] = field(default_factory=dict)
-    prompt_tail: list[int] = field(default_factory=list)     # the detokenizer's context
-    error_code: str = ""
-    error_message: str = ""
-    ts: float = 0.0
-
-
-def ending(o: "Outcome", offset: int = 0) -> "FinalChunk | ErrorChunk":
-    """The last chunk of a request as its Outcome has it: its output tokens from `offset` on (seq -1:
-    not one of the stream's numbered chunks), or its error."""
-    if o.finish_reason == "error":
-        return ErrorChunk(o.id, o.error_code, o.error_message)
-    return FinalChunk(o.id, -1, offset, o.output_token_ids[offset:], o.finish_reason, o.stop_reason, o.usage,
-                      o.timing, o.worker, o.prompt_tail)
+def ending(c: "Completion", offset: int = 0, context: int = 0) -> "FinalChunk | ErrorChunk":
+    """The last chunk of a request as its end record has it: its output tokens from `offset` on (seq -1:
+    not one of the stream's numbered chunks) with the last `context` prompt tokens (the detokenizer's),
+    or its error."""
+    if c.finish_reason == "error":
+        return ErrorChunk(c.id, c.error_code, c.error_message)
+    return FinalChunk(c.id, -1, offset, c.output_token_ids[offset:], c.finish_reason, c.stop_reason, c.usage,
+                      c.timing, c.worker, c.prompt_token_ids[-context:] if context else [])
 
 
 @dataclass(slots=True)
@@ -452,7 +433,11 @@ class RouterStats:
 
 @dataclass(slots=True)
 class Completion:
-    """worker → TB_RESULTS (tb.done.<tenant>): the completions log, for replay and metering."""
+    """worker (or router) → TB_RESULTS (tb.done.<tenant>.<id>): a request's end record, done or failed,
+    one per request id: the first end is stored (published expecting its subject empty) and any later one
+    refused, so a late redelivery neither runs nor records the request again; a gateway that lost chunks
+    or the final chunk reads the rest here; replay and export read the log. finish_reason "error"
+    carries error_code and error_message."""
     TYPE: typing.ClassVar[str] = "completion"
     id: str
     tenant: str
@@ -465,6 +450,9 @@ class Completion:
     usage: dict[str, int] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)
     created: float = 0.0
+    error_code: str = ""
+    error_message: str = ""
+    ended: float = 0.0                            # unix time it ended
 
 
 @dataclass(slots=True)
@@ -514,7 +502,7 @@ class Tokens:
 
 
 Message = (GenerateRequest | TokenizedRequest | WorkItem | TokenChunk | FinalChunk | ErrorChunk | Cancel
-           | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress | Outcome
+           | Heartbeat | KvEvent | KvSnapshot | RouterStats | Completion | Usage | Resend | Progress
            | DeadLetter | Resumed | KvFetch | TenantBucket | Tokens)
 TYPES = {cls.TYPE: cls for cls in typing.get_args(Message)}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from schemas import subjects as s
 
 API = "$JS.API"
-KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
+KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
                                    s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET)]
 ALL_STREAMS = [*s.STREAM_NAMES, *KV_STREAMS]
 
@@ -69,7 +69,8 @@ def kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.*"]
 
 
-REGISTRY, OUTCOMES, LIMITS, GATEWAYS = s.WORKERS_BUCKET, s.OUTCOMES_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET
+REGISTRY, LIMITS, GATEWAYS = s.WORKERS_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET
+ENDS = f"{API}.STREAM.MSG.GET.{s.RESULTS_STREAM}"        # one request's end record (bus.ended)
 SUSPECTS, RESPONSES = s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET
 
 ROLES: dict[str, Permissions] = {
@@ -77,7 +78,7 @@ ROLES: dict[str, Permissions] = {
     # shares tenants' rate limits with the other gateways (tb_limits) and says it is alive (tb_gateways)
     "gateway": Permissions(
         publish=[each(s.request_new), s.CANCEL_ALL, s.RESEND_ALL, s.RESUMED_ALL, each(s.usage),
-                 *keep_streams(), *reader(f"KV_{REGISTRY}"), *kv_get(OUTCOMES), *kv_get(LIMITS),
+                 *keep_streams(), *reader(f"KV_{REGISTRY}"), ENDS, *kv_get(LIMITS),
                  *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE, s.PREPARE, *kv_get(RESPONSES),
                  *kv_write(RESPONSES),
                  f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
@@ -85,24 +86,23 @@ ROLES: dict[str, Permissions] = {
     # answers tb.prepare and tb.tokenize: a request's tokens; writes nothing
     "tokenizer": Permissions(publish=[*keep_streams()], subscribe=[s.PREPARE, s.TOKENIZE], replies=1),
     # the request log (tokenized, or tokenized here by asking tb.prepare) and handed-back prefilled requests
-    # → one worker's work queue; moves a departed worker's work; ends requests past their deadline
+    # → one worker's work queue; moves a departed worker's work; ends requests past their deadline (their
+    # end records)
     "router": Permissions(
         publish=[each(s.work), each(s.out), each(s.kv_snapshot), s.ROUTER_STATS_ALL, s.PREPARE,
                  *keep_streams(), *durable(s.REQUESTS_STREAM, s.ROUTER_DURABLE),
-                 *durable(s.ROUTE_STREAM, s.ROUTER_DURABLE), *reader(f"KV_{REGISTRY}"),
-                 *kv_write(OUTCOMES), *kv_get(OUTCOMES),
+                 *durable(s.ROUTE_STREAM, s.ROUTER_DURABLE), *reader(f"KV_{REGISTRY}"), each(s.done), ENDS,
                  f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*", f"{API}.CONSUMER.DELETE.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.CREATE.{s.WORK_STREAM}.*.{each(s.work)}",
                  f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
         subscribe=[s.KV_EVENTS_ALL, s.RESULTS_SUBJECTS]),
-    # runs its work queue: tokens, completions, usage (when the gateway's is missing), dead letters,
-    # heartbeats, the request it runs alone, outcomes, KV events; disaggregated: hands prefilled requests
-    # back to the router, and pulls and serves KV blocks
+    # runs its work queue: tokens, end records, usage (when the gateway's is missing), dead letters,
+    # heartbeats, the request it runs alone, KV events; disaggregated: hands prefilled requests back to the
+    # router, and pulls and serves KV blocks
     "worker": Permissions(
         publish=[each(s.out), each(s.done), each(s.usage), each(s.dead), each(s.route), s.KV_TRANSFER_ALL,
                  s.KV_EVENTS_ALL, s.PROGRESS_ALL, *keep_streams(), *kv_write(REGISTRY), *kv_get(REGISTRY),
-                 *kv_write(SUSPECTS), *kv_get(SUSPECTS),
-                 *kv_write(OUTCOMES), *kv_get(OUTCOMES),
+                 *kv_write(SUSPECTS), *kv_get(SUSPECTS), ENDS,
                  f"{API}.CONSUMER.DURABLE.CREATE.{s.WORK_STREAM}.*", f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
         subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot), s.KV_TRANSFER_ALL], replies=MAX_REPLIES),

@@ -14,12 +14,11 @@ import re
 REQUESTS_STREAM, REQUESTS_SUBJECTS = "TB_REQUESTS", "tb.req.>"     # the replayable request log
 ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # prefilled requests handed back, a work queue
 WORK_STREAM, WORK_SUBJECTS = "TB_WORK", "tb.work.>"                # one subject per worker, a work queue
-RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the completions log
+RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the end records: one per request
 USAGE_STREAM, USAGE_SUBJECTS = "TB_USAGE", "tb.usage.>"            # the metering log: one record per request
 DEAD_STREAM, DEAD_SUBJECTS = "TB_DEAD", "tb.dead.>"                # dead-lettered requests, with the reason
 WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
 REGISTRY_STREAM = f"KV_{WORKERS_BUCKET}"                           # the stream under it
-OUTCOMES_BUCKET = "tb_outcomes"                                    # how each request ended, key = request id
 LIMITS_BUCKET = "tb_limits"                                        # tenants' shared token buckets, key = tenant
 GATEWAYS_BUCKET = "tb_gateways"                                    # live gateways, key = gateway id
 RESPONSES_BUCKET = "tb_responses"                                  # stored Responses API responses, key = tenant_id
@@ -185,6 +184,12 @@ def stream_subjects(base: str, part: int | None) -> list[str]:
     return [WHOLE[base]] if part is None else [f"{ENTRIES[base]}.{part}"]
 
 
+def part_of(stream: str) -> int | None:
+    """The partition of a stream by its name: TB_WORK_2 → 2, TB_WORK → None."""
+    head, _, tail = stream.rpartition("_")
+    return int(tail) if head in STREAM_NAMES and tail.isdigit() else None
+
+
 def partition_tag(part: int) -> str:
     """The server tag that places partition `part`'s streams (a cluster's servers carry the tags of the
     partitions they serve: ops/cluster.py; a single server ignores placement)."""
@@ -241,7 +246,6 @@ MAX_DELIVER = 5
 MAX_STRIKES = 2                          # failures or crashes of workers before a request is dead-lettered
 LIMITS_TTL = 120.0                       # a tenant's shared bucket untouched this long is full (60 s refill it)
 GATEWAY_TTL = 3.0                        # a gateway that has not said it is alive for this long has left
-OUTCOME_TTL = 2 * QUEUE_MAX_AGE          # outlives every work item that could still be redelivered
 RESPONSES_TTL = 30 * 24 * 3600.0         # a stored response (the Responses API's `store`), as OpenAI keeps them
 SUSPECT_TTL = QUEUE_MAX_AGE              # a worker's suspect is kept as long as its work could be redelivered
 REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)

@@ -5,7 +5,7 @@
 Each `--inject-fault NAME=VALUE` (repeatable) turns on one fault (docs/containment.md, "Injected faults"):
 
 - `drop-chunks=2,final`: the listed token chunks of every request (chunk numbers, and `final`) are not
-  published on tb.out; the gateway must recover them (Resend, the request's Outcome).
+  published on tb.out; the gateway must recover them (Resend, the request's end record).
 - `kv-die-after=N`: a prefill worker SIGKILLs itself after answering N KV fetches (a death mid-transfer).
 - `forward-raise=TOKEN`: the model forward of any step whose input holds TOKEN raises (a poison request).
 - `forward-exit=TOKEN`: the same, but the process ends at once (exit code 70), as a crash in a kernel would.

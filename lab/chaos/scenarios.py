@@ -465,7 +465,7 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0,
             requests, done, usage = [], [], []
             for part in subjects.parts(partitions):
                 requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
-                done += await ids(js, subjects.RESULTS_STREAM, part, Completion)
+                done += await ids(js, subjects.RESULTS_STREAM, part, Completion, lambda c: c.finish_reason != "error")
                 usage += await ids(js, subjects.USAGE_STREAM, part, Usage)
             counts = len(requests), len(set(done)), len(done) - len(set(done)), len(set(usage))
             if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
@@ -475,16 +475,19 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0,
         await nc.close()
 
 
-async def ids(js, base: str, part: int | None, cls: type) -> list[str]:
-    """The request id of every record of stream `base` (of partition `part`), in order."""
+async def ids(js, base: str, part: int | None, cls: type, keep=None) -> list[str]:
+    """The request id of every record of stream `base` (of partition `part`; those keep() is true of), in
+    order."""
     from schemas.messages import decode
 
     stream = subjects.stream(base, part)
     count, out = (await js.stream_info(stream)).state.messages, []
     if count:
         sub = await js.subscribe(subjects.stream_subjects(base, part)[0], stream=stream, ordered_consumer=True)
-        while len(out) < count:
-            out.append(decode((await sub.next_msg(timeout=5)).data, cls).id)
+        for _ in range(count):
+            record = decode((await sub.next_msg(timeout=5)).data, cls)
+            if keep is None or keep(record):
+                out.append(record.id)
         await sub.unsubscribe()
     return out
 

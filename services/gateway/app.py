@@ -70,7 +70,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             await bus.ensure_streams(js)
             gw = app.state.gateway = Gateway(nc, js, await bus.registry(js), default.tokenizer, log, model,
                                              default.max_model_len, max_tokens, key_table,
-                                             outcomes=await bus.outcomes(js), request_timeout=request_timeout,
+                                             request_timeout=request_timeout,
                                              resume_grace=resume_grace, models=models, upstream=upstream)
             gw.limits = Limits(await bus.limits(js), await bus.gateways(js), gw.id, log, gw.metrics)
             gw.admission.bucket = gw.limits.lease

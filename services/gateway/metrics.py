@@ -253,8 +253,8 @@ class Metrics:
                                          ["tenant"], registry=r)
         self.recoveries = Counter("tokenbus_stream_checks", "Streams checked for missing tokens, by cause (gap: a "
                                   "chunk came past missing ones; stall: silent for STALL_SECONDS; resume: a client "
-                                  "resumed the stream) and by what "
-                                  "answered (outcome, resend: the worker, none).", ["cause", "source"], registry=r)
+                                  "resumed the stream) and by what answered (outcome: its end record, resend: "
+                                  "the worker, none).", ["cause", "source"], registry=r)
         self.deadlines = Counter("tokenbus_request_timeouts", "Requests ended with a timeout error at the gateway's "
                                  "--request-timeout.", ["tenant"], registry=r)
         self.fallbacks = Counter("tokenbus_fallback_requests", "Requests the cluster could not take that went to the "

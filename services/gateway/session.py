@@ -5,7 +5,7 @@ admitted (or sent to the fallback upstream), subscribed to tb.out.<request id> b
 
 A stream outlives its connection: a client resumes it on any gateway from the output token it got to
 (Gateway.resume), reading the request from the request log (its sequence number is in the resume id)
-and the tokens from the Outcome or the worker. A client whose connection dropped has resume_grace
+and the tokens from its end record or the worker. A client whose connection dropped has resume_grace
 seconds to do so (its requests are Parked) before they are cancelled. The sweep ends requests past
 the request timeout and checks stalled streams and streams with an unfilled gap."""
 import asyncio
@@ -26,9 +26,9 @@ import bus
 from schemas import generation, subjects
 from schemas.messages import (
     Cancel,
+    Completion,
     GenerateRequest,
     Meter,
-    Outcome,
     Progress,
     Resend,
     Resumed,
@@ -47,7 +47,7 @@ from services.gateway.keys import Key
 from services.gateway.limits import Limits
 from services.gateway.metrics import Metrics
 from services.gateway.models import Models, Revision
-from services.gateway.stream import Request
+from services.gateway.stream import UNKNOWN, Request
 
 SWEEP_SECONDS = 1.0                  # how often deadlines, stalls and unfilled gaps are looked at
 STALL_FACTOR = 2.5                   # a sweep this many periods late: this process was stopped or starved
@@ -70,7 +70,6 @@ class Gateway:
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)
     tasks: set = field(default_factory=set)
-    outcomes: KeyValue | None = None              # tb_outcomes: how each request ended
     request_timeout: float = subjects.REQUEST_DEADLINE   # seconds from arrival to the last frame, at most
     requests: dict[str, Request] = field(default_factory=dict)   # request id -> its stream, for checks
     resume_grace: float = subjects.RESUME_GRACE   # seconds a dropped client's resumable streams wait for it
@@ -224,7 +223,7 @@ class Gateway:
     async def resume(self, owner, cid: str, key: Key, req: GenerateRequest, seq: int, offset: int,
                      t0: float) -> Request:
         """Streams a request found to resume (find()) to a client that has its first `offset` output tokens. Its
-        tokens come from its Outcome if it ended, else from the worker running it (Resend from 0) and its
+        tokens come from its end record if it ended, else from the worker running it (Resend from 0) and its
         chunks; those before offset go through the detokenizer unsent. A stream of it held here or on another
         gateway lets it go (Resumed). No admission charge: it was charged where it started."""
         api = req.meter.api if req.meter and req.meter.api else "ws"
@@ -296,17 +295,17 @@ class Gateway:
                 elif not r.checking and (r.held or now - r.heard >= subjects.STALL_SECONDS):
                     self.spawn(r.recover("gap" if r.held else "stall"))
 
-    async def outcome(self, rid: str) -> Outcome | None:
-        """The request's Outcome, if it ended (None also when the bucket cannot be read now)."""
-        if self.outcomes is None:
-            return None
+    async def ended(self, r: Request) -> Completion | None:
+        """The request's end record, if it ended (None also when it cannot be read now). A resumed stream's
+        partition is not known here: each is looked at."""
+        parts = subjects.parts() if r.part == UNKNOWN else [r.part]
         try:
-            return decode((await self.outcomes.get(rid)).value, Outcome)
-        except nats.js.errors.KeyNotFoundError:
-            return None
+            for part in parts:
+                if (data := await bus.ended(self.js, r.ticket.key.tenant, r.rid, part)) is not None:
+                    return decode(data, Completion)
         except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
-            self.log.warning("outcome not read", request_id=rid, error=str(e) or type(e).__name__)
-            return None
+            self.log.warning("end record not read", request_id=r.rid, error=str(e) or type(e).__name__)
+        return None
 
     async def resend(self, rid: str, offset: int) -> TokenChunk | None:
         """The output tokens from `offset` on, from the worker running the request; None if none answers."""

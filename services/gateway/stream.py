@@ -3,7 +3,7 @@ path (decode, drop duplicates, detokenize, send to its owner), and its end. When
 admission ticket is settled and, if it ran, its usage record goes to TB_USAGE (Gateway.close).
 
 A stream is never silently incomplete: a chunk past a gap is held back until the gap is filled,
-from the request's Outcome (tb_outcomes) once it ended or else by the worker running it (Resend on
+from the request's end record (TB_RESULTS) once it ended or else by the worker running it (Resend on
 tb.resend.<id>); a stream silent for STALL_SECONDS is checked the same way (its final chunk may be
 what was lost). Every request ends with a done or an error frame within the gateway's request
 timeout (code "timeout"), and the worker gets a cancel. A resumed stream passes the tokens its
@@ -27,10 +27,12 @@ from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, Tokens, Usage, 
 from schemas.wire import WireError
 from services.gateway.admission import Ticket
 from services.gateway.models import Revision
-from text.detokenizer import Detokenizer
+from text.detokenizer import PROMPT_CONTEXT, Detokenizer
 
 if TYPE_CHECKING:
     from services.gateway.owners import Connection, Exchange, Parked
+
+UNKNOWN = -1                                      # a Request's partition before it is known (a resumed stream's)
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +62,7 @@ class Request:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one chunk at a time, in order
     resumable: bool = False                       # its client can resume it: parked when its connection drops
     seq: int = 0                                  # its sequence number in the request log (0: not stored yet)
+    part: int | None = UNKNOWN                    # the bus partition its records are in (None: not partitioned)
     replay: int = 0                               # resumed: the output tokens its client has (sent again unsent)
     resumed: bool = False                         # a stream resumed here, not started here
     parked: float = 0.0                           # perf_counter when its client's connection dropped (0: attached)
@@ -107,7 +110,7 @@ class Request:
                 await self.end(error(self.cid, "unavailable",
                                      f"{subjects.REQUESTS_STREAM} did not store it: {reason}"))
                 return
-            self.seq = ack.seq
+            self.seq, self.part = ack.seq, subjects.part_of(ack.stream)
             self.log.info("request accepted", request_id=self.rid, tenant=req.tenant, client_id=self.cid,
                           seq=ack.seq)
             if not self.ended:
@@ -170,25 +173,26 @@ class Request:
             self.held[chunk.offset] = chunk
 
     async def recover(self, cause: str) -> None:
-        """Fills a gap or checks a stalled stream: from the Outcome if the request ended, else from the
+        """Fills a gap or checks a stalled stream: from the end record if the request ended, else from the
         worker running it; with neither, the stream waits (the request timeout bounds it)."""
         if self.checking or self.ended:
             return
         self.checking = True
         gw = self.conn.gw
         try:
-            outcome = await gw.outcome(self.rid)
-            chunk = ending(outcome, self.received) if outcome else await gw.resend(self.rid, self.received)
-            source = "outcome" if outcome else "resend" if chunk else "none"
+            record = await gw.ended(self)
+            chunk = ending(record, self.received, PROMPT_CONTEXT) if record else await gw.resend(self.rid,
+                                                                                                  self.received)
+            source = "outcome" if record else "resend" if chunk else "none"     # its end record, or the worker
             if source != "none" or cause == "gap":
                 self.log.warning("stream checked", request_id=self.rid, cause=cause, source=source,
                                  offset=self.received, tokens=len(getattr(chunk, "token_ids", ())))
             gw.metrics.recovered(cause, source)
             if chunk is not None:
                 await self.take(chunk)
-            elif cause == "resume" and time.time() - self.created > subjects.OUTCOME_TTL:
-                await self.end(error(self.cid, "not_found", f"request {self.rid} ended more than OUTCOME_TTL="
-                                                            f"{subjects.OUTCOME_TTL:g} s ago: its tokens are gone"))
+            elif cause == "resume" and time.time() - self.created > subjects.LOG_MAX_AGE:
+                await self.end(error(self.cid, "not_found", f"request {self.rid} ended more than LOG_MAX_AGE="
+                                                            f"{subjects.LOG_MAX_AGE:g} s ago: its tokens are gone"))
             self.heard = time.perf_counter()
         finally:
             self.checking = False

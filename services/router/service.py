@@ -37,7 +37,6 @@ from schemas.messages import (
     Heartbeat,
     KvEvent,
     KvSnapshot,
-    Outcome,
     RouterStats,
     TokenizedRequest,
     Tokens,
@@ -485,19 +484,20 @@ class RouterService:
                 waited = 0.0
 
     async def give_up(self, msg, req: TokenizedRequest | GenerateRequest) -> bool:
-        """Ends a request past its deadline: ErrorChunk "timeout" on tb.out, Outcome "error" in tb_outcomes
-        (the first end of a request is the one kept), then acked so no worker runs it after its client was
-        answered. False when the Outcome could not be written (not acked: it comes again)."""
+        """Ends a request past its deadline: ErrorChunk "timeout" on tb.out, an end record "error" in
+        TB_RESULTS (the first end of a request is the one kept), then acked so no worker runs it after its
+        client was answered. False when the record could not be stored (not acked: it comes again)."""
         who = "worker took" if isinstance(req, TokenizedRequest) else "tokenizer answered for"
         reason = f"no {who} the request within REQUEST_DEADLINE={subjects.REQUEST_DEADLINE:g} s of its creation"
         await self.nc.publish(subjects.out(req.id), encode(ErrorChunk(req.id, "timeout", reason)))
-        outcome = Outcome(req.id, req.tenant, self.id, "error", [], error_code="timeout", error_message=reason,
-                          ts=time.time())
+        record = Completion(req.id, req.tenant, self.id, req.sampling, getattr(req, "prompt_token_ids", None) or [],
+                            [], "error", created=req.created, error_code="timeout", error_message=reason,
+                            ended=time.time())
         try:
-            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
-                await (await bus.outcomes(self.js)).create(req.id, encode(outcome))
+            await bus.store_end(self.js, req.tenant, req.id, bus.partition(msg), encode(record),
+                                self.log)
             await msg.ack()
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
+        except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:
             self.log.error("timeout not stored", request_id=req.id, error=str(e) or type(e).__name__)
             return False
         self.log.warning("request given up", request_id=req.id, tenant=req.tenant, reason=reason)

@@ -12,7 +12,7 @@ import pytest
 import bus
 from ops.status import read_registry
 from schemas import subjects
-from schemas.messages import DeadLetter, Outcome, decode
+from schemas.messages import Completion, DeadLetter, decode
 from schemas.sampling import SamplingParams
 from tests.e2e.conftest import collect, connect, receive, send, start_stack
 from workers import LLM
@@ -65,7 +65,7 @@ def test_poison_requests_get_errors_every_worker_stays_and_the_next_20_complete(
         dead = asyncio.run(dead_letters(stack.nats_url))
         assert len(dead) == 1 and dead[0].request.prompt_token_ids == [5, 6, FAULT, 7]
         assert "test hook: fault injected" in dead[0].reason and dead[0].strikes == 1
-        outcome = asyncio.run(outcome_of(stack.nats_url, dead[0].request.id))
+        outcome = asyncio.run(outcome_of(stack.nats_url, dead[0].request))
         assert outcome.finish_reason == "error" and outcome.error_code == "engine_error"
     finally:
         stack.stop()
@@ -102,7 +102,7 @@ def test_a_poison_that_kills_workers_is_dead_lettered_after_max_strikes_and_the_
         dead = asyncio.run(dead_letters(stack.nats_url))
         assert [d.request.prompt_token_ids for d in dead] == [[5, FAULT]]
         assert dead[0].strikes == subjects.MAX_STRIKES
-        assert asyncio.run(outcome_of(stack.nats_url, dead[0].request.id)).error_code == "dead_lettered"
+        assert asyncio.run(outcome_of(stack.nats_url, dead[0].request)).error_code == "dead_lettered"
     finally:
         stack.stop()
 
@@ -175,9 +175,10 @@ async def dead_letters(nats_url: str) -> list[DeadLetter]:
     return out
 
 
-async def outcome_of(nats_url: str, rid: str) -> Outcome:
+async def outcome_of(nats_url: str, req) -> Completion:
+    """The end record of request `req`."""
     nc = await bus.connect(nats_url, "test-outcome")
     try:
-        return decode((await (await bus.outcomes(nc.jetstream())).get(rid)).value, Outcome)
+        return decode(await bus.ended(nc.jetstream(), req.tenant, req.id, None), Completion)
     finally:
         await nc.close()

@@ -2,7 +2,7 @@
 as processes. A websocket client (a plain websockets client) and an SSE client (urllib, then the
 openai client with Last-Event-ID) whose gateway is SIGKILLed mid-stream reconnect to the other
 gateway, resume, and end with exactly the offline engine's tokens and text (greedy); a finished
-request resumes from its Outcome; another tenant's resume is refused; the request is metered once."""
+request resumes from its end record; another tenant's resume is refused; the request is metered once."""
 import asyncio
 import contextlib
 import json

@@ -1,7 +1,7 @@
 """Chunks lost on tb.out are recovered token-exact, and a finished request delivered again is not run
 again: a real stack whose worker drops chunk 2 and the final chunk of every request on purpose (the
 drop-chunks injected fault, workers/faults.py); the gateway fills the gap from the worker (Resend) and the lost final
-chunk from the request's Outcome, on the websocket and on HTTP streaming."""
+chunk from the request's end record, on the websocket and on HTTP streaming."""
 import asyncio
 import os
 import time

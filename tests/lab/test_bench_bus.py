@@ -45,15 +45,15 @@ def test_a_small_run_reports_rates_added_latency_cpu_and_durable_writes(tiny_mod
         assert r["pipeline_cpu_ms_per_request"] > 0
         assert "w0.engine" not in r["busiest"]["process"]
         d = r["durable"]
-        for stream in ("TB_REQUESTS", "TB_WORK", "TB_RESULTS", "TB_USAGE", "KV_tb_outcomes"):
+        for stream in ("TB_REQUESTS", "TB_WORK", "TB_RESULTS", "TB_USAGE"):
             assert d["stored_by_stream"][stream] >= r["requests"], stream    # at least one write a request each
-        assert d["publishes_per_request"] >= d["stored_per_request"] >= 5     # today's design (issue 44: to 3)
+        assert d["publishes_per_request"] >= d["stored_per_request"] >= 4     # request, work, end, usage
         assert d["bytes_per_request"] > 48                                    # the prompt's text, at least
     assert [s["protocol"] for s in report["saturation"]] == ["ws", "sse"]
     cal = json.loads(Path(args.calibration).read_text())
     assert (cal["bus"], cal["nodes"], cal["input_len"], cal["tokens_separated"]) == ("single", 1, 48, False)
     assert set(cal["roles"]) == {"gateway", "tokenizer", "router", "worker_service", "broker"}
-    assert cal["roles"]["gateway"]["ms_per_request"] > 0 and cal["durable"]["stored_per_request"] >= 5
+    assert cal["roles"]["gateway"]["ms_per_request"] > 0 and cal["durable"]["stored_per_request"] >= 4
     out = capsys.readouterr().out
     assert "saturates first" in out and "single  default ws" in out
 

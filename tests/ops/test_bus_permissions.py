@@ -234,9 +234,10 @@ def test_generated_seeds_are_private_and_kept(tmp_path):
 
 
 def test_the_rarer_jobs_of_each_service_are_allowed(secured):
-    """What a plain request does not exercise: the gateway asks a worker to resend and reads an outcome,
-    a worker asks the gateway for a client's progress, dead-letters, writes and deletes registry, suspect
-    and outcome entries, the router ends a request past its deadline (its Outcome) and watches the registry."""
+    """What a plain request does not exercise: the gateway asks a worker to resend and reads an end record,
+    a worker asks the gateway for a client's progress, dead-letters, writes and deletes registry and suspect
+    entries, reads an end record, the router ends a request past its deadline (its end record) and watches
+    the registry."""
     async def main():
         async with (as_role(secured, "gateway") as (gw, g_errors), as_role(secured, "worker") as (w, w_errors),
                     as_role(secured, "router") as (router, r_errors)):
@@ -254,9 +255,10 @@ def test_the_rarer_jobs_of_each_service_are_allowed(secured):
             registry = await nats_bus.registry(w.jetstream())
             await registry.put("w0", b"beat")
             assert (await registry.get("w0")).value == b"beat"
-            await (await nats_bus.outcomes(w.jetstream())).create("r1", b"done")
-            await (await nats_bus.outcomes(router.jetstream())).create("r2", b"timeout")
-            assert (await (await nats_bus.outcomes(gw.jetstream())).get("r2")).value == b"timeout"
+            assert await nats_bus.store_end(w.jetstream(), "acme", "r1", None, b"done", w_errors) is None
+            assert await nats_bus.ended(w.jetstream(), "acme", "r1", None) == b"done"
+            assert await nats_bus.store_end(router.jetstream(), "acme", "r2", None, b"timeout", r_errors) is None
+            assert await nats_bus.ended(gw.jetstream(), "acme", "r2", None) == b"timeout"
             watcher = await (await nats_bus.registry(router.jetstream())).watchall()
             assert (await watcher.updates(5)).key == "w0"
             await watcher.stop()

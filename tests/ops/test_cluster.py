@@ -83,7 +83,7 @@ def test_a_single_server_gets_every_stream_and_bucket_with_one_replica(nats_url)
         await nc.close()
         return counts
 
-    assert asyncio.run(main()) == [1] * (len(nats_bus.STREAMS) + 6)          # and 6 KV buckets
+    assert asyncio.run(main()) == [1] * (len(nats_bus.STREAMS) + 5)          # and 5 KV buckets
 
 
 def test_a_connection_given_the_server_list_moves_on_when_its_server_dies_and_stores_again(nodes):

@@ -12,12 +12,26 @@ import uvicorn
 from tokenizers import Tokenizer
 
 import bus
+from bus.log import configure
 from ops.procs import free_port
 from schemas import subjects
-from schemas.messages import Cancel, FinalChunk, GenerateRequest, Heartbeat, Outcome, Resend, TokenChunk, decode, encode
+from schemas.messages import (
+    Cancel,
+    Completion,
+    FinalChunk,
+    GenerateRequest,
+    Heartbeat,
+    Resend,
+    TokenChunk,
+    decode,
+    encode,
+)
 from services.gateway.app import create_app, server_config
 
 PROMPT_TOKENS = 9
+
+
+LOG = configure("fake-pipeline")
 
 
 def heartbeat(worker: str = "fake", running: int = 0, waiting: int = 0, max_num_seqs: int = 256,
@@ -110,7 +124,7 @@ class Downstream:
 
     async def stream(self, req: GenerateRequest, text: str, pace: float, per: int = 1) -> None:
         """As a worker does: text `per` tokens a chunk every `pace` seconds, Resend answered with the tokens
-        published so far, the Outcome recorded before the final chunk."""
+        published so far, the end record stored before the final chunk."""
         ids, sent = self.ids(text), 0
 
         async def resend(msg):
@@ -124,9 +138,9 @@ class Downstream:
             await self.publish(req.id, self.chunk(req.id, i, part))
             sent = i + len(part)
             await asyncio.sleep(pace)
-        kv = await bus.outcomes(self.nc.jetstream())
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}
-        await kv.create(req.id, encode(Outcome(req.id, req.tenant, "fake0", "length", ids, None, usage, {}, self.tail)))
+        record = Completion(req.id, req.tenant, "fake0", req.sampling, self.tail, ids, "length", None, usage)
+        await bus.store_end(self.nc.jetstream(), req.tenant, req.id, None, encode(record), LOG)
         await sub.unsubscribe()
         await self.publish(req.id, self.final(req.id, len(ids) - 1, ids[-1:]))
 

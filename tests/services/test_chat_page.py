@@ -42,7 +42,7 @@ SLOW = " a slow answer that streams for a while, cut off in the middle and then 
 
 async def script(down, req):
     """Echoes the last message slowly enough to be stopped; "hold" sends one token and holds; "slow"
-    streams SLOW a token every 50 ms, as a worker (Resend answered, Outcome recorded)."""
+    streams SLOW a token every 50 ms, as a worker (Resend answered, end record stored)."""
     text = said(req)
     if text == "hold":
         await down.publish(req.id, down.chunk(req.id, 0, down.ids(" partial")))

@@ -14,8 +14,9 @@ from websockets.asyncio.client import connect
 
 import bus
 from schemas import subjects
-from schemas.messages import Outcome, Progress, Resend, TokenChunk, decode, encode
-from tests.services.fake_pipeline import PROMPT_TOKENS, gateway, said
+from schemas.messages import Completion, Progress, Resend, TokenChunk, decode, encode
+from schemas.sampling import SamplingParams
+from tests.services.fake_pipeline import LOG, PROMPT_TOKENS, gateway, said
 
 TEXT = " Hello world and more words"
 
@@ -56,9 +57,9 @@ async def resender(down, rid: str, ids: list[int]) -> list[Resend]:
 
 
 async def record_outcome(down, rid: str, ids: list[int], reason: str = "length") -> None:
-    kv = await bus.outcomes(down.nc.jetstream())
     usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": len(ids)}
-    await kv.create(rid, encode(Outcome(rid, "default", "fake0", reason, ids, None, usage, {}, down.tail)))
+    record = Completion(rid, "default", "fake0", SamplingParams(), down.tail, ids, reason, None, usage)
+    await bus.store_end(down.nc.jetstream(), "default", rid, None, encode(record), LOG)
 
 
 def test_chunks_past_a_gap_are_held_until_the_worker_resends_the_missing_tokens(nats_url, tiny_model, tok):

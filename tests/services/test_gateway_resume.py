@@ -1,6 +1,6 @@
 """Resumable streams against real gateways (two, in the test's event loop) and a real nats-server, the
 rest of the pipeline played by a fake worker that streams TEXT a token at a time, answers Resend with
-what it published and records the Outcome, as workers do. A client whose connection dropped resumes
+what it published and stores the end record, as workers do. A client whose connection dropped resumes
 on the same gateway or another, over the websocket (a plain websockets client) and over SSE
 (urllib, then the openai client with Last-Event-ID), and what it ends with is exactly an
 uninterrupted run: the same tokens, and text deltas that concatenate to the same text through
@@ -273,7 +273,7 @@ def test_resumes_of_another_tenant_an_unknown_id_or_a_bad_offset_are_refused(nat
                    ("acme", {"id": resume_id, "offset": 65}, "invalid_request",
                     "offset: 65 is more than the request's max_tokens=64")]
             old = GenerateRequest("old", "acme", SamplingParams(max_tokens=8), prompt="gone",
-                                  created=time.time() - 3 * 3600)          # its Outcome expired an hour ago
+                                  created=time.time() - 8 * 24 * 3600)     # past the logs' LOG_MAX_AGE
             seq = (await down.nc.jetstream().publish(subjects.request_new("acme", old.id), encode(old))).seq
             bad.append(("acme", {"id": f"old.{seq}", "offset": 0}, "not_found", "request old ended more than"))
             for tenant, frame, code, message in bad:

@@ -1,7 +1,7 @@
 """Property: a stream resumed at any point a client can be at (after any delta frame) continues an
 uninterrupted run exactly. The gateway's own Request delivers random token streams in random chunks
 (characters split across tokens, stop strings found or held back), once whole and once resumed from
-the Outcome or from the worker's Resend plus live chunks; the text before the cut plus the deltas
+the end record or from the worker's Resend plus live chunks; the text before the cut plus the deltas
 after it is the uninterrupted text, token for token, with the same end."""
 import asyncio
 

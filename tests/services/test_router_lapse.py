@@ -1,15 +1,16 @@
 """The router on a real nats-server: a heartbeat lapse during and just after a broker outage is not a
 departed worker (no worker could write one), and a request no worker took within REQUEST_DEADLINE is
-answered with a timeout, given its Outcome and acked, never held forever."""
+answered with a timeout, given its end record and acked, never held forever."""
 import asyncio
 import time
 
 import nats
 
 import bus
+from bus.log import configure
 from ops.procs import free_port, start_nats, stop
 from schemas import subjects
-from schemas.messages import ErrorChunk, Heartbeat, Outcome, TokenizedRequest, decode, encode
+from schemas.messages import Completion, ErrorChunk, Heartbeat, TokenizedRequest, decode, encode
 from schemas.sampling import SamplingParams
 from services.router.service import RouterService
 
@@ -118,25 +119,26 @@ def test_a_request_no_worker_took_within_its_deadline_is_answered_timeout_record
         await asyncio.wait_for(router.handle(msg), 5)
         err = decode((await answers.next_msg(2)).data, ErrorChunk)
         assert err.code == "timeout" and "REQUEST_DEADLINE=0.5 s" in err.message
-        outcome = decode((await (await bus.outcomes(js)).get("late")).value, Outcome)
-        assert (outcome.finish_reason, outcome.error_code) == ("error", "timeout")
+        end = decode(await bus.ended(js, "t", "late", None), Completion)
+        assert (end.finish_reason, end.error_code, end.worker) == ("error", "timeout", "r0")
         assert (await js.stream_info(subjects.ROUTE_STREAM)).state.messages == 0     # acked: never routed
         await nc.close()
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_a_timed_out_request_keeps_the_outcome_of_its_first_end(nats_url, monkeypatch):
+def test_a_timed_out_request_keeps_the_record_of_its_first_end(nats_url, monkeypatch):
     monkeypatch.setattr(subjects, "REQUEST_DEADLINE", 0.5)
 
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
         await bus.ensure_streams(js)
-        first = Outcome("late", "t", "w1", "stop", [7, 8])
-        await (await bus.outcomes(js)).create("late", encode(first))
+        first = Completion("late", "t", "w1", SamplingParams(), [1], [7, 8], "stop")
+        await bus.store_end(js, "t", "late", None, encode(first), configure("test"))
         msg = await routed(js, created=time.time() - 1)
         await RouterService(nc, router_id="r0").handle(msg)
-        assert decode((await (await bus.outcomes(js)).get("late")).value, Outcome) == first
+        assert decode(await bus.ended(js, "t", "late", None), Completion) == first
+        assert (await js.stream_info(subjects.RESULTS_STREAM)).state.messages == 1       # the second end refused
         assert (await js.stream_info(subjects.ROUTE_STREAM)).state.messages == 0
         await nc.close()
     asyncio.run(asyncio.wait_for(main(), 30))

@@ -10,13 +10,14 @@ import nats
 import pytest
 
 import bus
+from bus.log import configure
 from schemas import subjects
 from schemas.messages import (
+    Completion,
     DeadLetter,
     ErrorChunk,
     FinalChunk,
     Meter,
-    Outcome,
     Progress,
     TokenChunk,
     TokenizedRequest,
@@ -75,8 +76,9 @@ async def dead_letters(js) -> list[DeadLetter]:
     return await stored(js, subjects.DEAD_SUBJECTS, DeadLetter)
 
 
-async def outcome_of(js, rid: str) -> Outcome:
-    return decode((await (await bus.outcomes(js)).get(rid)).value, Outcome)
+async def outcome_of(js, rid: str) -> Completion:
+    """The request's end record."""
+    return decode(await bus.ended(js, "t", rid, None), Completion)
 
 
 def test_an_engine_failure_is_dead_lettered_and_acked_and_the_worker_keeps_serving(nats_url, engine):
@@ -185,7 +187,7 @@ def test_an_item_reaching_the_worker_past_its_deadline_is_answered_timeout_recor
         await js.publish(subjects.work("w0", "late"), encode(item), headers=subjects.msg_id("late", item.msg_id))
         async with worker(nats_url, engine):
             (err,) = await until_end(q)
-            await asyncio.sleep(0.5)                                   # the Outcome is stored, the item acked
+            await asyncio.sleep(0.5)                                   # the end is stored, the item acked
         assert err.code == "timeout" and "REQUEST_DEADLINE=0.5 s" in err.message
         assert engine.num_steps == steps
         outcome = await outcome_of(js, "late")
@@ -196,17 +198,18 @@ def test_an_item_reaching_the_worker_past_its_deadline_is_answered_timeout_recor
     asyncio.run(main())
 
 
-def test_a_dead_lettered_request_that_had_ended_keeps_its_first_outcome(nats_url, engine):
+def test_a_dead_lettered_request_that_had_ended_keeps_its_first_end_record(nats_url, engine):
     async def main():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
         await bus.ensure_streams(js)
-        first = Outcome("struck", "t", "w9", "error", [], error_code="timeout", error_message="late")
-        await (await bus.outcomes(js)).create("struck", encode(first))
+        first = Completion("struck", "t", "w9", PARAMS, [5, 6], [], "error", error_code="timeout",
+                           error_message="late")
+        await bus.store_end(js, "t", "struck", None, encode(first), configure("test"))
         item = WorkItem(TokenizedRequest("struck", "t", PARAMS, [5, 6]), "w0", time.time())
         q = await stream(nc, "struck")
         async with worker(nats_url, engine) as service:
-            while service.records.outcomes is None:                         # the worker is up
+            while not await bus.live_workers(await bus.registry(js)):       # the worker is up
                 await asyncio.sleep(0.05)
             msg = _Acked()
             await service.records.dead_letter(item, msg, "dead_lettered", "twice", subjects.MAX_STRIKES)

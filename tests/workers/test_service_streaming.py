@@ -95,7 +95,7 @@ def test_a_burst_of_work_items_enters_the_engine_together_not_a_step_apart(nats_
 
 
 def test_an_item_whose_checks_outlast_the_wait_between_steps_joins_the_next_step(nats_url, engine, monkeypatch):
-    """Its checks (its Outcome looked up on the bus) take 0.1 s, longer than the loop waits between steps
+    """Its checks (its end record looked up on the bus) take 0.1 s, longer than the loop waits between steps
     of 0.3 s (10% of the step): they must run during the step under way, not after it. Stepping on the
     event loop's thread, they started after that step and the item joined the step after next."""
     pause, check = 0.3, 0.1

@@ -62,7 +62,7 @@ class Intake:
                                for p in subjects.parts()))
 
     async def taking(self, msg) -> None:
-        """Takes a work item in a task of its own. Its checks wait on the bus (its Outcome, a moved
+        """Takes a work item in a task of its own. Its checks wait on the bus (its end record, a moved
         request's progress), and replies come between engine steps: taken one after another, each item
         of a burst would wait a whole step for the one before it (measured: 64 requests took 100 steps
         to enter the engine); taken at once, a burst enters together, in the order it came."""

@@ -10,7 +10,7 @@ step runs for seconds, and serves KV transfer bytes (workers/kv_transfer.py).
 
 WorkerService builds the parts, each a module beside this one with the threads it runs on stated at
 its top, and hands each the shared State (state.py: the bus, the engine and its lock, the `running`
-table, the counts) and the parts it calls: records.py (outcomes, completion and usage records, dead
+table, the counts) and the parts it calls: records.py (end records, usage records, dead
 letters; it calls no other part), streaming.py (token chunks, resends, handoffs; calls records),
 intake.py (work items into the engine, strikes, cancels; calls streaming and records), registry.py
 (heartbeats, suspects, KV events, leaving; reads intake's `taken`, calls back `fail`). This module
@@ -86,7 +86,6 @@ class WorkerService:
         """The streams and buckets the worker uses, and its subscriptions (cancels, resends, KV snapshots)."""
         await bus.ensure_streams(self.state.js)
         await self.registry.open()
-        await self.records.open()
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.intake.on_cancel)
         await self.nc.subscribe(subjects.RESEND_ALL, cb=self.streaming.on_resend)
         self.engine.kv.record_changes()
