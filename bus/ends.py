@@ -2,11 +2,14 @@
 expecting no record on its subject yet, so the first end of a request id is the one kept and a later
 end (a redelivery that ran again, a deadline met twice) learns which end won; ended() reads it back.
 The record is the request's completion log entry and its outcome in one durable write."""
+import asyncio
 import contextlib
+import time
 
+import nats.errors
 import nats.js.errors
 
-from bus.publish import PUBLISH_DEADLINE, NotStored, publish
+from bus.publish import PUBLISH_DEADLINE, PUBLISH_RETRY, NotStored, publish
 from schemas import subjects as s
 
 EXPECT_EMPTY = {"Nats-Expected-Last-Subject-Sequence": "0"}   # stored only if its subject holds nothing yet
@@ -38,8 +41,10 @@ async def ended(js, tenant: str, request_id: str, part: int | None) -> bytes | N
 async def store_end(js, tenant: str, request_id: str, part: int | None, data: bytes, log,
                     deadline: float = PUBLISH_DEADLINE) -> bytes | None:
     """Stores the end record `data` unless the request has one: None when this one is stored (now, or by
-    an earlier attempt under the same message id: same data), else the record stored first. NotStored
-    past the deadline."""
+    an earlier attempt under the same message id: same data), else the record stored first. The publish
+    and the read of the first are each retried through a leader change; NotStored or the bus's error past
+    the deadline."""
+    end = time.monotonic() + deadline
     headers = {**s.msg_id(request_id), **EXPECT_EMPTY}
     try:
         ack = await publish(js, s.done(tenant, request_id), data, headers, log, deadline)
@@ -49,5 +54,12 @@ async def store_end(js, tenant: str, request_id: str, part: int | None, data: by
         ack = None
     if ack is not None and not ack.duplicate:
         return None
-    first = await ended(js, tenant, request_id, part)     # a duplicate: stored before under this message id
-    return None if first == data else first
+    while True:                                           # a duplicate, or refused: which end was stored?
+        try:
+            first = await ended(js, tenant, request_id, part)
+            return None if first is None or first == data else first
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            if time.monotonic() + PUBLISH_RETRY >= end:
+                raise
+            log.warning("end record not read; retrying", request_id=request_id, error=str(e) or type(e).__name__)
+            await asyncio.sleep(PUBLISH_RETRY)
