@@ -16,12 +16,12 @@ API = "$JS.API"
 KV_STREAMS = [f"KV_{b}" for b in (s.WORKERS_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET,
                                    s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET)]
 ALL_STREAMS = [*s.STREAM_NAMES, *KV_STREAMS]
+MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
 
 def all_streams(partitions: int = 1) -> list[str]:
     """Every stream of a bus of `partitions`: each of the six once per partition, and the buckets'."""
     return [*(s.stream(name, p) for name in s.STREAM_NAMES for p in s.parts(partitions)), *KV_STREAMS]
-MAX_REPLIES = 1024                       # answers to one request: a worker's KvSnapshot comes in parts
 
 
 @dataclass(slots=True)

@@ -156,16 +156,17 @@ def partitions() -> int:
     """The bus's number of partitions, from TB_BUS_PARTITIONS (default 1: not partitioned); ValueError
     naming the variable for anything but a whole number from 1 to MAX_PARTITIONS."""
     text = os.environ.get(PARTITIONS_ENV) or "1"
-    if not text.isdigit() or not 1 <= int(text) <= MAX_PARTITIONS:
-        raise ValueError(f"{PARTITIONS_ENV}={text!r}: expected a whole number of partitions from 1 to "
-                         f"{MAX_PARTITIONS}")
-    return int(text)
+    try:
+        return partition_count(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{PARTITIONS_ENV}={e}") from None
 
 
 def partition_count(text: str) -> int:
-    """A --bus-partitions value."""
+    """A --bus-partitions value: a whole number from 1 to MAX_PARTITIONS."""
     if not text.isdigit() or not 1 <= int(text) <= MAX_PARTITIONS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 1 to {MAX_PARTITIONS}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of partitions from 1 to "
+                                         f"{MAX_PARTITIONS}")
     return int(text)
 
 
