@@ -120,7 +120,7 @@ def up_commands(monkeypatch, tmp_path) -> dict[str, list[str]]:
     """The commands `tokenbus up` starts, by module (nothing is started)."""
     started = {}
     monkeypatch.setattr(up.procs, "start_nats", lambda *a, **k: None)
-    monkeypatch.setattr(up, "prepare", lambda url, credentials=None: _done())
+    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None: _done())
     monkeypatch.setattr(up.Stack, "spawn",
                         lambda self, name, module, *args, **kw: started.setdefault(module, list(args)))
     up.Stack("/models/tiny", 8000, tmp_path).start()

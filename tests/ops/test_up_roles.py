@@ -15,7 +15,7 @@ def started(monkeypatch, tmp_path, **stack) -> dict[str, list[str]]:
     """The arguments of every child `up.Stack(**stack).start()` spawns, by name (nothing is started)."""
     children = {}
     monkeypatch.setattr(up.procs, "start_nats", lambda *a, **k: None)
-    monkeypatch.setattr(up, "prepare", lambda url, credentials=None: done())
+    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None: done())
     monkeypatch.setattr(up.Stack, "spawn", lambda self, name, module, *args, **kw: children.setdefault(name, [*args]))
     up.Stack("/models/tiny", 8000, tmp_path, **stack).start()
     return children
@@ -84,7 +84,7 @@ def test_a_stack_built_positionally_as_before_is_colocated():
 def test_the_stack_is_ready_only_once_every_worker_of_every_role_is_registered(monkeypatch, tmp_path):
     waited_for = []
 
-    async def ready(url, n, credentials=None):
+    async def ready(url, n, credentials=None, partitions=None):
         waited_for.append(n)
         return True
 
