@@ -49,7 +49,7 @@ async def store_end(js, tenant: str, request_id: str, part: int | None, data: by
     try:
         ack = await publish(js, s.done(tenant, request_id), data, headers, log, deadline)
     except NotStored as e:
-        if not isinstance(e.__cause__, nats.js.errors.APIError) or e.__cause__.err_code != WRONG_LAST_SEQUENCE:
+        if e.err_code != WRONG_LAST_SEQUENCE:
             raise
         ack = None
     if ack is not None and not ack.duplicate:

@@ -17,7 +17,12 @@ PUBLISH_RETRY = 0.25                     # between attempts
 
 
 class NotStored(Exception):
-    """A JetStream publish that no attempt got acknowledged within its deadline."""
+    """A JetStream publish that no attempt got acknowledged within its deadline, or that the stream refused
+    (err_code: JetStream's code for the refusal; None when no attempt was answered)."""
+
+    def __init__(self, message: str, err_code: int | None = None):
+        super().__init__(message)
+        self.err_code = err_code
 
 
 async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
@@ -34,7 +39,7 @@ async def publish(js, subject: str, data: bytes, headers: dict[str, str], log,
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             if refused(e):
-                raise NotStored(f"{subject}: refused by the stream: {reason}") from e
+                raise NotStored(f"{subject}: refused by the stream: {reason}", e.err_code) from None
             if isinstance(e, nats.errors.ConnectionClosedError):     # closed for good: no attempt can succeed
                 raise NotStored(f"{subject}: not stored: {reason}") from None
             if time.monotonic() + PUBLISH_RETRY >= end:

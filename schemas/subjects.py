@@ -226,6 +226,8 @@ def mappings(n: int) -> dict[str, str]:
             tokens.append(t)
         out[entry] = ".".join([*tokens, f"{{{{partition({n},{k})}}}}"])
     return out
+
+
 REPLICAS = 3                             # copies of every stream and bucket on a cluster: one server may die
 
 TOKENIZE_QUEUE = "tokenizer"              # the tokenizers' queue group on TOKENIZE and PREPARE: one answers

@@ -100,11 +100,12 @@ async def bus(url: str, row: Row, pids: list[int]) -> None:
         if not row.publishes_per_s or p50 < row.publish_p50_ms:
             row.publish_p50_ms, row.publish_p99_ms = p50, p99
         rooms = [asyncio.Semaphore(PUBLISH_INFLIGHT) for _ in ncs]
+        jss = [c.jetstream() for c in ncs]
 
         async def one(i: int) -> None:
             async with rooms[i % PUBLISHERS]:
-                await ncs[i % PUBLISHERS].jetstream().publish(subjects.request_new("bench", f"many-{i}"), payload,
-                                                              headers=subjects.msg_id(f"many-{i}"), timeout=30)
+                await jss[i % PUBLISHERS].publish(subjects.request_new("bench", f"many-{i}"), payload,
+                                                  headers=subjects.msg_id(f"many-{i}"), timeout=30)
         cpu, start = [procs.cpu_seconds(p) for p in pids], time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(PUBLISH_BURST)))
         rate = round(PUBLISH_BURST / (time.perf_counter() - start))

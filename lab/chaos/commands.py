@@ -2,6 +2,7 @@
 scenarios imported when they run."""
 from lab.common.options import BENCH_MODEL
 from ops.args import delegate
+from schemas.subjects import partition_count
 
 
 def chaos(sub) -> None:
@@ -14,7 +15,7 @@ def chaos(sub) -> None:
     ch.add_argument("--cluster", action="store_true",
                     help="run on a 3-node nats cluster (R3; nodes in network namespaces where root allows): "
                          "node SIGKILLs, a 10 s partition, and the throughput cost of R3 and of fsync policies")
-    ch.add_argument("--bus-partitions", type=int, default=1, metavar="N",
+    ch.add_argument("--bus-partitions", type=partition_count, default=1, metavar="N",
                     help="run each stack on a bus of N partitions (a router each; the records of every "
                          "partition are checked)")
     ch.add_argument("--model", help=BENCH_MODEL)

@@ -323,7 +323,7 @@ class RouterService:
     async def move_all(self, worker: str, suspect: str, taken: int, part: int | None = None) -> None:
         stream = subjects.stream(subjects.WORK_STREAM, part)
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.delete_consumer(stream, f"worker-{worker}")
+            await self.js.delete_consumer(stream, subjects.worker_durable(worker))
         name = f"reroute-{worker}-{uuid.uuid4().hex[:12]}"
         try:
             await self.js.add_consumer(stream, api.ConsumerConfig(
@@ -344,7 +344,8 @@ class RouterService:
         """The last stream sequence the worker's consumer delivered: items up to it were taken. 0 when it
         has no consumer; a server that does not answer raises (the re-route is tried again)."""
         try:
-            info = await self.js.consumer_info(subjects.stream(subjects.WORK_STREAM, part), f"worker-{worker}")
+            info = await self.js.consumer_info(subjects.stream(subjects.WORK_STREAM, part),
+                                               subjects.worker_durable(worker))
         except nats.js.errors.NotFoundError:
             return 0
         return info.delivered.stream_seq if info.delivered else 0
