@@ -552,7 +552,8 @@ def main(args) -> int:
             print(f"  {scenario}: {note}", file=sys.stderr, flush=True)
     rows = []
     if "throughput" in args.scenarios:
-        print("tokenbus chaos: throughput of 1 server and of a 3-node cluster, fsync every 2 min and always ...",
+        print("tokenbus chaos: throughput of 1 server and of a 3-node cluster, fsync every 2 min and always, "
+              "and of 3 partitions on 3 and on 9 servers ...",
               file=sys.stderr, flush=True)
         rows = bench_cluster.measure(model, root / "throughput", args.requests, args.workers)
     scenarios = [{**asdict(r), "clean": r.clean} for r in results]
