@@ -3,7 +3,8 @@ schemas/ says what travels on it. Callers use the package (bus.connect, bus.publ
 each job has its module:
 
   bus/connection.py  connect (reconnecting, streams made again), run on uvloop, run_until_signal, close
-  bus/streams.py     the streams, the stages' consumers and the KV buckets, as nats.js.api configs
+  bus/streams.py     the streams (sized, none dropping what it holds), the stages' consumers and the KV
+                     buckets, as nats.js.api configs
   bus/publish.py     JetStream publish retried under one Nats-Msg-Id until stored, or NotStored
   bus/ends.py        a request's end record in TB_RESULTS, stored once (the first end wins), read back
   bus/consume.py     a durable pull consumer streamed into a handler, made again when lost
@@ -23,6 +24,7 @@ from bus.streams import (
                          gateways,
                          handoffs,
                          limits,
+                         recorder,
                          registry,
                          replicated,
                          responses,
@@ -36,6 +38,6 @@ from bus.streams import (
 __all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "HANDOFFS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT",
            "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "NotStored", "add_consumer", "close", "connect",
            "consume", "ended", "ensure_streams", "gateways", "gone", "handoffs", "lapsed", "limits",
-           "live_workers", "partition", "publish", "recreate", "refused", "registry", "replicated", "responses",
-           "restated", "router", "run", "run_until_signal", "servers_of", "spare", "store_end", "streams", "suspects",
-           "watch", "work_filter", "worker_consumer"]
+           "live_workers", "partition", "publish", "recorder", "recreate", "refused", "registry", "replicated",
+           "responses", "restated", "router", "run", "run_until_signal", "servers_of", "spare", "store_end", "streams",
+           "suspects", "watch", "work_filter", "worker_consumer"]

@@ -13,33 +13,39 @@ from schemas import subjects as s
 
 NOT_CLUSTERED = 10074                    # JetStream's "replicas > 1 not supported in non-clustered mode"
 
+NEW = api.DiscardPolicy.NEW                # a full stream refuses the publish: none drops what it was given
+
 STREAMS = [
     api.StreamConfig(name=s.REQUESTS_STREAM, subjects=[s.REQUESTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
-                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, discard=NEW,
                      duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
     api.StreamConfig(name=s.ROUTE_STREAM, subjects=[s.ROUTE_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
-                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, duplicate_window=s.DUPLICATE_WINDOW,
-                     max_msg_size=s.MAX_MSG_SIZE),
-    api.StreamConfig(name=s.WORK_STREAM, subjects=[s.WORK_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
-                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, duplicate_window=s.DUPLICATE_WINDOW,
-                     max_msg_size=s.MAX_MSG_SIZE),
-    api.StreamConfig(name=s.RESULTS_STREAM, subjects=[s.RESULTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
-                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, discard=NEW,
                      duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
-    api.StreamConfig(name=s.USAGE_STREAM, subjects=[s.USAGE_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
-                     storage=api.StorageType.FILE, max_age=s.USAGE_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+    api.StreamConfig(name=s.WORK_STREAM, subjects=[s.WORK_SUBJECTS], retention=api.RetentionPolicy.WORK_QUEUE,
+                     storage=api.StorageType.FILE, max_age=s.QUEUE_MAX_AGE, discard=NEW,
+                     duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.RESULTS_STREAM, subjects=[s.RESULTS_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
+                     storage=api.StorageType.FILE, discard=NEW,          # trimmed by the recorder once archived
+                     duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
+    api.StreamConfig(name=s.USAGE_STREAM, subjects=[s.USAGE_SUBJECTS], retention=api.RetentionPolicy.INTEREST,
+                     storage=api.StorageType.FILE, discard=NEW,          # kept until the recorder acks it
                      duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
     api.StreamConfig(name=s.DEAD_STREAM, subjects=[s.DEAD_SUBJECTS], retention=api.RetentionPolicy.LIMITS,
-                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, max_bytes=s.LOG_MAX_BYTES,
+                     storage=api.StorageType.FILE, max_age=s.LOG_MAX_AGE, discard=NEW,
                      duplicate_window=s.DUPLICATE_WINDOW, max_msg_size=s.MAX_MSG_SIZE),
 ]
 
 
-def streams(n: int | None = None) -> list[api.StreamConfig]:
-    """The streams of a bus of n partitions (default: TB_BUS_PARTITIONS): STREAMS, or each of them once
-    per partition, capturing the subjects the partition() mapping gives it (schemas/subjects.py) and
-    placed on the servers tagged for the partition."""
+def streams(n: int | None = None, storage: int | None = None) -> list[api.StreamConfig]:
+    """The streams of a bus of n partitions (default: TB_BUS_PARTITIONS) and `storage` bytes (default:
+    TB_BUS_STORAGE): STREAMS, or each of them once per partition, capturing the subjects the partition()
+    mapping gives it (schemas/subjects.py) and placed on the servers tagged for the partition; each
+    stream's max_bytes its share of the storage (subjects.SHARES)."""
+    n = s.partitions() if n is None else n
+    storage = s.bus_storage() if storage is None else storage
     return [dataclasses.replace(c, name=s.stream(c.name, p), subjects=s.stream_subjects(c.name, p),
+                                max_bytes=s.stream_bytes(c.name, storage, n),
                                 placement=None if p is None else api.Placement(tags=[s.partition_tag(p)]))
             for c in STREAMS for p in s.parts(n)]
 
@@ -73,15 +79,31 @@ def worker_consumer(worker: str, part: int | None = None) -> api.ConsumerConfig:
     return consumer(s.worker_durable(worker), work_filter(worker, part), s.WORK_ACK_WAIT)
 
 
-async def ensure_streams(js, partitions: int | None = None) -> None:
+def recorder(base: str, part: int | None = None) -> api.ConsumerConfig:
+    """The recorders' consumer on stream `base` (USAGE_STREAM or RESULTS_STREAM, of partition `part`): every
+    record, delivered until acked however long the database is away (no max_deliver), held a minute each."""
+    return dataclasses.replace(consumer(s.RECORDER_DURABLE, s.within(s.ENTRIES[base], part), RECORDER_ACK_WAIT),
+                               max_deliver=-1, max_ack_pending=RECORDER_PENDING)
+
+
+RECORDER_ACK_WAIT = 60.0                 # seconds a recorder holds a batch before JetStream delivers it again
+RECORDER_PENDING = 50_000                # records handed to the recorders and not yet acked, at most
+
+
+async def ensure_streams(js, partitions: int | None = None, storage: int | None = None) -> None:
     """Creates the streams (each partition's, on a bus of `partitions`; default TB_BUS_PARTITIONS) and the
-    buckets, or updates them to this build's config."""
-    for config in streams(partitions):
+    buckets, or updates them to this build's config. A stream that exists keeps its copies and, unless
+    `storage` is given, its size (`tokenbus up` sizes the streams; a service only makes what is missing).
+    TB_USAGE's recorder consumer is made with it: interest retention keeps what that consumer has not acked."""
+    for config in streams(partitions, storage):
         try:
             await replicated(js.add_stream, config, "num_replicas")
         except nats.js.errors.BadRequestError:      # exists with another config: this build's, its copies kept
-            kept = (await js.stream_info(config.name)).config.num_replicas
-            await js.update_stream(dataclasses.replace(config, num_replicas=kept))
+            had = (await js.stream_info(config.name)).config
+            kept = {"num_replicas": had.num_replicas, **({} if storage else {"max_bytes": had.max_bytes})}
+            await js.update_stream(dataclasses.replace(config, **kept))
+        if config.retention == api.RetentionPolicy.INTEREST:
+            await js.add_consumer(config.name, recorder(s.USAGE_STREAM, s.part_of(config.name)))
     await registry(js)
     await limits(js)
     await gateways(js)

@@ -5,6 +5,8 @@ import importlib
 import re
 import sys
 
+from schemas import records
+
 MODEL = "an HF checkpoint directory, a GGUF file or a model name: smollm2-135m-instruct, tiny or small"
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 GPU_PRESETS = ["h100-sxm", "h200", "a100", "l4"]    # workers.engine.roofline.GPUS (importing workers imports torch)
@@ -46,6 +48,13 @@ def deployment(p: argparse.ArgumentParser, gpu_help: str) -> None:
 
 def nats_url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the stack's nats-server")
+
+
+def archive(p: argparse.ArgumentParser) -> None:
+    """--archive: the request log's Parquet archive (services/recorder/archive.py), read beside TB_RESULTS."""
+    p.add_argument("--archive", metavar="URL", default=records.default_archive(),
+                   help="the request log's archive, a directory or an fsspec URL (default: $TB_ARCHIVE, else "
+                        "$TOKENBUS_HOME/data/archive; a missing one holds no records)")
 
 
 def window(p: argparse.ArgumentParser, file: bool = False) -> None:

@@ -203,7 +203,15 @@ def up_fleet(u) -> None:
 
 def up_access(u) -> None:
     """up's options: where the stack keeps its data, who may reach it, and how the services reach the bus."""
-    u.add_argument("--data-dir", help="JetStream storage and logs (default: $TOKENBUS_HOME/data)")
+    u.add_argument("--data-dir", help="JetStream storage, logs, the embedded database and the archive (default: "
+                                      "$TOKENBUS_HOME/data)")
+    u.add_argument("--database", metavar="URL", help="the recorder's database: postgresql://… (default: SQLite, "
+                   "records.db in the data dir)")
+    u.add_argument("--archive", metavar="URL", help="the request log's archive: a directory or an fsspec URL "
+                   "(default: archive/ in the data dir)")
+    u.add_argument("--bus-storage", type=size, metavar="SIZE", help="what the bus's streams may hold in all, e.g. "
+                   "8GiB (default: half the data dir's free space, shared by the local cluster's nodes; 6GiB "
+                   "with --nats-url); see docs/records.md")
     u.add_argument("--api-keys", metavar="FILE", help="JSON: key (or sha256:<hex>) -> {tenant, tokens_per_minute, "
                                                      "max_concurrent_requests}; without it, loopback only")
     u.add_argument("--host", default="127.0.0.1", help="the gateway's address (not loopback: --api-keys needed)")

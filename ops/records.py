@@ -1,11 +1,16 @@
-"""The completions log (stream TB_RESULTS): every finished request with its prompt tokens, sampling
-(the seed the tokenizer drew included), outputs, usage and timings. Selecting a window of it, and
-`tokenbus log export FILE` / `tokenbus log import FILE` to move a window between stacks as JSON lines."""
+"""The completions log (stream TB_RESULTS, and past the bus's hour the recorder's Parquet archive): every
+finished request with its prompt tokens, sampling (the seed the tokenizer drew included), outputs, usage
+and timings. Selecting a window of it, and `tokenbus log export FILE` / `tokenbus log import FILE` to move
+a window between stacks as JSON lines."""
+from __future__ import annotations
+
 import asyncio
 import contextlib
 import datetime as dt
 import re
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import nats.js.errors
 import orjson
@@ -18,10 +23,14 @@ from schemas import subjects
 from schemas.messages import Completion, decode, encode, from_obj, to_obj
 from schemas.wire import WireError
 
+if TYPE_CHECKING:                         # pyarrow: imported only by the commands that read the archive
+    from services.recorder.archive import Archive
+
 REPLAY_PREFIX = "replay-"                # the request ids of replays: never selected themselves
 READ_TIMEOUT = 5.0
 DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+LAST_SPANS = (3600, 86400, 7 * 86400, None)   # seconds back the archive is read for the last N, until N are found
 
 
 def parse_time(text: str, now: dt.datetime | None = None) -> dt.datetime:
@@ -47,10 +56,12 @@ def selected(rec: Completion, request_id: str | None) -> bool:
 
 
 async def select(js, last: int | None = None, since: dt.datetime | None = None,
-                 request_id: str | None = None) -> list[Completion]:
+                 request_id: str | None = None, archive: Archive | None = None) -> list[Completion]:
     """Records of TB_RESULTS in log order: the last N, those stored since a time, the one of a request
     id, or all. Replays (ids starting with replay-) are left out unless asked for by id. On a partitioned
-    bus each partition's are read and put in the order the requests were created."""
+    bus each partition's are read and put in the order the requests were created. With an archive, its
+    records of the window (created since the time) join them, each request once (the stream's copy wins),
+    in the order the requests were created; the last N are counted after."""
     parts = subjects.parts()
     out = []
     for part in parts:
@@ -59,9 +70,41 @@ async def select(js, last: int | None = None, since: dt.datetime | None = None,
             out += await last_records(js, last, stream)
         else:
             out += [rec async for rec in scan(js, since, stream) if selected(rec, request_id)]
-    if len(parts) > 1:
+    if archive is not None:
+        out = merged(out, await asyncio.to_thread(archived, archive, last, since, request_id))
+    elif len(parts) > 1:
         out.sort(key=lambda rec: rec.created)
     return out[-last:] if last is not None and last > 0 else out
+
+
+def archived(archive: Archive, last: int | None, since: dt.datetime | None,
+             request_id: str | None) -> list[Completion]:
+    """The archive's records of the window, selected as the stream's are; the last N read from the
+    latest hour back, further until N are found."""
+    if last is None:
+        recs = archive.read(since=since.timestamp() if since else None, request_id=request_id)
+        return [rec for rec in recs if selected(rec, request_id)]
+    if last <= 0:
+        return []
+    for back in LAST_SPANS:
+        recs = [rec for rec in archive.read(since=None if back is None else time.time() - back) if selected(rec, None)]
+        if len(recs) >= last or back is None:
+            return recs[-last:]
+    return []
+
+
+def merged(live: list[Completion], old: list[Completion]) -> list[Completion]:
+    """Each request once, the stream's record of it kept, by created."""
+    ids = {rec.id for rec in live}
+    return sorted(live + [rec for rec in old if rec.id not in ids], key=lambda rec: rec.created)
+
+
+def open_archive(url: str | None) -> Archive | None:
+    """The archive at a directory or fsspec URL (None: none); a missing one holds no records."""
+    if not url:
+        return None
+    from services.recorder.archive import Archive  # pyarrow takes a quarter second to import
+    return Archive(url)
 
 
 async def last_records(js, n: int, stream: str = subjects.RESULTS_STREAM) -> list[Completion]:
@@ -161,9 +204,9 @@ async def import_(nats_url: str, path: Path) -> int:
 
 
 def window(args) -> dict:
-    """The --last / --since / --request-id arguments as select()'s keywords."""
+    """The --last / --since / --request-id / --archive arguments as select()'s keywords."""
     return {"last": args.last, "since": parse_time(args.since) if args.since else None,
-            "request_id": args.request_id}
+            "request_id": args.request_id, "archive": open_archive(getattr(args, "archive", None))}
 
 
 def main(args) -> None:
@@ -178,9 +221,10 @@ def main(args) -> None:
 def register(sub) -> None:
     lg = sub.add_parser("log", help="move a window of the completions log between stacks (JSON lines)")
     lsub = lg.add_subparsers(dest="action", required=True)
-    e = lsub.add_parser("export", help="write records of TB_RESULTS to FILE (default: all)")
+    e = lsub.add_parser("export", help="write records of TB_RESULTS and the archive to FILE (default: all)")
     e.add_argument("file", help="the JSON-lines file to write")
     options.window(e)
+    options.archive(e)
     options.nats_url(e)
     im = lsub.add_parser("import", help="store the records of FILE in TB_RESULTS")
     im.add_argument("file", help="a file written by `tokenbus log export`")

@@ -20,7 +20,7 @@ import orjson
 
 import bus
 from ops import broker, records
-from ops.args import nats_url, window
+from ops.args import archive, nats_url, window
 from ops.tokenizer import load_tokenizer
 from schemas import subjects
 from schemas.messages import (
@@ -201,6 +201,7 @@ def main(args) -> int:
 def register(sub) -> None:
     r = sub.add_parser("replay", help="re-run logged requests through the live stack and diff the outputs")
     window(r, file=True)
+    archive(r)
     r.add_argument("--json", action="store_true", help='print {"replayed": N, "identical": M, "diffs": [...]}')
     r.add_argument("--model", help="checkpoint whose tokenizer shows the texts (default: the tiny model if built)")
     r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each replayed request")

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bus as nats_bus
-from ops import broker, bus, cluster, health, procs
+from ops import broker, bus, cluster, health, procs, retention
 from ops.models import resolve
 from ops.status import heartbeats
-from schemas import generation, served, subjects
+from schemas import generation, records, served, subjects
 from schemas.credentials import CA_ENV, CREDS_ENV, USER_ENV, Credentials, default_dir
 from schemas.revision import revision
 from schemas.served import Served
 from services.gateway import keys
+from services.recorder.store import Database, redacted
 from workers.models.builder import tokenbus_home
 from workers.models.gguf import hf_dir
 
@@ -122,6 +123,10 @@ class Stack:
     models: list[Entry] = field(default_factory=list)   # the models served; none: `model` alone
     served: list[Served] = field(default_factory=list)  # what the tokenizer and gateways are told (plan())
     partitions: int = 1                           # the bus's partitions (TB_BUS_PARTITIONS): a router for each
+    storage: int = subjects.DEFAULT_BUS_STORAGE   # what the streams may hold in all (TB_BUS_STORAGE; ops/retention.py)
+    database: str | None = None                   # the recorder's; None: SQLite under data_dir
+    archive: str | None = None                    # the request log's archive; None: data_dir/archive
+    recorder_port: int = 0                        # the recorder's /metrics (0: none)
 
     @property
     def address(self) -> str:
@@ -194,12 +199,14 @@ class Stack:
         elif self.nats_url is None:
             self.start_nats()
             self.nats_url = f"nats://{procs.reachable(self.nats_host)}:{self.nats_port}"
-        asyncio.run(prepare(self.nats_url, self.credentials, self.partitions))
+        asyncio.run(prepare(self.nats_url, self.credentials, self.partitions, self.storage))
         common = ["--nats-url", self.nats_url]
         self.spawn("tokenizer", "services.tokenizer", *common, "--models", str(models_file), *self.tokenizer_args)
         for name, part in self.routers.items():
             self.spawn(name, "services.router", *common, *self.router_args,
                        *([] if part is None else ["--partition", str(part)]))
+        self.spawn("recorder", "services.recorder", *common, "--database", self.database_url, "--archive",
+                   self.archive_url, *(["--metrics-port", str(self.recorder_port)] if self.recorder_port else []))
         for name, (role, entry) in self.worker_plan.items():
             self.spawn(name, "workers.service", *common, "--model", entry.model, "--served-model-name",
                        entry.served_name, "--id", name, *([] if role == "both" else ["--role", role]),
@@ -208,6 +215,14 @@ class Stack:
         for i, name in enumerate(self.gateway_names):
             self.spawn(name, "services.gateway", *common, "--models", str(models_file), "--host", self.host,
                        "--port", str(self.port + i), *keys_arg, *self.gateway_args, role="gateway")
+
+    @property
+    def database_url(self) -> str:
+        return self.database or records.sqlite_url(self.data_dir)
+
+    @property
+    def archive_url(self) -> str:
+        return self.archive or records.archive_dir(self.data_dir)
 
     @property
     def routers(self) -> dict[str, int | None]:
@@ -266,7 +281,8 @@ class Stack:
         for that role, told the bus's partitions."""
         role = role or ("router" if name in self.routers else name)
         creds = self.credentials.env(role) if self.credentials else {}
-        self.envs[name] = {**creds, subjects.PARTITIONS_ENV: str(self.partitions), **(env or {})}
+        self.envs[name] = {**creds, subjects.PARTITIONS_ENV: str(self.partitions),
+                           subjects.BUS_STORAGE_ENV: str(self.storage), **(env or {})}
         self.log_starts[name] = self.log_size(name)
         self.children[name] = procs.spawn(procs.python_module(module, *args), self.log(name), self.envs[name])
 
@@ -322,10 +338,12 @@ class Stack:
         self.children[name] = procs.spawn(old.args, self.log(name), self.envs.get(name))
 
 
-async def prepare(nats_url: str, credentials: Credentials | None = None, partitions: int | None = None) -> None:
+async def prepare(nats_url: str, credentials: Credentials | None = None, partitions: int | None = None,
+                  storage: int | None = None) -> None:
+    """The streams made, or brought to this build's config and sized to `storage` bytes in all."""
     nc = await broker.connect(nats_url, "tokenbus-up", role="admin", credentials=credentials)
     try:
-        await nats_bus.ensure_streams(nc.jetstream(), partitions)
+        await nats_bus.ensure_streams(nc.jetstream(), partitions, storage)
     finally:
         await nc.close()
 
@@ -396,6 +414,8 @@ def ops_env(stack: Stack) -> str:
         env.append(f"{CA_ENV}={stack.tls_ca}")
     if stack.partitions > 1:
         env.append(f"{subjects.PARTITIONS_ENV}={stack.partitions}")
+    if stack.database or stack.data_dir != records.data_dir():
+        env.append(f"{records.DATABASE_ENV}={stack.database_url}")
     return "".join(f"{e} " for e in env)
 
 
@@ -542,13 +562,19 @@ def main(args) -> None:
     check_roles(args)
     security = secure(args)
     data_dir = Path(args.data_dir) if args.data_dir else tokenbus_home() / "data"
+    storage = retention.sized(data_dir, args.bus_storage, partitions(args), max(args.nats_cluster, 1),
+                              embedded=not args.nats_url)        # a disk too small: one line, nothing started
     entries = model_entries(args)
     model = entries[0].model
     stack = Stack(model, args.port, data_dir, args.nats_url, args.nats_port, colocated(args), worker_args(args),
                   router_args=router_args(args), tokenizer_args=given(args, "max-model-len"),
                   gateway_args=given(args, "max-tokens", "tool-call-parser", "generation-config", *FALLBACK),
                   gateways=args.gateways, nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
-                  decode_workers=args.decode_workers, models=entries, partitions=partitions(args), **security)
+                  decode_workers=args.decode_workers, models=entries, partitions=partitions(args),
+                  database=args.database, archive=args.archive, recorder_port=procs.free_port(), storage=storage,
+                  **security)
+    if args.database:
+        Database.open(args.database)              # a URL of neither kind: said before anything starts
     stack.plan()                                  # a models file's mistakes before anything starts
     for m in stack.served:                        # and a generation config's (the gateways load them)
         generation.load(m.files, args.generation_config or "auto")
@@ -572,7 +598,11 @@ def main(args) -> None:
               f"  status     {ops_env(stack)}tokenbus status --nats-url {stack.nats_url}\n"
               f"  usage      {ops_env(stack)}tokenbus usage --nats-url {stack.nats_url}\n"
               f"  logs       tokenbus logs --follow{f' --data-dir {data_dir}' if args.data_dir else ''}\n"
-              f"Ctrl-C stops everything.", flush=True)
+              f"  records    database {redacted(stack.database_url)}, archive {stack.archive_url} (7 d), "
+              f"recorder metrics http://127.0.0.1:{stack.recorder_port}/metrics\n"
+              f"  bus        {retention.gib(stack.storage)} for the streams:\n"
+              + "".join(f"    {line}\n" for line in retention.lines(stack.storage, stack.partitions)) +
+              "Ctrl-C stops everything.", flush=True)
         watch(stack)
     except KeyboardInterrupt:
         pass

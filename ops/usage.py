@@ -1,9 +1,13 @@
-"""`tokenbus usage`: the metering log (TB_USAGE, one record per finished request) summed per tenant, key,
-model and revision, the requests the fallback upstream answered apart, as a table or as JSON."""
+"""`tokenbus usage`: what each tenant used, summed per tenant, key, model and revision (the requests the
+fallback upstream answered apart), as a table or JSON, or one tenant's requests of a period as CSV. It
+reads the recorder's database and the tail of the metering log (TB_USAGE) not yet recorded there, which it
+marks as such."""
 import asyncio
 import contextlib
+import csv
 import datetime
 import re
+import sys
 import time
 
 import nats.errors
@@ -13,9 +17,10 @@ from nats.js import api
 import bus
 from ops import broker
 from ops.args import nats_url
-from schemas import subjects
+from schemas import records, subjects
 from schemas.messages import Usage, decode
 from schemas.wire import WireError
+from services.recorder.store import Database, Window
 
 SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -35,7 +40,8 @@ def since(text: str) -> float:
 
 
 async def read(nats_url: str, tenant: str | None = None, start: float | None = None) -> list[Usage]:
-    """The usage records of `tenant` (all tenants: None) stored since `start` (unix time)."""
+    """The usage records on the bus (those no recorder has taken yet) of `tenant` (all tenants: None) stored
+    since `start` (unix time)."""
     nc = await broker.connect(nats_url, "tokenbus-usage", role="usage")
     try:
         js = nc.jetstream()
@@ -71,21 +77,77 @@ async def read_stream(js, stream: str, filters: list[str], start: float | None) 
 
 def summed(records: list[Usage]) -> list[dict]:
     """One row per (tenant, key, model, revision, fallback), with its sums."""
+    return merged([{"tenant": u.tenant, "key_id": u.key_id, "model": u.model, "revision": u.revision,
+                    "fallback": u.fallback, "requests": 1, "prompt_tokens": u.prompt_tokens,
+                    "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens} for u in records])
+
+
+def merged(parts: list[dict]) -> list[dict]:
+    """Rows of the same (tenant, key, model, revision, fallback) summed into one, with total_tokens."""
     rows: dict[tuple, dict] = {}
-    for u in records:
-        row = rows.setdefault((u.tenant, u.key_id, u.model, u.revision, u.fallback), {
-            "tenant": u.tenant, "key_id": u.key_id, "model": u.model, "revision": u.revision, "fallback": u.fallback,
-            **dict.fromkeys(SUMS, 0)})
-        row["requests"] += 1
-        row["prompt_tokens"] += u.prompt_tokens
-        row["cached_tokens"] += u.cached_tokens
-        row["completion_tokens"] += u.completion_tokens
-        row["total_tokens"] += u.prompt_tokens + u.completion_tokens
+    for p in parts:
+        key = (p["tenant"], p["key_id"], p["model"], p["revision"], p["fallback"])
+        row = rows.setdefault(key, {**dict(zip(("tenant", "key_id", "model", "revision", "fallback"), key)),
+                                    **dict.fromkeys(SUMS, 0)})
+        for k in SUMS[:-1]:
+            row[k] += p[k]
+        row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
     return sorted(rows.values(), key=lambda r: (r["tenant"], r["key_id"], r["model"], r["revision"], r["fallback"]))
 
 
-def as_json(rows: list[dict]) -> dict:
-    return {"rows": rows, "total": {k: sum(r[k] for r in rows) for k in SUMS}}
+def database(url: str) -> Database | None:
+    """The recorder's database at `url`; None for an embedded one that was never written (no recorder ran)."""
+    db = Database.open(url)
+    return None if getattr(db, "path", None) is not None and not db.path.exists() else db
+
+
+async def report(nats_url: str, url: str, window: Window) -> tuple[list[dict], list[Usage]]:
+    """The database's sums in the window, and the bus's records not yet in the database (the tail)."""
+    tail = [u for u in await read(nats_url, window.tenant, window.since)
+            if window.until is None or u.finished < window.until]
+    db = database(url)
+    if db is None:
+        return [], tail
+    try:
+        recorded = await asyncio.to_thread(db.recorded, [u.id for u in tail])
+        rows = await asyncio.to_thread(db.sums, window)
+    finally:
+        db.close()
+    return rows, [u for u in tail if u.id not in recorded]
+
+
+async def requests(nats_url: str, url: str, window: Window) -> list[Usage]:
+    """Every request's usage in the window: the database's rows and the tail's, once each, in the order finished."""
+    _, tail = await report(nats_url, url, window)
+    db = database(url)
+    stored = [] if db is None else await asyncio.to_thread(db.usage, window)
+    if db is not None:
+        db.close()
+    return sorted(stored + tail, key=lambda u: (u.finished, u.id))
+
+
+CSV_FIELDS = ("request_id", "tenant", "key_id", "model", "revision", "fallback", "api", "finish_reason",
+              "prompt_tokens", "cached_tokens", "completion_tokens", "created", "finished")
+
+
+def write_csv(usage: list[Usage], out) -> None:
+    w = csv.writer(out)
+    w.writerow(CSV_FIELDS)
+    for u in usage:
+        w.writerow([u.id, u.tenant, u.key_id, u.model, u.revision, u.fallback, u.api, u.finish_reason,
+                    u.prompt_tokens, u.cached_tokens, u.completion_tokens, iso(u.created), iso(u.finished)])
+
+
+def iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat()
+
+
+def as_json(rows: list[dict], tail: list[dict] | None = None) -> dict:
+    """{"rows", "total"} and, of them, what is only on the bus so far ("unrecorded", with the same sums)."""
+    out = {"rows": rows, "total": {k: sum(r[k] for r in rows) for k in SUMS}}
+    if tail is not None:
+        out["unrecorded"] = {k: sum(r[k] for r in tail) for k in SUMS}
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -103,17 +165,42 @@ def table(rows: list[dict]) -> str:
 
 def main(args) -> None:
     start = since(args.since) if args.since else None
+    until = since(args.until) if args.until else None
     if args.tenant:
         subjects.token("tenant", args.tenant)
-    rows = summed(asyncio.run(read(args.nats_url, args.tenant, start)))
-    print(orjson.dumps(as_json(rows)).decode() if args.json else table(rows))
+    window, url = Window(args.tenant, start, until), args.database or records.default_database()
+    if args.csv:
+        if not args.tenant:
+            raise ValueError("--csv exports one tenant's requests: give --tenant")
+        usage = asyncio.run(requests(args.nats_url, url, window))
+        if args.csv == "-":
+            write_csv(usage, sys.stdout)
+        else:
+            with open(args.csv, "w", newline="") as f:
+                write_csv(usage, f)
+            print(f"exported {len(usage)} requests of {args.tenant} to {args.csv}")
+        return
+    stored, tail = asyncio.run(report(args.nats_url, url, window))
+    unrecorded = summed(tail)
+    rows = merged([*stored, *unrecorded])
+    if args.json:
+        print(orjson.dumps(as_json(rows, unrecorded)).decode())
+        return
+    print(table(rows))
+    if tail:
+        n = len(tail)
+        print(f"({n} request{'s' * (n != 1)} above not yet in the database: read from the bus's TB_USAGE)")
 
 
 def register(sub) -> None:
-    us = sub.add_parser("usage", help="the metering log summed per tenant, key, model and revision, the requests "
-                                      "the fallback upstream answered apart")
+    us = sub.add_parser("usage", help="what each tenant used, summed per key, model and revision, the requests "
+                                      "the fallback upstream answered apart; or one tenant's requests as CSV")
     nats_url(us)
+    us.add_argument("--database", help=f"the recorder's database, postgresql://… or sqlite:///path (default: "
+                    f"${records.DATABASE_ENV}, else records.db in $TOKENBUS_HOME/data)")
     us.add_argument("--tenant", help="only this tenant")
-    us.add_argument("--since", help="only requests since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")
+    us.add_argument("--since", help="only requests finished since an age (30m, 24h, 7d) or a date (2026-11-01, UTC)")
+    us.add_argument("--until", help="only requests finished before an age or a date")
     us.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    us.add_argument("--csv", metavar="FILE", help="write the tenant's requests (--tenant) as CSV to FILE (- : stdout)")
     us.set_defaults(func=main)

@@ -41,8 +41,11 @@ def each(subject) -> str:
 
 
 def keep_streams() -> list[str]:
-    """bus.ensure_streams and its buckets (bus/streams.py): look up, and create if missing, every stream."""
-    return [f"{API}.STREAM.{op}.{stream}" for stream in ALL_STREAMS for op in ("INFO", "CREATE")]
+    """bus.ensure_streams and its buckets (bus/streams.py): look up, and create if missing, every stream, and
+    the recorders' consumer on TB_USAGE, made with it (interest retention keeps what that consumer has not
+    acked); only the recorder pulls from it."""
+    return [*(f"{API}.STREAM.{op}.{stream}" for stream in ALL_STREAMS for op in ("INFO", "CREATE")),
+            f"{API}.CONSUMER.DURABLE.CREATE.{s.USAGE_STREAM}.{s.RECORDER_DURABLE}"]
 
 
 def durable(stream: str, name: str) -> list[str]:
@@ -108,7 +111,14 @@ ROLES: dict[str, Permissions] = {
         subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot), s.KV_TRANSFER_ALL], replies=MAX_REPLIES),
     # tokenbus status: the registry
     "status": Permissions(publish=[*keep_streams(), *reader(f"KV_{REGISTRY}")], subscribe=[]),
-    # tokenbus usage: the metering log, the only reader of TB_USAGE
+    # the recorder: usage records into the database, end records into the archive, acked after; trims the
+    # archived end records past ENDS_KEEP
+    "recorder": Permissions(
+        publish=[*keep_streams(), *durable(s.USAGE_STREAM, s.RECORDER_DURABLE),
+                 *durable(s.RESULTS_STREAM, s.RECORDER_DURABLE), f"{API}.STREAM.PURGE.{s.RESULTS_STREAM}",
+                 f"{API}.STREAM.MSG.GET.{s.USAGE_STREAM}", f"{API}.STREAM.MSG.GET.{s.RESULTS_STREAM}"],
+        subscribe=[]),
+    # tokenbus usage: the metering log's tail not yet in the database; with the recorder, TB_USAGE's only reader
     "usage": Permissions(publish=[*keep_streams(), *reader(s.USAGE_STREAM)], subscribe=[]),
     # tokenbus replay: logged requests sent again, their tokens read
     "replay": Permissions(publish=[each(s.request_new), s.CANCEL_ALL, *keep_streams(),

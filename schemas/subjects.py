@@ -129,12 +129,40 @@ def msg_id(request_id: str, dedup: str | None = None) -> dict[str, str]:
 # -- streams, consumers, buckets -----------------------------------------------------------
 
 DUPLICATE_WINDOW = 120.0                 # seconds a retried publish is deduplicated
-LOG_MAX_AGE = 7 * 24 * 3600.0
-LOG_MAX_BYTES = 1 << 30
-USAGE_MAX_AGE = 400 * 24 * 3600.0        # bills look back a year
+LOG_MAX_AGE = 7 * 24 * 3600.0            # dead letters kept this long; the request log, in the recorder's archive
 QUEUE_MAX_AGE = 3600.0
 MAX_MSG_SIZE = 4 << 20
 STREAM_NAMES = (REQUESTS_STREAM, ROUTE_STREAM, WORK_STREAM, RESULTS_STREAM, USAGE_STREAM, DEAD_STREAM)
+
+# -- retention (docs/records.md) -------------------------------------------------------------------
+# Every stream is capped in bytes and refuses a publish when full (discard new): none drops old records to
+# make room. TB_USAGE keeps a usage record until the recorder has written it to the database (interest
+# retention, its consumer made with the stream); TB_RESULTS keeps an end record until the recorder has
+# archived it and ENDS_KEEP has passed. The bytes are shares of the bus's storage (TB_BUS_STORAGE, sized by
+# `tokenbus up` from the data dir's free space), split evenly over the partitions.
+
+BUS_STORAGE_ENV = "TB_BUS_STORAGE"
+DEFAULT_BUS_STORAGE = 6 << 30            # bytes, without TB_BUS_STORAGE
+MIN_BUS_STORAGE = 256 << 20              # bytes a partition needs at least: each stream 12.8 MiB or more
+SHARES = {REQUESTS_STREAM: 0.25, ROUTE_STREAM: 0.05, WORK_STREAM: 0.15, RESULTS_STREAM: 0.30,
+          USAGE_STREAM: 0.15, DEAD_STREAM: 0.10}
+RECORDER_DURABLE = "recorder"            # the recorders' consumer on USAGE_STREAM and RESULTS_STREAM
+ENDS_KEEP = QUEUE_MAX_AGE                # an archived end record stays this long (a late redelivery reads it)
+BACKLOG_FULL = 0.9                       # admission refuses while TB_USAGE or TB_RESULTS is this full
+
+
+def bus_storage() -> int:
+    """The bytes the bus's streams may hold, from TB_BUS_STORAGE (default DEFAULT_BUS_STORAGE); ValueError
+    naming the variable."""
+    text = os.environ.get(BUS_STORAGE_ENV) or str(DEFAULT_BUS_STORAGE)
+    if not text.isdigit():
+        raise ValueError(f"{BUS_STORAGE_ENV}={text!r}: expected a number of bytes")
+    return int(text)
+
+
+def stream_bytes(base: str, storage: int, partitions: int = 1) -> int:
+    """max_bytes of stream `base` in each partition of a bus of `storage` bytes."""
+    return int(storage * SHARES[base]) // partitions
 
 # -- partitions ------------------------------------------------------------------------------------
 # A partitioned bus (TB_BUS_PARTITIONS=N, `tokenbus up --bus-partitions N`; docs/cluster.md) splits each

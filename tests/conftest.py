@@ -16,6 +16,11 @@ settings.load_profile("shared-cores")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU, in the interpreter
+# The default database and archive of the ops commands ($TOKENBUS_HOME/data/...) may hold a real stack's
+# records: the suite's commands read and write their own, unless a test names others.
+_RECORDS = tempfile.mkdtemp(prefix="tokenbus-test-records-")
+os.environ.setdefault("TB_DATABASE", f"sqlite:///{_RECORDS}/records.db")
+os.environ.setdefault("TB_ARCHIVE", f"{_RECORDS}/archive")
 # A suite started as a background job (`make test &`) inherits SIGINT ignored, and so would every command
 # the tests start and then stop with Ctrl-C; the commands get Python's own handler back.
 signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -2,6 +2,9 @@
 - per tenant, a token bucket of tokens_per_minute charged prompt + max output tokens, refunded what
   the request did not use when it ends (a gateway's own, or its lease of the bucket the gateways share,
   services/gateway/limits.py); and a cap on its concurrent requests in this gateway (429 + Retry-After);
+- the records that outlive the bus: while TB_USAGE or TB_RESULTS is BACKLOG_FULL of its room with records
+  the recorder has not taken (its database away), every request is refused (503 "metering backlog full"):
+  a request served then could not be billed (`backlog`, kept current by the gateway from the streams);
 - the cluster, from the worker registry: some worker must be able to take the request soon, its
   queue below QUEUE_WATERMARK and its KV pool large enough (503 + Retry-After), so that an
   overloaded cluster refuses quickly instead of queueing without bound. On a worker with the fair
@@ -38,6 +41,7 @@ BYTES_PER_TOKEN = 4              # English text under a byte-level BPE; correcte
 MESSAGE_OVERHEAD = 4             # chat-template tokens around each message
 BUSY_RETRY = 2 * HEARTBEAT_SECONDS
 BATCH_RETRY = 5.0                # seconds: spare capacity comes back slower than a queue drains
+BACKLOG_RETRY = 5.0              # seconds: a database coming back, then the recorder draining its backlog
 
 
 class TokenBucket:
@@ -181,6 +185,7 @@ class Admission:
     cluster: Cluster = field(default_factory=Cluster)
     tenants: dict[str, Tenant] = field(default_factory=dict)
     bucket: Callable = own                        # a limited tenant's bucket: own, or Limits.lease (shared)
+    backlog: str = ""                             # why the records back up (app.backlog); "": they do not
 
     def tenant(self, key: Key, now: float) -> Tenant:
         t = self.tenants.get(key.tenant)
@@ -193,6 +198,8 @@ class Admission:
               revision: str = "", place: bool = True) -> Ticket:
         """A ticket for a request of about prompt_tokens + max_tokens, or ApiError 429 / 503 naming the limit
         (place=False: the tenant's limits only, for a request the fallback answers)."""
+        if self.backlog:
+            raise ApiError(503, self.backlog, "unavailable", retry_after=BACKLOG_RETRY)
         now = time.monotonic() if now is None else now
         t, cost = self.tenant(key, now), prompt_tokens + max_tokens
         cap = key.max_concurrent_requests

@@ -83,7 +83,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             await nc.subscribe(subjects.RESUMED_ALL, cb=gw.on_resumed)
             known = asyncio.Event()
             loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep()),
-                     asyncio.create_task(gw.limits.run())]
+                     asyncio.create_task(gw.limits.run()), asyncio.create_task(backlog(gw))]
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
                 await asyncio.wait_for(known.wait(), 5)
             app.state.started = int(time.time())
@@ -115,6 +115,31 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
               Route("/detokenize", http_tokens.detokenize, methods=["POST"]), WebSocketRoute("/ws", chat)]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
                      exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+BACKLOG_SECONDS = 1.0                    # between looks at the record streams' fill
+
+
+async def backlog(gw: Gateway) -> None:
+    """Keeps admission's `backlog` current: why the records that outlive the bus back up, or "" (each
+    partition's TB_USAGE and TB_RESULTS looked at every BACKLOG_SECONDS; a look that fails keeps the last)."""
+    while True:
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            gw.admission.backlog = await backed_up(gw.js)
+        await asyncio.sleep(BACKLOG_SECONDS)
+
+
+async def backed_up(js) -> str:
+    """Why new requests are refused: a stream of records that is BACKLOG_FULL of its max_bytes; "" if none is."""
+    for base in (subjects.USAGE_STREAM, subjects.RESULTS_STREAM):
+        for part in subjects.parts():
+            info = await js.stream_info(subjects.stream(base, part))
+            room, held = info.config.max_bytes, info.state.bytes
+            if room and room > 0 and held >= subjects.BACKLOG_FULL * room:
+                return (f"metering backlog full: {info.config.name} holds {held / 2**20:.1f} MiB of records the "
+                        f"recorder has not taken, {held / room:.0%} of its max_bytes ({room / 2**20:.1f} MiB); its "
+                        f"database or archive is away or behind; retry later")
+    return ""
 
 
 async def watch(gw: Gateway, known: asyncio.Event) -> None:

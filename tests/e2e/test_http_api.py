@@ -183,7 +183,7 @@ def test_fifty_json_schema_requests_24_at_a_time_half_streamed_all_validate(stac
 
 
 def test_usage_sums_the_requests_of_each_tenant(stack, capsys):
-    main(["usage", "--nats-url", stack.nats_url, "--json"])
+    main(["usage", "--nats-url", stack.nats_url, "--database", stack.database_url, "--json"])
     rows = {r["tenant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert set(rows) >= {"alpha", "beta"}
     assert rows["alpha"]["cached_tokens"] > 0 and rows["beta"]["requests"] == 2

@@ -16,12 +16,12 @@ import orjson
 import pytest
 import websockets
 
-import bus
+from ops import usage
 from ops.procs import free_port
 from ops.up import Stack
-from schemas import subjects
-from schemas.messages import Usage, decode
+from schemas.messages import Usage
 from schemas.sampling import SamplingParams
+from services.recorder.store import Window
 from tests.e2e.conftest import WORKER_ARGS, receive, running, send, text, tokens
 from workers import LLM
 from workers.service import USAGE_BACKUP_SECONDS
@@ -58,15 +58,9 @@ async def frames_until_end(ws, cid: str) -> list[dict]:
 
 
 
-async def usage_records(nats_url: str) -> list[Usage]:
-    nc = await bus.connect(nats_url, "test-usage")
-    js, out = nc.jetstream(), []
-    count = (await js.stream_info(subjects.USAGE_STREAM)).state.messages
-    sub = await js.subscribe(subjects.USAGE_SUBJECTS, ordered_consumer=True)
-    while len(out) < count:
-        out.append(decode((await sub.next_msg(timeout=5)).data, Usage))
-    await nc.close()
-    return out
+async def usage_records(stack) -> list[Usage]:
+    """Every usage record: the recorder's database's, and those still on the bus."""
+    return await usage.requests(stack.nats_url, stack.database_url, Window())
 
 
 def test_a_finished_request_resumes_from_its_outcome_on_the_other_gateway_and_not_for_another_tenant(stack,
@@ -156,6 +150,6 @@ def test_websocket_and_sse_clients_cut_by_a_gateway_sigkill_resume_on_the_other_
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     print(f"resumed both streams {took:.2f} s after the cut")
     time.sleep(USAGE_BACKUP_SECONDS + 1)                     # the worker's backup usage records came too
-    usage = [u.id for u in asyncio.run(usage_records(stack.nats_url))]
+    usage = [u.id for u in asyncio.run(usage_records(stack))]
     for rid in (resume_id.split(".")[0], last.split(".")[0]):
         assert usage.count(rid) == 1, usage                  # metered once

@@ -17,7 +17,8 @@ from tests.ops.pki import make_pki
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SERVICES = {"gateway": "gateway", "tokenizer": "tokenizer", "router": "router", "worker-w0": "worker"}
+SERVICES = {"gateway": "gateway", "tokenizer": "tokenizer", "router": "router", "worker-w0": "worker",
+            "recorder": "recorder"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_every_service_does_its_job_with_its_own_credentials_and_no_violation(se
     capsys.readouterr()
     assert command("status", "--nats-url", url, "--json") == 0
     assert [w["id"] for w in json.loads(capsys.readouterr().out)["workers"]] == ["w0"]
-    assert command("usage", "--nats-url", url, "--json") == 0
+    assert command("usage", "--nats-url", url, "--database", stack.database_url, "--json") == 0
     assert json.loads(capsys.readouterr().out)["total"]["requests"] == 1
     assert command("log", "export", str(tmp_path / "log.jsonl"), "--nats-url", url) == 0
     assert capsys.readouterr().out.startswith("exported 1 records")

@@ -142,8 +142,8 @@ def test_a_tokenizer_reading_usage_is_refused_by_the_server(secured):
 
 def test_only_the_usage_reader_and_admin_may_read_the_metering_log(secured):
     """Every way into TB_USAGE (a consumer of any kind, a pull, a stored message, the usage reader's inbox),
-    for every role: refused but to `usage` and `admin`; its live subjects to all but admin (usage reads the
-    stream)."""
+    for every role: refused but to `usage` and `admin`, and to the recorder through its own durable (and a
+    stored message: the backlog's age); its live subjects to all but admin (usage reads the stream)."""
     usage = subjects.USAGE_STREAM
     ways = [f"$JS.API.CONSUMER.CREATE.{usage}", f"$JS.API.CONSUMER.CREATE.{usage}.spy.tb.usage.acme",
             f"$JS.API.CONSUMER.DURABLE.CREATE.{usage}.spy", f"$JS.API.CONSUMER.MSG.NEXT.{usage}.spy",
@@ -154,7 +154,8 @@ def test_only_the_usage_reader_and_admin_may_read_the_metering_log(secured):
             async with as_role(secured, role) as (nc, errors):
                 refused = [w for w in ways if await tried(nc, errors, w)]
                 refused += [s for s in ("_INBOX_usage.>", subjects.USAGE_SUBJECTS) if await subscribed(nc, errors, s)]
-            expected = {"admin": [], "usage": [ways[2], subjects.USAGE_SUBJECTS]}       # it needs no durable
+            expected = {"admin": [], "usage": [ways[2], subjects.USAGE_SUBJECTS],       # it needs no durable
+                        "recorder": [*ways[:4], ways[5], "_INBOX_usage.>", subjects.USAGE_SUBJECTS]}  # its own
             assert refused == expected.get(role, [*ways, "_INBOX_usage.>", subjects.USAGE_SUBJECTS]), role
 
     asyncio.run(asyncio.wait_for(main(), 60))

@@ -155,7 +155,7 @@ def test_bench_pipeline_with_a_stand_in_engine_measures_the_pipeline_alone_and_e
     assert r["engine_output_tokens_per_s"] is None and r["throughput_ratio"] is None
     assert r["pipeline_output_tokens_per_s"] <= 6 * 20 / (20 * 0.005)      # 20 steps of 5 ms at least
     cpu = r["pipeline_cpu"]
-    assert set(cpu) == {"nats", "tokenizer", "router", "worker", "gateway", "client"}
+    assert set(cpu) == {"nats", "tokenizer", "router", "recorder", "worker", "gateway", "client"}
     assert all(u["cores"] >= 0 and u["us_per_token"] >= 0 for u in cpu.values())
     assert r["pipeline_cpu_but_worker"]["us_per_token"] == pytest.approx(
         sum(u["us_per_token"] for k, u in cpu.items() if k != "worker"), abs=0.01)

@@ -63,7 +63,8 @@ def test_usage_sums_per_tenant_and_key_filters_by_tenant_and_time_and_prints_tab
     assert lines[0].split() == ["tenant", "key", "model", "revision", "served", "requests", "prompt", "cached",
                                 "completion", "total"]
     assert lines[1].split() == ["acme", "k1", "tiny", "r1", "cluster", "2", "30", "4", "12", "42"]
-    assert lines[-1].split() == ["total", "4", "131", "54", "43", "174"]
+    assert lines[-2].split() == ["total", "4", "131", "54", "43", "174"]
+    assert lines[-1] == "(4 requests above not yet in the database: read from the bus's TB_USAGE)"
 
 
 def test_usage_keeps_each_revision_and_the_fallback_s_requests_in_rows_of_their_own(nats_url, capsys):

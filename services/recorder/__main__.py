@@ -1,0 +1,3 @@
+from services.recorder.service import main
+
+main()

@@ -1,0 +1,253 @@
+"""The recorder: the records that outlive the bus. It pulls the usage records (TB_USAGE) and the end
+records (TB_RESULTS) through the durable `recorder` consumers of every partition, writes each batch to
+the database (one transaction of upserts keyed by request id) and the end records to the request log's
+Parquet archive, and acks the batch only after: a crash before the ack gets the batch again, and the
+upsert writes nothing twice. While the database is away a batch is held and tried again; the streams
+keep what is not taken (TB_USAGE by interest retention, TB_RESULTS until trimmed), and when they fill,
+the gateways refuse new requests (503 "metering backlog full") instead of serving what cannot be billed.
+
+Archived end records older than ENDS_KEEP are trimmed from TB_RESULTS (purged below both the consumer's
+ack floor and that age), and archive partitions older than the retention are removed. Any number of
+recorders may run: each batch goes to one of them. /metrics: backlog depth and age, records written,
+write errors, batch sizes, and each stream's fill."""
+import argparse
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import nats.errors
+import nats.js.errors
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+import bus
+from bus.log import configure
+from schemas import records, subjects
+from schemas.messages import Completion, Usage, decode
+from schemas.wire import WireError
+from services.recorder.archive import Archive
+from services.recorder.store import Database, redacted
+
+LOG = configure("recorder")
+BATCH = 2000                             # records written in one transaction, at most
+USAGE_LINGER = 0.05                      # seconds a usage batch waits to fill once it has a record
+RESULTS_LINGER = 2.0                     # an end-record batch (one Parquet file per tenant and hour)
+RETRY = 1.0                              # seconds between tries of a batch the database refused
+IN_PROGRESS = 20.0                       # a held batch tells JetStream it is still being worked on this often
+WATCH_SECONDS = 5.0                      # backlog and fill measured, TB_RESULTS trimmed, the archive pruned
+
+BACKLOG = Gauge("tokenbus_recorder_backlog_records", "Records stored on the bus and not yet recorded", ["stream"])
+BACKLOG_AGE = Gauge("tokenbus_recorder_backlog_age_seconds", "Age of the oldest record not yet recorded",
+                    ["stream"])
+WRITTEN = Counter("tokenbus_recorder_records_total", "Records written (database rows, archive rows)", ["stream"])
+DUPLICATES = Counter("tokenbus_recorder_duplicates_total", "Records delivered again and already recorded",
+                     ["stream"])
+ERRORS = Counter("tokenbus_recorder_write_errors_total", "Batches the database or archive refused", ["stream"])
+BATCHES = Histogram("tokenbus_recorder_batch_records", "Records in a batch", ["stream"],
+                    buckets=(1, 10, 50, 100, 500, 1000, 2000))
+FILL = Gauge("tokenbus_stream_fill_ratio", "Bytes held over max_bytes (admission refuses at BACKLOG_FULL)",
+             ["stream"])
+TRIMMED = Counter("tokenbus_recorder_trimmed_total", "Archived end records trimmed from TB_RESULTS")
+BAD = Counter("tokenbus_recorder_bad_records_total", "Records that did not decode (acked, not recorded)", ["stream"])
+
+
+@dataclass
+class Batcher:
+    """One stream partition's records as they arrive, handed to write() in batches."""
+    stream: str
+    linger: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def room(self) -> int:
+        return max(0, BATCH - self.queue.qsize())
+
+    async def take(self) -> list:
+        """The next batch: what arrived within `linger` of its first record, at most BATCH."""
+        msgs = [await self.queue.get()]
+        end = time.monotonic() + self.linger
+        while len(msgs) < BATCH:
+            while not self.queue.empty() and len(msgs) < BATCH:
+                msgs.append(self.queue.get_nowait())
+            left = end - time.monotonic()
+            if left <= 0 or len(msgs) >= BATCH:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    msgs.append(await self.queue.get())
+        return msgs
+
+
+class Recorder:
+    def __init__(self, nc, db: Database, archive: Archive, retention: float = subjects.LOG_MAX_AGE,
+                 recorder_id: str | None = None):
+        self.nc, self.js, self.db, self.archive = nc, nc.jetstream(), db, archive
+        self.retention = retention
+        self.id = subjects.token("recorder", recorder_id or f"rec-{os.getpid()}")
+        self.log = LOG.bind(recorder=self.id)
+        self.parts = subjects.parts()
+
+    async def run(self) -> None:
+        await bus.ensure_streams(self.js)
+        await asyncio.to_thread(self.db.version)               # connects and migrates, or says why not
+        self.log.info("recorder ready", database=redacted(self.db.url), archive=self.archive.url,
+                      partitions=len(self.parts))
+        loops = []
+        for p in self.parts:
+            for base, linger, write in ((subjects.USAGE_STREAM, USAGE_LINGER, self.write_usage),
+                                        (subjects.RESULTS_STREAM, RESULTS_LINGER, self.write_ends)):
+                stream, batcher = subjects.stream(base, p), Batcher(base, linger)
+                loops.append(bus.consume(self.nc, stream, bus.recorder(base, p), batcher.queue.put, self.log,
+                                         batch=BATCH, room=batcher.room))
+                loops.append(self.drain(batcher, write))
+        await asyncio.gather(*loops, self.watch())
+
+    async def drain(self, batcher: Batcher, write) -> None:
+        """Forever: a batch written (tried again until it is), then acked."""
+        while True:
+            msgs = await batcher.take()
+            records = []
+            for msg in msgs:
+                try:
+                    records.append(decode(msg.data, Usage if batcher.stream == subjects.USAGE_STREAM else Completion))
+                except WireError as e:
+                    BAD.labels(batcher.stream).inc()
+                    self.log.error("bad record acked, not recorded", subject=msg.subject, error=str(e))
+            await self.held(msgs, batcher.stream, write, records)
+            for msg in msgs:
+                with contextlib.suppress(nats.errors.Error):      # a lost ack: delivered again, written once
+                    await msg.ack()
+            BATCHES.labels(batcher.stream).observe(len(msgs))
+
+    async def held(self, msgs: list, stream: str, write, records: list) -> None:
+        """write(records) in a thread until it succeeds, telling JetStream the batch is in progress meanwhile."""
+        touched, failures = time.monotonic(), 0
+        while True:
+            try:
+                await asyncio.to_thread(write, records)
+                if failures:
+                    self.log.info("batch written after failures", stream=stream, records=len(records),
+                                  failures=failures)
+                return
+            except Exception as e:
+                failures += 1
+                ERRORS.labels(stream).inc()
+                if failures == 1 or failures % 30 == 0:
+                    self.log.error("batch not written; holding it and trying again", stream=stream,
+                                   records=len(records), failures=failures, error=f"{type(e).__name__}: {e}")
+            await asyncio.sleep(RETRY)
+            if time.monotonic() - touched >= IN_PROGRESS:
+                touched = time.monotonic()
+                for msg in msgs:
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.in_progress()
+
+    def write_usage(self, usage: list[Usage]) -> None:
+        new, _ = self.db.write(usage, [])
+        WRITTEN.labels(subjects.USAGE_STREAM).inc(new)
+        DUPLICATES.labels(subjects.USAGE_STREAM).inc(len(usage) - new)
+
+    def write_ends(self, ends: list[Completion]) -> None:
+        """The end records into the archive (the whole record) and the database (a row each)."""
+        if ends:
+            self.archive.write(ends)
+        _, new = self.db.write([], ends)
+        WRITTEN.labels(subjects.RESULTS_STREAM).inc(new)
+        DUPLICATES.labels(subjects.RESULTS_STREAM).inc(len(ends) - new)
+
+    # -- watching: backlog, fill, trim, prune ------------------------------------------------------
+
+    async def watch(self) -> None:
+        pruned = 0.0
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            for base in (subjects.USAGE_STREAM, subjects.RESULTS_STREAM):
+                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                    await self.measure(base)
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                for p in self.parts:
+                    await self.trim(p)
+            if time.monotonic() - pruned > 3600 or not pruned:
+                pruned = time.monotonic()
+                try:
+                    removed = await asyncio.to_thread(self.archive.prune, self.retention)
+                    if removed:
+                        self.log.info("archive pruned", files=removed, retention_s=self.retention)
+                except Exception as e:
+                    self.log.error("archive not pruned", error=f"{type(e).__name__}: {e}")
+
+    async def measure(self, base: str) -> None:
+        backlog, age, held, room = 0, 0.0, 0, 0
+        for p in self.parts:
+            stream = subjects.stream(base, p)
+            info = await self.js.consumer_info(stream, subjects.RECORDER_DURABLE)
+            backlog += info.num_pending + info.num_ack_pending
+            if info.num_pending + info.num_ack_pending:
+                age = max(age, await self.age(stream, info.ack_floor.stream_seq + 1))
+            sinfo = await self.js.stream_info(stream)
+            held, room = held + sinfo.state.bytes, room + max(sinfo.config.max_bytes, 0)
+        BACKLOG.labels(base).set(backlog)
+        BACKLOG_AGE.labels(base).set(age)
+        FILL.labels(base).set(held / room if room else 0.0)
+
+    async def age(self, stream: str, seq: int) -> float:
+        """Seconds since the first record at or after `seq` was stored."""
+        try:
+            msg = await self.js.get_msg(stream, seq, next=True)
+        except nats.js.errors.NotFoundError:
+            return 0.0
+        return max(0.0, time.time() - msg.time.timestamp()) if msg.time else 0.0
+
+    async def trim(self, part: int | None) -> None:
+        """Purges TB_RESULTS (of partition `part`) below the first record that is either not yet archived
+        (past the consumer's ack floor) or younger than ENDS_KEEP: found by bisection on stored times."""
+        stream = subjects.stream(subjects.RESULTS_STREAM, part)
+        floor = (await self.js.consumer_info(stream, subjects.RECORDER_DURABLE)).ack_floor.stream_seq
+        first = (await self.js.stream_info(stream)).state.first_seq
+        cutoff = time.time() - subjects.ENDS_KEEP
+        lo, hi = first, floor + 1                  # find the first seq in [first, floor] stored after cutoff
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                msg = await self.js.get_msg(stream, mid, next=True)
+            except nats.js.errors.NotFoundError:
+                hi = mid
+                continue
+            if msg.seq > floor or msg.time.timestamp() >= cutoff:
+                hi = mid
+            else:
+                lo = msg.seq + 1
+        if lo > first:
+            await self.js.purge_stream(stream, seq=lo)
+            TRIMMED.inc(lo - first)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.recorder", description="The tokenbus recorder.")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--id", help="recorder id, a subject token (default rec-<pid>)")
+    p.add_argument("--database", default=None, help=f"postgresql://… or sqlite:///path (default: "
+                   f"${records.DATABASE_ENV}, else records.db in the stack's data dir)")
+    p.add_argument("--archive", default=None, help=f"the request log's archive, a directory or an fsspec URL "
+                   f"(default: ${records.ARCHIVE_ENV}, else archive/ in the stack's data dir)")
+    p.add_argument("--archive-retention", type=float, default=subjects.LOG_MAX_AGE,
+                   help=f"seconds the archive keeps a request (default {subjects.LOG_MAX_AGE:g}: 7 days)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics on this port (default: none)")
+    return p
+
+
+async def serve(args) -> None:
+    db = Database.open(args.database or records.default_database())
+    archive = Archive(args.archive or records.default_archive())
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+    recorder = Recorder(await bus.connect(args.nats_url, "recorder", LOG), db, archive, args.archive_retention,
+                        args.id)
+    try:
+        await bus.run_until_signal(recorder.run, recorder.nc)
+    finally:
+        db.close()
+
+
+def main(argv=None) -> None:
+    bus.run(serve(parser().parse_args(argv)))
