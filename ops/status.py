@@ -1,14 +1,19 @@
 """`tokenbus status`: the worker registry (KV bucket tb_workers) as a table or as JSON: each worker's
 role, model and revision (name@revision), load, KV use, prefix hits, speculation, KV transfers, the
-prefix cache's tiers below the pool (host memory, disk)."""
+prefix cache's tiers below the pool (host memory, disk); then the bus's streams: what each may hold, what
+it holds and how long it keeps a record (docs/records.md)."""
 import asyncio
+import contextlib
 import dataclasses
 
+import nats.js.errors
 import orjson
 
 import bus
 from ops import broker
 from ops.args import nats_url
+from ops.retention import KEEPS, gib
+from schemas import subjects
 from schemas.messages import Heartbeat, KvTransfer, Speculation
 
 FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
@@ -16,11 +21,40 @@ FIELDS = ("id", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "pref
 
 
 async def read_registry(nats_url: str) -> list[Heartbeat]:
+    return (await read_status(nats_url))[0]
+
+
+async def read_status(nats_url: str) -> tuple[list[Heartbeat], list[dict]]:
+    """The live workers' heartbeats and the streams' retention (streams())."""
     nc = await broker.connect(nats_url, "tokenbus-status", role="status")
     try:
-        return await heartbeats(nc.jetstream())
+        js = nc.jetstream()
+        return await heartbeats(js), await streams(js)
     finally:
         await nc.close()
+
+
+async def streams(js) -> list[dict]:
+    """Each stream of the bus (summed over its partitions): max_bytes, bytes and messages held, and what it keeps."""
+    out = []
+    for name in subjects.STREAM_NAMES:
+        room = held = messages = 0
+        for part in subjects.parts():
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                info = await js.stream_info(subjects.stream(name, part))
+                room, held, messages = room + max(info.config.max_bytes or 0, 0), held + info.state.bytes, \
+                    messages + info.state.messages
+        out.append({"name": name, "max_bytes": room, "bytes": held, "messages": messages, "keeps": KEEPS[name]})
+    return out
+
+
+def streams_table(rows: list[dict]) -> str:
+    head = ["stream", "max", "held", "fill", "messages", "keeps"]
+    body = [[r["name"], gib(r["max_bytes"]), gib(r["bytes"]),
+             f"{r['bytes'] / r['max_bytes']:.1%}" if r["max_bytes"] else "-", str(r["messages"]), r["keeps"]]
+            for r in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body])
 
 
 async def heartbeats(js) -> list[Heartbeat]:
@@ -87,8 +121,11 @@ def size(n: int) -> str:
 
 
 def main(args) -> None:
-    beats = asyncio.run(read_registry(args.nats_url))
-    print(orjson.dumps(as_json(beats)).decode() if args.json else table(beats))
+    beats, held = asyncio.run(read_status(args.nats_url))
+    if args.json:
+        print(orjson.dumps({**as_json(beats), "streams": held}).decode())
+    else:
+        print(f"{table(beats)}\n\n{streams_table(held)}")
 
 
 def kv_tiers(t: dict[str, float]) -> str:
@@ -99,7 +136,7 @@ def kv_tiers(t: dict[str, float]) -> str:
 
 
 def register(sub) -> None:
-    s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits")
+    s = sub.add_parser("status", help="the worker registry: load, KV usage, prefix-cache hits; the streams' retention")
     nats_url(s)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=main)

@@ -119,6 +119,19 @@ def bench_pipeline(sub) -> None:
     bp.set_defaults(func=delegate("lab.benchmarks.pipeline"))
 
 
+def bench_recorder(sub) -> None:
+    br = sub.add_parser("bench-recorder", help="the recorder draining a backlog of usage records into its database, "
+                                               "against the database's own ceiling for the same rows")
+    br.add_argument("--records", type=int, default=200_000, help="usage records in the backlog (default 200000)")
+    br.add_argument("--database", nargs="+", choices=["postgresql", "sqlite"], default=["postgresql", "sqlite"],
+                    help="which databases, each in turn (default: both)")
+    br.add_argument("--recorders", type=int, nargs="+", default=[1], help="recorder processes on the consumer, "
+                    "each count in turn (default 1)")
+    br.add_argument("--timeout", type=float, default=600.0, help="seconds the recorder may take (default 600)")
+    br.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    br.set_defaults(func=delegate("lab.benchmarks.recorder"))
+
+
 def bench_bus(sub) -> None:
     bb = sub.add_parser("bench-bus", help="the pipeline and its bus at GPU token rates: mock workers, open-loop "
                                           "Poisson arrivals, what each service and nats-server costs per request "

@@ -9,8 +9,9 @@ def chaos(sub) -> None:
     ch = sub.add_parser("chaos", help="fault scenarios against a live stack under a verified load: lost, "
                         "duplicated, wrong tokens, recovery time")
     ch.add_argument("--scenarios", nargs="+", default=None, metavar="NAME",
-                    help="which scenarios (default: all): none, kill-/stop- worker|router|tokenizer|gateway, "
-                         "broker-restart, poison, slow-client, overload; with --cluster (default: its own): "
+                    help="which scenarios (default: all): none, kill-/stop- worker|router|tokenizer|gateway|"
+                         "recorder, broker-restart, poison, slow-client, overload, database-restart, backlog-full; "
+                         "with --cluster (default: its own): "
                          "kill-leader-node, kill-follower-node, partition-node, throughput")
     ch.add_argument("--cluster", action="store_true",
                     help="run on a 3-node nats cluster (R3; nodes in network namespaces where root allows): "
@@ -27,6 +28,8 @@ def chaos(sub) -> None:
     ch.add_argument("--max-num-seqs", type=int, default=16, help="each worker's batch (default 16)")
     ch.add_argument("--patience", type=float, default=90.0,
                     help="seconds a client waits for its answers after the last request (default 90)")
+    ch.add_argument("--database-down", type=float, default=30.0, metavar="SECONDS",
+                    help="how long database-restart keeps PostgreSQL down (default 30)")
     ch.add_argument("--data-dir", help="keep each scenario's stack (logs, JetStream) under here "
                                        "(default: a temporary directory)")
     ch.add_argument("--json", action="store_true", help="print JSON instead of the table")

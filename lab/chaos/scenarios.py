@@ -18,8 +18,15 @@ its client resumed it on another connection); cut (its connection closed and no 
 client back); lost (accepted and never answered within the client's patience); duplicated (extra
 completion records of one request id).
 With --json also: stored, recorded and metered (requests in the request log, and of them those with a
-completion record and a usage record: a request whose client was cut or resumed elsewhere still runs
-and is metered once).
+completion record and a usage record in the recorder's database or still on the bus: a request whose
+client was cut or resumed elsewhere still runs and is metered once); misbilled counts the completed
+requests whose usage record is missing or differs from the tokens their client got.
+
+Each stack's recorder writes to a PostgreSQL of its own (lab/common/postgres.py; SQLite where PostgreSQL
+is not installed, and the database scenarios are not run). The records scenarios: kill-recorder
+(SIGKILLed mid-batch, restarted), database-restart (PostgreSQL down --database-down seconds, 30 by
+default), backlog-full (PostgreSQL down while filler records fill TB_USAGE to its limit: admission
+refuses "metering backlog full" until the database returns and the recorder drains it).
 
 With --cluster every scenario runs on a 3-node nats cluster (R3 streams), each node a process with its own
 store and routes, in a network namespace of its own where the machine allows (lab/chaos/netns.py); the node
@@ -29,6 +36,7 @@ longest time a stream or bucket the node led had no leader. "throughput" adds th
 fsync before every acknowledgement against a single server (lab/chaos/cluster.py)."""
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -44,14 +52,17 @@ import websockets
 import bus
 from lab.chaos import cluster as bench_cluster
 from lab.chaos import netns
+from lab.common.postgres import LocalPostgres, binary
 from ops import cluster, procs
 from ops.up import Stack
 from schemas import roles, subjects
+from schemas.messages import Usage, encode
 
 REFUSALS = {"unavailable", "overloaded", "rate_limit_exceeded", "concurrency_limit_exceeded", "too_many_requests"}
-SERVICES = ("worker", "router", "tokenizer", "gateway")
+SERVICES = ("worker", "router", "tokenizer", "gateway", "recorder")
+RECORDS_SCENARIOS = ("database-restart", "backlog-full")
 SCENARIOS = ("none", *(f"kill-{s}" for s in SERVICES), *(f"stop-{s}" for s in SERVICES), "broker-restart",
-             "poison", "slow-client", "overload")
+             "poison", "slow-client", "overload", *RECORDS_SCENARIOS)
 NODE_SCENARIOS = ("kill-leader-node", "kill-follower-node", "partition-node")
 CLUSTER_SCENARIOS = ("none", *NODE_SCENARIOS, "throughput")         # the default of --cluster
 POISON = [  # websocket frames no worker may crash on: each must be answered with an error
@@ -72,6 +83,9 @@ PROBE_INTERVAL = 0.5
 CLUSTER_SIZE = 3
 NODE_DOWN_SECONDS = 5.0               # a killed node comes back, as its supervisor would bring it
 PARTITION_SECONDS = 10.0
+FILLER_TENANT = "chaosfill"           # backlog-full's filler records: a tenant of their own, not checked
+BACKLOG_ROOM = 300_000                # bytes TB_USAGE gets in backlog-full: 10% of it above the refusal
+BACKLOG_HOLD = 5.0                    # seconds the backlog stays full before the database returns
 META = "meta"                         # JetStream's meta group: it creates streams and consumers
 
 
@@ -106,12 +120,14 @@ class Result:
     workers_registered: int = 0
     stored: int = 0                       # requests in TB_REQUESTS (probes included)
     recorded: int = 0                     # of them, with a completion record in TB_RESULTS
-    metered: int = 0                      # of them, with a usage record in TB_USAGE
+    metered: int = 0                      # of them, with a usage record (the database's, or still on the bus)
+    misbilled: int = 0                    # completed requests whose usage record is missing or differs
+    backlog_refused: int = 0              # requests and probes refused with "metering backlog full"
     notes: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        broken = self.wrong or self.lost or self.duplicated or self.errors
+        broken = self.wrong or self.lost or self.duplicated or self.errors or self.misbilled
         return not broken and self.poison_answered == self.poison_sent
 
 
@@ -215,12 +231,16 @@ class Run:
         self.result = Result(scenario)
         self.fault_at = 0.0
         self.probe_done: list[float] = []
+        self.pg = None
 
     def run(self) -> Result:
         self.net = netns.Network(CLUSTER_SIZE).create() if self.args.cluster and not self.args.no_netns else None
         if self.args.cluster:
             data = self.stack.data_dir
             self.stack.nats_nodes = self.net.nodes(data) if self.net else cluster.local_nodes(CLUSTER_SIZE, data)
+        if postgres_here() is None:
+            self.pg = LocalPostgres().start()
+            self.stack.database = self.pg.url
         try:
             self.stack.start()
             self.stack.wait_ready()
@@ -229,14 +249,33 @@ class Run:
                 cluster.wait_ready(self.stack.nats_nodes)
             r = self.result
             answered = r.completed + len(self.probe_done)    # each has its records on the way: wait for them all
-            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(self.stack.nats_url, answered,
-                                                                             partitions=self.stack.partitions))
+            r.stored, r.recorded, r.duplicated, metered = asyncio.run(logs(
+                self.stack.nats_url, answered, partitions=self.stack.partitions, database=self.stack.database_url))
+            r.metered = len({u.id for u in metered if u.tenant != FILLER_TENANT})
+            self.bill(metered)
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
             if self.net:
                 self.net.delete()
+            if self.pg is not None:
+                self.pg.close()
         return self.result
+
+    def bill(self, metered: list) -> None:
+        """misbilled: each completed request's usage record against what its client got (prompt and output
+        tokens, from its done frame)."""
+        by_id = {u.id: u for u in metered}
+        for cid, o in self.outcomes.items():
+            end = o.end
+            if end is None or end["type"] != "done" or o.resume_id is None or o.tokens != self.expected.get(cid):
+                continue
+            u = by_id.get(o.resume_id.rsplit(".", 1)[0])
+            if u is None or (u.prompt_tokens, u.completion_tokens) != (end["usage"]["prompt_tokens"],
+                                                                      end["usage"]["completion_tokens"]):
+                self.result.misbilled += 1
+                self.result.notes.append(f"{cid}: billed {u and (u.prompt_tokens, u.completion_tokens)}, "
+                                         f"served {end['usage']}")
 
     async def load(self) -> None:
         a = self.args
@@ -287,6 +326,12 @@ class Run:
             os.kill(self.stack.children[name].pid, signal.SIGSTOP)
             await asyncio.sleep(STOP_SECONDS)
             os.kill(self.stack.children[name].pid, signal.SIGCONT)
+        elif self.scenario == "database-restart":
+            await asyncio.to_thread(self.pg.stop, "immediate")
+            await asyncio.sleep(self.args.database_down)
+            await asyncio.to_thread(self.pg.start)
+        elif self.scenario == "backlog-full":
+            await self.backlog_full()
         elif self.scenario == "broker-restart":
             self.stack.kill("nats")
             await asyncio.sleep(BROKER_DOWN_SECONDS)
@@ -348,6 +393,43 @@ class Run:
             if None not in leaders.values():
                 return leaders
 
+    async def backlog_full(self) -> None:
+        """PostgreSQL stopped; TB_USAGE given BACKLOG_ROOM bytes and filled to the refusal with filler records;
+        held BACKLOG_HOLD s; PostgreSQL started again: the note says how long admission refused."""
+        from services.gateway.app import backed_up
+
+        nc = await bus.connect(self.stack.nats_url, "tokenbus-chaos", role="admin")
+        try:
+            js = nc.jetstream()
+            await asyncio.to_thread(self.pg.stop, "immediate")
+            kept = {}
+            for part in subjects.parts(self.stack.partitions):
+                name = subjects.stream(subjects.USAGE_STREAM, part)
+                info = await js.stream_info(name)
+                kept[name] = info.config
+                await js.update_stream(dataclasses.replace(info.config, max_bytes=info.state.bytes + BACKLOG_ROOM))
+            i, start = 0, time.monotonic()
+            while not await backed_up(js):
+                filler = Usage(f"fill{i}", FILLER_TENANT, "", "filler", "ws", "stop", 1, 0, 1, {}, time.time(),
+                               time.time())
+                with contextlib.suppress(Exception):            # a partition already full refuses its share
+                    await js.publish(subjects.usage(FILLER_TENANT, filler.id), encode(filler),
+                                     headers=subjects.msg_id(filler.id))
+                i += 1
+            full = time.monotonic()
+            await asyncio.sleep(BACKLOG_HOLD)
+            await asyncio.to_thread(self.pg.start)
+            while await backed_up(js):
+                await asyncio.sleep(0.2)
+            back = time.monotonic()
+            for config in kept.values():
+                await js.update_stream(config)
+            self.result.notes.append(f"backlog full after {full - start:.1f} s ({i} filler records); admission "
+                                     f"refused {back - full:.1f} s, until {back - full - BACKLOG_HOLD:.1f} s after "
+                                     f"the database returned")
+        finally:
+            await nc.close()
+
     async def poison(self) -> None:
         client = Client(self.stack.urls, self.outcomes)
         await client.open()
@@ -393,6 +475,7 @@ class Run:
                         self.probe_done.append(time.monotonic())
                         return
                     if frame["type"] == "error":
+                        self.result.backlog_refused += "metering backlog full" in frame.get("message", "")
                         return
 
     def score(self) -> None:
@@ -402,6 +485,7 @@ class Run:
                 continue
             end = o.end
             if end is not None and end["type"] == "error" and end.get("code") in REFUSALS and not o.tokens:
+                r.backlog_refused += "metering backlog full" in end.get("message", "")
                 continue                                  # refused at admission: not accepted
             r.accepted += 1
             r.resumed += o.resumed > 0
@@ -448,31 +532,43 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
     return {c: o.token_ids for c, o in zip(cids, outs)}
 
 
-async def logs(nats_url: str, want: int = 0, timeout: float = 30.0,
-               partitions: int = 1) -> tuple[int, int, int, int]:
+async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: int = 1,
+               database: str | None = None) -> tuple[int, int, int, list]:
     """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
-    completion records beyond the first of a request id, request ids with a usage record), summed over
-    the partitions of a partitioned bus. The completion and usage records are stored after the client's
-    last frame (retried through a leader change), so with `want` the logs are read again until each holds
-    `want` request ids or `timeout` seconds pass."""
-    from schemas.messages import Completion, GenerateRequest, Usage
+    completion records beyond the first of a request id, the usage records: the recorder's database's
+    and those still on the bus), summed over the partitions of a partitioned bus. The completion and
+    usage records are stored after the client's last frame (retried through a leader change), so with
+    `want` the logs are read again until each holds `want` request ids or `timeout` seconds pass."""
+    from ops import usage as metering
+    from schemas.messages import Completion, GenerateRequest
+    from services.recorder.store import Window
 
     nc = await bus.connect(nats_url, "tokenbus-chaos", role="admin")
     deadline = time.monotonic() + timeout
     try:
         js = nc.jetstream()
         while True:
-            requests, done, usage = [], [], []
+            requests, done = [], []
             for part in subjects.parts(partitions):
                 requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
                 done += await ids(js, subjects.RESULTS_STREAM, part, Completion, lambda c: c.finish_reason != "error")
-                usage += await ids(js, subjects.USAGE_STREAM, part, Usage)
-            counts = len(requests), len(set(done)), len(done) - len(set(done)), len(set(usage))
-            if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
-                return counts
+            metered = await metering.requests(nats_url, database, Window()) if database else []
+            counts = len(requests), len(set(done)), len(done) - len(set(done))
+            real = {u.id for u in metered if u.tenant != FILLER_TENANT}
+            if min(counts[0], counts[1], len(real)) >= want or time.monotonic() > deadline:
+                return (*counts, metered)
             await asyncio.sleep(0.5)
     finally:
         await nc.close()
+
+
+def postgres_here() -> str | None:
+    """Why no PostgreSQL can be started here (None: it can)."""
+    try:
+        binary("pg_ctl")
+    except FileNotFoundError as e:
+        return str(e)
+    return None
 
 
 async def ids(js, base: str, part: int | None, cls: type, keep=None) -> list[str]:
@@ -501,14 +597,15 @@ async def registered(nats_url: str) -> int:
 
 
 COLUMNS = ("scenario", "sent", "accepted", "completed", "lost", "duplicated", "wrong", "errors", "resumed", "cut",
-           "poison", "recovery_s", "workers")
+           "misbilled", "poison", "recovery_s", "workers")
 
 
 def row(r: Result, leaderless: bool) -> list[str]:
     poison = f"{r.poison_answered}/{r.poison_sent}" if r.poison_sent else "-"
     recovery = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}"
     cells = [r.scenario, *(str(getattr(r, k)) for k in ("sent", "accepted", "completed", "lost", "duplicated",
-                                                         "wrong", "errors", "resumed", "cut")), poison, recovery,
+                                                         "wrong", "errors", "resumed", "cut", "misbilled")),
+             poison, recovery,
              str(r.workers_registered)]
     return cells + ["-" if r.leaderless_s is None else f"{r.leaderless_s:.1f}"] * leaderless
 
@@ -544,6 +641,9 @@ def main(args) -> int:
     for scenario in faults:
         if scenario == "partition-node" and args.no_netns:
             results.append(Result(f"{scenario} (not run: {args.no_netns})"))
+            continue
+        if scenario in RECORDS_SCENARIOS and postgres_here():
+            results.append(Result(f"{scenario} (not run: {postgres_here()})"))
             continue
         print(f"tokenbus chaos: {scenario} ...", file=sys.stderr, flush=True)
         r = Run(scenario, model, expected, args, root / scenario).run()

@@ -35,6 +35,7 @@ USAGE_LINGER = 0.05                      # seconds a usage batch waits to fill o
 RESULTS_LINGER = 2.0                     # an end-record batch (one Parquet file per tenant and hour)
 RETRY = 1.0                              # seconds between tries of a batch the database refused
 IN_PROGRESS = 20.0                       # a held batch tells JetStream it is still being worked on this often
+IN_FLIGHT = 2                            # batches of a stream between taken and acked, at most
 WATCH_SECONDS = 5.0                      # backlog and fill measured, TB_RESULTS trimmed, the archive pruned
 
 BACKLOG = Gauge("tokenbus_recorder_backlog_records", "Records stored on the bus and not yet recorded", ["stream"])
@@ -103,21 +104,29 @@ class Recorder:
         await asyncio.gather(*loops, self.watch())
 
     async def drain(self, batcher: Batcher, write) -> None:
-        """Forever: a batch written (tried again until it is), then acked."""
+        """Forever: a batch decoded, written (tried again until it is), then acked; IN_FLIGHT batches at a time,
+        so that the next is decoded while one is in the database."""
+        room, tasks = asyncio.Semaphore(IN_FLIGHT), set()
         while True:
             msgs = await batcher.take()
-            records = []
-            for msg in msgs:
-                try:
-                    records.append(decode(msg.data, Usage if batcher.stream == subjects.USAGE_STREAM else Completion))
-                except WireError as e:
-                    BAD.labels(batcher.stream).inc()
-                    self.log.error("bad record acked, not recorded", subject=msg.subject, error=str(e))
-            await self.held(msgs, batcher.stream, write, records)
-            for msg in msgs:
-                with contextlib.suppress(nats.errors.Error):      # a lost ack: delivered again, written once
-                    await msg.ack()
-            BATCHES.labels(batcher.stream).observe(len(msgs))
+            await room.acquire()
+            task = asyncio.create_task(self.settle(msgs, batcher.stream, write))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), room.release()))
+
+    async def settle(self, msgs: list, stream: str, write) -> None:
+        records = []
+        for msg in msgs:
+            try:
+                records.append(decode(msg.data, Usage if stream == subjects.USAGE_STREAM else Completion))
+            except WireError as e:
+                BAD.labels(stream).inc()
+                self.log.error("bad record acked, not recorded", subject=msg.subject, error=str(e))
+        await self.held(msgs, stream, write, records)
+        for msg in msgs:
+            with contextlib.suppress(nats.errors.Error):      # a lost ack: delivered again, written once
+                await msg.ack()
+        BATCHES.labels(stream).observe(len(msgs))
 
     async def held(self, msgs: list, stream: str, write, records: list) -> None:
         """write(records) in a thread until it succeeds, telling JetStream the batch is in progress meanwhile."""
@@ -132,6 +141,14 @@ class Recorder:
             except Exception as e:
                 failures += 1
                 ERRORS.labels(stream).inc()
+                if self.db.refused(e) and len(records) > 1:    # a record the database cannot take: found alone
+                    await self.one_by_one(stream, write, records)
+                    return
+                if self.db.refused(e):
+                    BAD.labels(stream).inc()
+                    self.log.error("record refused by the database: acked, not recorded", stream=stream,
+                                   request_id=records[0].id, error=f"{type(e).__name__}: {e}")
+                    return
                 if failures == 1 or failures % 30 == 0:
                     self.log.error("batch not written; holding it and trying again", stream=stream,
                                    records=len(records), failures=failures, error=f"{type(e).__name__}: {e}")
@@ -141,6 +158,12 @@ class Recorder:
                 for msg in msgs:
                     with contextlib.suppress(nats.errors.Error):
                         await msg.in_progress()
+
+    async def one_by_one(self, stream: str, write, records: list) -> None:
+        """A batch the database refused: each record written alone (held while the database is away); those it
+        refuses alone are acked unrecorded, with an error line each, so one bad record never blocks the rest."""
+        for record in records:
+            await self.held([], stream, write, [record])
 
     def write_usage(self, usage: list[Usage]) -> None:
         new, _ = self.db.write(usage, [])
@@ -233,6 +256,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--archive-retention", type=float, default=subjects.LOG_MAX_AGE,
                    help=f"seconds the archive keeps a request (default {subjects.LOG_MAX_AGE:g}: 7 days)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics on this port (default: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="the address /metrics binds (0.0.0.0 in a container)")
     return p
 
 
@@ -240,7 +264,7 @@ async def serve(args) -> None:
     db = Database.open(args.database or records.default_database())
     archive = Archive(args.archive or records.default_archive())
     if args.metrics_port:
-        start_http_server(args.metrics_port, addr="127.0.0.1")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
     recorder = Recorder(await bus.connect(args.nats_url, "recorder", LOG), db, archive, args.archive_retention,
                         args.id)
     try:

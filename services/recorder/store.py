@@ -22,6 +22,9 @@ USAGE_COLUMNS = ("request_id", "tenant", "key_id", "model", "revision", "fallbac
                  "prompt_tokens", "cached_tokens", "completion_tokens", "created", "finished", "timing", "recorded")
 REQUEST_COLUMNS = ("request_id", "tenant", "worker", "finish_reason", "prompt_tokens", "output_tokens",
                    "error_code", "created", "ended", "recorded")
+TYPES = {"usage": ("text",) * 5 + ("bool", "text", "text", "int8", "int8", "int8", "float8", "float8", "text",
+                                   "float8"),
+         "requests": ("text",) * 4 + ("int8", "int8", "text", "float8", "float8", "float8")}
 GROUP = ("tenant", "key_id", "model", "revision", "fallback")
 MIGRATION_LOCK = 7_361_207               # PostgreSQL advisory lock: one recorder migrates at a time
 
@@ -113,6 +116,15 @@ class Database:
     def applied(cur) -> int:
         cur.execute("SELECT max(version) FROM schema_migrations")
         return cur.fetchone()[0] or 0
+
+    @staticmethod
+    def refused(e: Exception) -> bool:
+        """The database answered and refused these rows (a value it cannot store), rather than being away: the
+        same rows would be refused again."""
+        import psycopg
+
+        return isinstance(e, (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError, psycopg.DataError,
+                              psycopg.IntegrityError, ValueError, TypeError))
 
     def write(self, usage: list[Usage], completions: list[Completion]) -> tuple[int, int]:
         """Upserts the records in one transaction (a request id already stored keeps its row); the rows new."""
@@ -231,8 +243,8 @@ class Postgres(Database):
                     cur.execute("INSERT INTO schema_migrations VALUES (%s, %s)", (version, time.time()))
 
     def upsert(self, conn, usage: list[tuple], requests: list[tuple]) -> tuple[int, int]:
-        """Each table's rows copied (COPY, one stream) into a temporary table of the session, then inserted from
-        it: a batch is two round trips a table, twice as fast as one INSERT over arrays."""
+        """Each table's rows copied (binary COPY, one stream) into a temporary table of the session, then inserted
+        from it: a batch is two round trips a table, twice as fast as one INSERT over arrays."""
         with conn.transaction():
             cur = conn.cursor()
             new = []
@@ -241,7 +253,8 @@ class Postgres(Database):
                     new.append(0)
                     continue
                 cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table}_in (LIKE {table}) ON COMMIT DELETE ROWS")
-                with cur.copy(f"COPY {table}_in ({', '.join(columns)}) FROM STDIN") as copy:
+                with cur.copy(f"COPY {table}_in ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)") as copy:
+                    copy.set_types(TYPES[table])
                     for row in rows:
                         copy.write_row(row)
                 cur.execute(f"INSERT INTO {table} SELECT * FROM {table}_in ON CONFLICT (request_id) DO NOTHING")

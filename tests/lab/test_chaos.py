@@ -52,7 +52,8 @@ def test_the_table_has_a_row_per_scenario_under_the_issue_s_columns():
 
 def test_every_scenario_the_issue_names_is_there():
     for name in ("kill-worker", "kill-router", "kill-tokenizer", "kill-gateway", "stop-worker", "stop-router",
-                 "stop-tokenizer", "stop-gateway", "broker-restart", "poison", "slow-client", "overload"):
+                 "stop-tokenizer", "stop-gateway", "broker-restart", "poison", "slow-client", "overload",
+                 "kill-recorder", "database-restart", "backlog-full"):
         assert name in SCENARIOS
 
 
@@ -81,6 +82,26 @@ def test_chaos_kill_gateway_clients_resume_on_the_other_gateway_and_lose_nothing
     assert r["sent"] == 16 and r["accepted"] == r["completed"] == 16, r
     assert (r["lost"], r["duplicated"], r["wrong"], r["errors"], r["cut"]) == (0, 0, 0, 0, 0), r
     assert r["resumed"] > 0 and r["metered"] == r["stored"], r           # cut clients came back; metered once
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_chaos_recorder_killed_database_away_and_backlog_full_bill_every_request_once(tiny_model, tmp_path):
+    """The records scenarios at a small size: every completed request metered once, with the tokens its client
+    got, in PostgreSQL; a full backlog refused requests with "metering backlog full" and let them in again."""
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "chaos", "--model", tiny_model, "--scenarios",
+                           "kill-recorder", "database-restart", "backlog-full", "--requests", "12", "--max-tokens",
+                           "16", "--database-down", "5", "--patience", "60", "--data-dir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=480)
+    results = {r["scenario"]: r for r in json.loads(proc.stdout)}
+    assert set(results) == {"kill-recorder", "database-restart", "backlog-full"}
+    for r in results.values():
+        assert r["accepted"] == r["completed"] == 12, r
+        assert (r["lost"], r["duplicated"], r["wrong"], r["errors"], r["misbilled"]) == (0, 0, 0, 0, 0), r
+        assert r["metered"] == r["stored"] == r["recorded"], r            # in the database, each once
+    assert results["backlog-full"]["backlog_refused"] > 0, results["backlog-full"]
+    assert results["backlog-full"]["notes"][0].startswith("backlog full after")
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from schemas import subjects
+
 TOKENBUS = [sys.executable, "-m", "ops.cli"]
 
 
@@ -120,6 +122,7 @@ def test_status_shows_whether_each_worker_speculates_with_its_method_k_and_accep
 
     async def register():
         nc = await bus.connect(nats_url, "test")
+        await bus.ensure_streams(nc.jetstream())
         kv = await bus.registry(nc.jetstream())
         await kv.put("w0", encode(Heartbeat("w0", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0)))
         await kv.put("w1", encode(Heartbeat("w1", time.time(), "tiny", 16, 8, 0, 0, 64, 64, 0, 0, 0, speculation=spec)))
@@ -127,11 +130,18 @@ def test_status_shows_whether_each_worker_speculates_with_its_method_k_and_accep
 
     asyncio.run(register())
     main(["status", "--nats-url", nats_url])
-    head, w0, w1 = capsys.readouterr().out.splitlines()
+    workers_table, streams_table = capsys.readouterr().out.split("\n\n")
+    head, w0, w1 = workers_table.splitlines()
     assert head.split()[-1] == "speculation"
     assert w0.endswith(" off") and w1.endswith(" ngram k=2/4, 62.5% accepted")
+    assert streams_table.splitlines()[0].split() == ["stream", "max", "held", "fill", "messages", "keeps"]
+    assert streams_table.splitlines()[5].split()[0] == subjects.USAGE_STREAM
+    assert streams_table.splitlines()[5].endswith("until recorded")
     main(["status", "--json", "--nats-url", nats_url])
-    workers = json.loads(capsys.readouterr().out)["workers"]
+    out = json.loads(capsys.readouterr().out)
+    usage = next(s for s in out["streams"] if s["name"] == subjects.USAGE_STREAM)
+    assert usage["max_bytes"] == subjects.stream_bytes(subjects.USAGE_STREAM, subjects.bus_storage())
+    workers = out["workers"]
     assert workers[0]["speculation"] is None
     assert workers[1]["speculation"]["method"] == "ngram" and workers[1]["speculation"]["acceptance_rate"] == 0.625
 

@@ -4,6 +4,7 @@ commit and the ack writes nothing twice), in batches; held while the database is
 refusing new requests once the metering backlog is full, and recovering when it returns."""
 import asyncio
 import contextlib
+import dataclasses
 import sqlite3
 import subprocess
 import sys
@@ -226,3 +227,28 @@ def test_the_embedded_database_is_a_plain_sqlite_file_any_sqlite_reads(tmp_path)
 def test_a_database_url_of_another_kind_is_refused_naming_it():
     with pytest.raises(ValueError, match="--database 'mysql://x': expected postgresql://"):
         Database.open("mysql://x")
+
+
+@pytest.mark.timeout(120)
+def test_a_record_postgresql_refuses_is_set_aside_and_the_rest_of_its_batch_written(nats_url, postgres, tmp_path):
+    """A NUL in a text field: PostgreSQL refuses the batch, the recorder writes its records one by one and acks
+    the one refused alone (an error line), so it never blocks the stream."""
+    async def run():
+        nc = await bus.connect(nats_url, "test-recorder")
+        js = nc.jetstream()
+        await bus.ensure_streams(js)
+        bad = dataclasses.replace(usage(3), model="tiny\x00")
+        await publish_usage(js, [usage(1), usage(2), bad, usage(4)])
+        db = Database.open(postgres.url)
+        refused = service.BAD.labels(subjects.USAGE_STREAM)._value.get()
+        task = asyncio.create_task(Recorder(nc, db, Archive(str(tmp_path / "archive"))).run())
+        await until(lambda: empty(js))
+        assert sorted(u.id for u in db.usage(Window())) == ["r1", "r2", "r4"]
+        assert service.BAD.labels(subjects.USAGE_STREAM)._value.get() == refused + 1
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        db.close()
+        await nc.close()
+
+    asyncio.run(run())
