@@ -1,6 +1,7 @@
 """`tokenbus usage` sums the metering log (TB_USAGE) per tenant, key, model and revision, fallback requests
 apart, filtered by tenant and by time, as a table or JSON."""
 import asyncio
+import csv
 import datetime
 import json
 import time
@@ -84,3 +85,35 @@ def test_since_takes_ages_and_dates_and_names_what_it_wants():
     assert since("2026-11-01") == datetime.datetime(2026, 11, 1, tzinfo=datetime.UTC).timestamp()
     with pytest.raises(ValueError, match="expected an age like 30m"):
         since("yesterday")
+
+
+def test_usage_reads_the_database_and_the_unrecorded_tail_once_each_and_exports_a_tenant_as_csv(nats_url, capsys,
+                                                                                                 tmp_path):
+    """Three records in the recorder's database, two on the bus (one of them recorded already): four requests,
+    one of them marked unrecorded; --csv writes a tenant's requests of the period, one row each."""
+    from services.recorder.store import Database
+
+    db_url = f"sqlite:///{tmp_path / 'records.db'}"
+    db = Database.open(db_url)
+    db.write([record("a", "acme", "k1", 10, 4, 5), record("b", "acme", "k1", 20, 0, 7),
+              record("c", "globex", "k3", 100, 50, 30)], [])
+    db.close()
+    asyncio.run(store(nats_url, [record("b", "acme", "k1", 20, 0, 7), record("d", "acme", "k2", 1, 0, 1)]))
+    got = json.loads(usage(capsys, "--nats-url", nats_url, "--database", db_url, "--json"))
+    assert got["total"] == {"requests": 4, "prompt_tokens": 131, "cached_tokens": 54, "completion_tokens": 43,
+                            "total_tokens": 174}
+    assert got["unrecorded"]["requests"] == 1 and got["unrecorded"]["prompt_tokens"] == 1
+    assert [(r["tenant"], r["key_id"], r["requests"]) for r in got["rows"]] == [("acme", "k1", 2), ("acme", "k2", 1),
+                                                                                ("globex", "k3", 1)]
+    assert usage(capsys, "--nats-url", nats_url, "--database", db_url).splitlines()[-1] == (
+        "(1 request above not yet in the database: read from the bus's TB_USAGE)")
+
+    out = tmp_path / "acme.csv"
+    said = usage(capsys, "--nats-url", nats_url, "--database", db_url, "--tenant", "acme", "--since", "1970-01-01",
+                 "--until", "2100-01-01", "--csv", str(out))
+    assert said.strip() == f"exported 3 requests of acme to {out}"
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["request_id"], r["key_id"], r["prompt_tokens"]) for r in rows] == [("a", "k1", "10"), ("b", "k1", "20"),
+                                                                                ("d", "k2", "1")]
+    with pytest.raises(SystemExit, match="--csv exports one tenant's requests: give --tenant"):
+        usage(capsys, "--nats-url", nats_url, "--database", db_url, "--csv", str(out))

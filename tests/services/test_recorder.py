@@ -252,3 +252,43 @@ def test_a_record_postgresql_refuses_is_set_aside_and_the_rest_of_its_batch_writ
         await nc.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_end_records_are_archived_then_trimmed_from_the_bus_past_ends_keep(nats_url, tmp_path, monkeypatch):
+    """End records go to the archive and the requests table, are acked, and once older than ENDS_KEEP are purged
+    from TB_RESULTS; the ones not yet that old stay there (a redelivered work item reads them)."""
+    monkeypatch.setattr(subjects, "ENDS_KEEP", 3.0)
+    monkeypatch.setattr(service, "RESULTS_LINGER", 0.05)
+
+    async def run():
+        nc = await bus.connect(nats_url, "test-recorder")
+        js = nc.jetstream()
+        await bus.ensure_streams(js)
+        for i in range(10):
+            await js.publish(subjects.done("acme", f"r{i}"), encode(end(i)), headers=subjects.msg_id(f"r{i}"))
+        await asyncio.sleep(3.2)                                  # these ten are past ENDS_KEEP
+        for i in range(10, 13):
+            await js.publish(subjects.done("acme", f"r{i}"), encode(end(i)), headers=subjects.msg_id(f"r{i}"))
+        db = Database.open(f"sqlite:///{tmp_path / 'records.db'}")
+        archive = Archive(str(tmp_path / "archive"))
+        recorder = Recorder(nc, db, archive)
+        task = asyncio.create_task(recorder.run())
+        await until(lambda: asyncio.to_thread(lambda: db.count("requests") == 13))
+        await until(lambda: acked(js, 13))
+        await recorder.trim(None)
+        state = (await js.stream_info(subjects.RESULTS_STREAM)).state
+        assert (state.first_seq, state.messages) == (11, 3)        # r0..r9 purged, r10..r12 kept
+        assert sorted(c.id for c in archive.read()) == sorted(f"r{i}" for i in range(13))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        db.close()
+        await nc.close()
+
+    asyncio.run(run())
+
+
+async def acked(js, n: int) -> bool:
+    info = await js.consumer_info(subjects.RESULTS_STREAM, subjects.RECORDER_DURABLE)
+    return info.ack_floor.stream_seq >= n
