@@ -98,6 +98,9 @@ def convert(value, hint, path: str):
     origin, args = shape(hint)
     if origin is list and type(value) is list and set(map(type, value)) <= {args[0]}:   # token ids: in C
         return value
+    if origin is dict and type(value) is dict and set(map(type, value)) <= {args[0]} \
+            and set(map(type, value.values())) <= {args[1]}:                          # timings, usage: in C
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None:
             if type(None) in args:
