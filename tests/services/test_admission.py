@@ -86,6 +86,19 @@ def test_admission_charges_prompt_and_max_tokens_and_settles_with_what_was_used(
     a.admit(key, 100, 700, now=0.0)
 
 
+def test_admission_refuses_everything_while_the_metering_backlog_is_full_and_not_after():
+    a = admission_with_worker()
+    a.backlog = "metering backlog full: TB_USAGE holds 9.0 MiB of records the recorder has not taken"
+    for place in (True, False):                   # the cluster's requests and the fallback's alike
+        with pytest.raises(ApiError) as refused:
+            a.admit(keys.OPEN, 1, 1, now=0.0, place=place)
+        assert (refused.value.status, refused.value.code) == (503, "unavailable")
+        assert str(refused.value).startswith("metering backlog full") and refused.value.retry_after == 5.0
+    assert a.tenants == {}                        # nothing charged
+    a.backlog = ""
+    a.settle(a.admit(keys.OPEN, 1, 1, now=0.0), 2)
+
+
 def test_admission_refuses_when_every_worker_is_past_the_watermark_and_counts_what_it_sent():
     a = admission_with_worker(max_num_seqs=2)
     key = keys.OPEN
