@@ -11,10 +11,10 @@ import re
 
 # -- subjects ------------------------------------------------------------------------------------
 
-REQUESTS_STREAM, REQUESTS_SUBJECTS = "TB_REQUESTS", "tb.req.>"     # the replayable request log
+REQUESTS_STREAM, REQUESTS_SUBJECTS = "TB_REQUESTS", "tb.req.>"     # requests while routed, run, resumed
 ROUTE_STREAM, ROUTE_SUBJECTS = "TB_ROUTE", "tb.route.>"            # prefilled requests handed back, a work queue
 WORK_STREAM, WORK_SUBJECTS = "TB_WORK", "tb.work.>"                # one subject per worker, a work queue
-RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the end records: one per request
+RESULTS_STREAM, RESULTS_SUBJECTS = "TB_RESULTS", "tb.done.>"       # the end records, until archived
 USAGE_STREAM, USAGE_SUBJECTS = "TB_USAGE", "tb.usage.>"            # the metering log: one record per request
 DEAD_STREAM, DEAD_SUBJECTS = "TB_DEAD", "tb.dead.>"                # dead-lettered requests, with the reason
 WORKERS_BUCKET = "tb_workers"                                      # heartbeats, key = worker id
