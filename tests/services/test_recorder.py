@@ -167,6 +167,15 @@ def bucket_counts(histogram) -> list[float]:
     return [b.get() for b in histogram._buckets]
 
 
+async def stopped(task: asyncio.Task, db: Database, nc) -> None:
+    """The recorder task cancelled, its database and connection closed."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    db.close()
+    await nc.close()
+
+
 async def empty(js) -> bool:
     """TB_USAGE holds nothing: every record was recorded and acked (interest retention removed it)."""
     return (await js.stream_info(subjects.USAGE_STREAM)).state.messages == 0
@@ -205,11 +214,7 @@ def test_a_database_away_holds_the_batch_fills_the_backlog_refuses_and_recovers(
         assert await backed_up(js) == ""
         assert db.count("usage") == stored and db.sums(Window())[0]["requests"] == stored
         assert service.ERRORS.labels(subjects.USAGE_STREAM)._value.get() > 0
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        db.close()
-        await nc.close()
+        await stopped(task, db, nc)
 
     with LocalPostgres(fsync=False) as pg:
         asyncio.run(run(pg))
@@ -245,11 +250,7 @@ def test_a_record_postgresql_refuses_is_set_aside_and_the_rest_of_its_batch_writ
         await until(lambda: empty(js))
         assert sorted(u.id for u in db.usage(Window())) == ["r1", "r2", "r4"]
         assert service.BAD.labels(subjects.USAGE_STREAM)._value.get() == refused + 1
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        db.close()
-        await nc.close()
+        await stopped(task, db, nc)
 
     asyncio.run(run())
 
@@ -280,11 +281,7 @@ def test_end_records_are_archived_then_trimmed_from_the_bus_past_ends_keep(nats_
         state = (await js.stream_info(subjects.RESULTS_STREAM)).state
         assert (state.first_seq, state.messages) == (11, 3)        # r0..r9 purged, r10..r12 kept
         assert sorted(c.id for c in archive.read()) == sorted(f"r{i}" for i in range(13))
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        db.close()
-        await nc.close()
+        await stopped(task, db, nc)
 
     asyncio.run(run())
 
