@@ -19,7 +19,8 @@ COPY services services
 COPY workers workers
 COPY kernels kernels
 COPY ops ops
-RUN pip install --no-deps . && useradd --create-home tokenbus
+# /archive: the recorder's volume (compose.yaml), owned by the user here so that a new volume is too
+RUN pip install --no-deps . && useradd --create-home tokenbus && install -d -o tokenbus -g tokenbus /archive
 USER tokenbus
 
 EXPOSE 8000

@@ -1,8 +1,9 @@
 """compose.yaml run for real, as a user runs it: `docker compose --profile cpu up` builds the image and starts the
-three NATS nodes, gateway, tokenizer, router and two CPU workers on SmolLM2 mounted from the host. Through the
-published ports: the official openai client, `tokenbus chat`'s websocket, `tokenbus status` and `inspect`.
-Then a worker container killed mid-stream (its request finished by the other, token for token as the same
-request unbroken), one NATS container stopped (the stack still serves), and `compose down -v` leaving nothing.
+three NATS nodes, gateway, tokenizer, router, recorder, postgres and two CPU workers on SmolLM2 mounted from the
+host. Through the published ports: the official openai client, `tokenbus chat`'s websocket, `tokenbus status` and
+`inspect`. Then a worker container killed mid-stream (its request finished by the other, token for token as the
+same request unbroken), one NATS container stopped (the stack still serves), a usage row in postgres for every
+request, and `compose down -v` leaving nothing.
 Where no registry answers, the images are stand-ins built offline (tests/prepare-containers.sh)."""
 import asyncio
 import json
@@ -30,10 +31,10 @@ LONG = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
 def test_the_compose_stack_serves_survives_a_worker_and_a_nats_node_and_leaves_nothing(smollm2, tmp_path, capsys):
     keys = tmp_path / "api-keys.json"
     keys.write_text(json.dumps({KEY: {"tenant": "default"}}))
-    port, nats_port = free_port(), free_port()
+    port, nats_port, pg_port = free_port(), free_port(), free_port()
     compose = Compose(f"tbtest-{uuid.uuid4().hex[:8]}", ROOT, {
         "TB_MODEL_DIR": str(served_dir(tmp_path, {SERVED: smollm2})), "TB_MODEL": SERVED, "TB_PORT": str(port),
-        "TB_NATS_PORT": str(nats_port), "TB_API_KEYS": str(keys), "TB_MAX_NUM_SEQS": "8"})
+        "TB_NATS_PORT": str(nats_port), "TB_API_KEYS": str(keys), "TB_MAX_NUM_SEQS": "8", "TB_PG_PORT": str(pg_port)})
     nats_url = f"nats://127.0.0.1:{nats_port}"
     with container_world():
         try:
@@ -60,6 +61,8 @@ def test_the_compose_stack_serves_survives_a_worker_and_a_nats_node_and_leaves_n
             for _ in range(3):                  # a quorum of two nodes: the stack serves on
                 answered_by_the_openai_client(client)
             assert tokenbus_json("status", "--json", "--nats-url", nats_url)["workers"]
+            asked = 4 * 2 + 1 + 2               # the openai client's four times two, tokenbus chat's, the long two
+            assert usage_rows(compose, asked) == asked
         finally:
             compose.down()
         assert compose.leftovers() == {"containers": [], "networks": [], "volumes": []}
@@ -121,6 +124,17 @@ async def serving(compose: Compose, request_id: str) -> str:
             return started[0]
         await asyncio.sleep(0.1)
     raise AssertionError(f"no worker logged the start of {request_id}")
+
+
+def usage_rows(compose: Compose, expected: int) -> int:
+    """The usage rows the recorder has written into postgres: once there are `expected`, or after 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        rows = int(compose("exec", "-T", "postgres", "psql", "-U", "tokenbus", "-d", "tokenbus", "-tAc",
+                           "select count(*) from usage").stdout)
+        if rows >= expected or time.monotonic() > deadline:
+            return rows
+        time.sleep(1)
 
 
 def tokenbus(*args: str) -> str:

@@ -142,11 +142,13 @@ def run_in_containers(readme: Readme, lang: str, code: str) -> None:
             (checkout / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, checkout / f)
     port, nats_port = free_port(), free_port()
-    stack = Compose(checkout.name, checkout, {"TB_PORT": str(port), "TB_NATS_PORT": str(nats_port)})
+    stack = Compose(checkout.name, checkout, {"TB_PORT": str(port), "TB_NATS_PORT": str(nats_port),
+                                              "TB_PG_PORT": str(free_port())})
     with container_world():
         try:
             p = readme.run(lang, code, cwd=checkout, port=port, nats_port=nats_port,
-                           env={k: stack.env[k] for k in ("TB_PORT", "TB_NATS_PORT", "COMPOSE_PROJECT_NAME")})
+                           env={k: stack.env[k] for k in ("TB_PORT", "TB_NATS_PORT", "TB_PG_PORT",
+                                                          "COMPOSE_PROJECT_NAME")})
             assert p.returncode == 0, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}"
         finally:
             stack.down()

@@ -18,10 +18,12 @@ from ops import cluster, procs, up
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose_spec.json").read_text())
 NODES = {"nats-1", "nats-2", "nats-3"}                  # the 3-node nats cluster
-SERVICES = {*NODES, "gateway", "tokenizer", "router", "worker", "worker-cpu"}
+SERVING = {"gateway", "tokenizer", "router", "worker", "worker-cpu"}   # the services with the model directory
+SERVICES = {*NODES, *SERVING, "postgres", "recorder"}
 NATS_URL = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
 PARSERS = {"services.gateway": "services.gateway.app", "services.tokenizer": "services.tokenizer.service",
-           "services.router": "services.router.service", "workers.service": "workers.service"}
+           "services.router": "services.router.service", "workers.service": "workers.service",
+           "services.recorder": "services.recorder.service"}
 VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
 ONE_MODEL = {"--models": "--model"}   # up writes a served models file; compose serves one model, named by --model
 LATER = {"--tensor-parallel-size": 1, "--api-keys": 1}   # flags of parallel issues (tensor parallel, API keys):
@@ -46,6 +48,11 @@ def compose(env: dict | None = None) -> dict:
 def errors(doc: dict) -> list[str]:
     validator = jsonschema.Draft201909Validator(SCHEMA)
     return [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """A service's volumes: container path -> source."""
+    return {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
 
 
 def argv(service: dict) -> list[str]:
@@ -111,16 +118,35 @@ def test_settings_come_from_the_environment_gpus_tensor_parallel_size_model_and_
     gateway = doc["services"]["gateway"]
     assert argv(gateway)[argv(gateway).index("--api-keys") + 1] == "/config/api-keys.json"
     assert "/etc/tb/keys.json:/config/api-keys.json:ro" in gateway["volumes"]
-    for name in SERVICES - NODES:
+    for name in SERVING | {"recorder"}:
+        assert all(doc["services"][name]["depends_on"][n]["condition"] == "service_healthy" for n in NODES), name
+    for name in SERVING:
         assert "/srv/models:/models:ro" in doc["services"][name]["volumes"], name
-        assert all(doc["services"][name]["depends_on"][n]["condition"] == "service_healthy" for n in NODES)
+
+
+def test_the_recorder_writes_to_the_postgres_service_once_healthy_and_keeps_its_archive_in_a_volume():
+    doc = compose({"TB_PG_USER": "billing", "TB_PG_PASSWORD": "p@ss/word", "TB_PG_DB": "records"})
+    postgres, recorder = doc["services"]["postgres"], doc["services"]["recorder"]
+    assert re.fullmatch(r"postgres:\d+(\.\d+)*-alpine", postgres["image"])          # the official image, a pinned major
+    env = postgres["environment"]
+    assert (env["POSTGRES_USER"], env["POSTGRES_PASSWORD"], env["POSTGRES_DB"]) == ("billing", "p@ss/word", "records")
+    assert mounts(postgres)["/var/lib/postgresql/data"] in doc["volumes"]
+    assert postgres["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert all(p.startswith("127.0.0.1:") for p in postgres.get("ports", []))       # loopback only, if at all
+    args = importlib.import_module(PARSERS["services.recorder"]).parser().parse_args(argv(recorder)[3:])
+    assert args.database == "postgresql://billing@postgres:5432/records"           # the password: libpq's PGPASSWORD
+    assert recorder["environment"]["PGPASSWORD"] == "p@ss/word" and "p@ss" not in " ".join(argv(recorder))
+    assert recorder["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert mounts(recorder)[args.archive] in doc["volumes"]
+    assert args.metrics_host == "0.0.0.0"                                       # scraped from other containers
+    assert f"127.0.0.1:{args.metrics_port}/metrics" in " ".join(recorder["healthcheck"]["test"])
 
 
 def up_commands(monkeypatch, tmp_path) -> dict[str, list[str]]:
     """The commands `tokenbus up` starts, by module (nothing is started)."""
     started = {}
     monkeypatch.setattr(up.procs, "start_nats", lambda *a, **k: None)
-    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None: _done())
+    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None, storage=None: _done())
     monkeypatch.setattr(up.Stack, "spawn",
                         lambda self, name, module, *args, **kw: started.setdefault(module, list(args)))
     up.Stack("/models/tiny", 8000, tmp_path).start()
@@ -135,7 +161,7 @@ def test_compose_runs_the_entry_points_of_tokenbus_up_with_flags_their_parsers_t
     started = up_commands(monkeypatch, tmp_path)
     doc = compose()
     modules = {}
-    for name in SERVICES - NODES:
+    for name in SERVICES - NODES - {"postgres"}:
         cmd = argv(doc["services"][name])
         assert cmd[:2] == ["python", "-m"], cmd
         modules.setdefault(cmd[2], []).append(cmd[3:])
