@@ -249,10 +249,9 @@ class Run:
                 cluster.wait_ready(self.stack.nats_nodes)
             r = self.result
             answered = r.completed + len(self.probe_done)    # each has its records on the way: wait for them all
-            r.stored, r.recorded, r.duplicated, metered = asyncio.run(logs(
+            r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(
                 self.stack.nats_url, answered, partitions=self.stack.partitions, database=self.stack.database_url))
-            r.metered = len({u.id for u in metered if u.tenant != FILLER_TENANT})
-            self.bill(metered)
+            self.bill(asyncio.run(usage_records(self.stack.nats_url, self.stack.database_url)))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
@@ -532,16 +531,23 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
     return {c: o.token_ids for c, o in zip(cids, outs)}
 
 
-async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: int = 1,
-               database: str | None = None) -> tuple[int, int, int, list]:
-    """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
-    completion records beyond the first of a request id, the usage records: the recorder's database's
-    and those still on the bus), summed over the partitions of a partitioned bus. The completion and
-    usage records are stored after the client's last frame (retried through a leader change), so with
-    `want` the logs are read again until each holds `want` request ids or `timeout` seconds pass."""
+async def usage_records(nats_url: str, database: str) -> list:
+    """Every usage record but the filler's: the recorder's database's and those still on the bus, once each."""
     from ops import usage as metering
-    from schemas.messages import Completion, GenerateRequest
     from services.recorder.store import Window
+
+    return [u for u in await metering.requests(nats_url, database, Window()) if u.tenant != FILLER_TENANT]
+
+
+async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: int = 1,
+               database: str | None = None) -> tuple[int, int, int, int]:
+    """From the stack's logs: (requests stored in TB_REQUESTS, request ids with a completion record,
+    completion records beyond the first of a request id, request ids with a usage record: in the
+    recorder's database or still on the bus), summed over the partitions of a partitioned bus. The
+    completion and usage records are stored after the client's last frame (retried through a leader
+    change), so with `want` the logs are read again until each holds `want` request ids or `timeout`
+    seconds pass."""
+    from schemas.messages import Completion, GenerateRequest
 
     nc = await bus.connect(nats_url, "tokenbus-chaos", role="admin")
     deadline = time.monotonic() + timeout
@@ -552,11 +558,10 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: 
             for part in subjects.parts(partitions):
                 requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
                 done += await ids(js, subjects.RESULTS_STREAM, part, Completion, lambda c: c.finish_reason != "error")
-            metered = await metering.requests(nats_url, database, Window()) if database else []
-            counts = len(requests), len(set(done)), len(done) - len(set(done))
-            real = {u.id for u in metered if u.tenant != FILLER_TENANT}
-            if min(counts[0], counts[1], len(real)) >= want or time.monotonic() > deadline:
-                return (*counts, metered)
+            metered = {u.id for u in await usage_records(nats_url, database)} if database else set()
+            counts = len(requests), len(set(done)), len(done) - len(set(done)), len(metered)
+            if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
+                return counts
             await asyncio.sleep(0.5)
     finally:
         await nc.close()

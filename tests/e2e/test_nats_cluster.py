@@ -2,8 +2,8 @@
 own stores and routes, each in a network namespace of its own where the machine allows (root, iproute2),
 on 127.0.0.1 otherwise. Under load, SIGKILL of the node that leads TB_REQUESTS, or a 10 s partition of
 it: every accepted request, those in flight and those sent during the fault, completes with the offline
-engine's tokens; TB_REQUESTS, TB_RESULTS and TB_USAGE hold one record per request id. The time without a
-leader is printed."""
+engine's tokens; TB_REQUESTS and TB_RESULTS hold one record per request id, and so do the usage records
+(the recorder's database and what is still on the bus). The time without a leader is printed."""
 import asyncio
 import concurrent.futures
 import json
@@ -100,7 +100,8 @@ def check_nothing_lost_nothing_twice(stack: Stack, model: str, got: dict[str, di
         assert g["end"]["type"] == "done", (cid, g["end"])
         assert g["token_ids"] == want.token_ids, cid
     stored, recorded, duplicated, metered = asyncio.run(logs(stack.nats_url, BEFORE + DURING,
-                                                             partitions=stack.partitions))
+                                                             partitions=stack.partitions,
+                                                             database=stack.database_url))
     assert stored == recorded == metered == BEFORE + DURING and duplicated == 0
 
 
