@@ -3,20 +3,19 @@ by its own model (the offline engine's greedy tokens of that model); /v1/models 
 pinned revision and a wrong one; a 30% canary of the second model decided per request id, its revision in
 every response and usage record."""
 import asyncio
-import contextlib
 import math
 
 import pytest
 import websockets
 
-import bus
+from ops import usage
 from ops.procs import free_port
 from ops.status import read_registry
 from ops.up import Entry, Stack
-from schemas import subjects
-from schemas.messages import Usage, decode
+from schemas.messages import Usage
 from schemas.revision import revision
 from services.gateway.models import fraction
+from services.recorder.store import Window
 from tests.e2e.conftest import WORKER_ARGS, collect, get, post, running, send
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -102,18 +101,13 @@ def test_a_canary_takes_its_share_by_request_id_with_the_revision_in_every_respo
         assert rev[fp] == (fraction(rid) < SHARE), body                # the split is the request id's
         canary += rev[fp]
     assert abs(canary - n * SHARE) <= 4 * math.sqrt(n * SHARE * (1 - SHARE)), canary
-    records = asyncio.run(usage_records(stack.nats_url))
+    records = asyncio.run(usage_records(stack))
     served = {body["id"].removeprefix("cmpl-"): body["system_fingerprint"] for _, body in answers}
     assert {r.id: r.revision for r in records if r.id in served} == served
     assert {r.model for r in records if r.id in served} == {"beta"}
 
 
-async def usage_records(nats_url: str, wait: float = 2.0) -> list[Usage]:
-    nc = await bus.connect(nats_url, "test-usage")
-    sub = await nc.jetstream().subscribe(subjects.USAGE_SUBJECTS, ordered_consumer=True)
-    records = []
-    with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-        while True:
-            records.append(decode((await sub.next_msg(timeout=wait)).data, Usage))
-    await nc.close()
-    return records
+async def usage_records(stack, wait: float = 2.0) -> list[Usage]:
+    """Every usage record, from the recorder's database and the bus, once the last has had `wait` s to land."""
+    await asyncio.sleep(wait)
+    return await usage.requests(stack.nats_url, stack.database_url, Window())

@@ -215,8 +215,9 @@ def test_status_shows_every_worker_as_json_and_as_a_table(stack, capsys):
                and w["role"] == "both" and w["kv_transfer"] is None and w["scheduling_policy"] == "fcfs"
                for w in workers)
     main(["status", "--nats-url", stack.nats_url])
-    table = capsys.readouterr().out.splitlines()
+    table, streams = (part.splitlines() for part in capsys.readouterr().out.split("\n\n"))
     assert table[0].split()[:6] == ["worker", "role", "model", "policy", "running", "waiting"] and len(table) == 3
+    assert [line.split()[0] for line in streams[1:]] == list(subjects.STREAM_NAMES)
     assert table[1].split()[:4] == ["w0", "both", f"{model}@{workers[0]['revision']}", "fcfs"]
 
 
@@ -271,7 +272,7 @@ def test_tokenbus_up_serves_and_leaves_no_process_behind(tmp_path, unreachable_r
         assert f"websocket  {up.url}" in up.lines
         pid = up.process.pid
         children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        assert len(children) == 5           # nats-server, tokenizer, router, one worker, gateway
+        assert len(children) == 6           # nats-server, tokenizer, router, recorder, one worker, gateway
 
         async def run():
             import websockets

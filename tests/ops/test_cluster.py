@@ -109,7 +109,7 @@ def test_an_ops_command_given_a_server_list_reads_the_cluster_when_one_listed_se
     nodes, _ = nodes
     dead = f"nats://127.0.0.1:{procs.free_port()}"
     cli.main(["status", "--json", "--nats-url", f"{dead},{cluster.url(nodes)}"])      # one answering is enough
-    assert json.loads(capsys.readouterr().out) == {"workers": []}
+    assert json.loads(capsys.readouterr().out)["workers"] == []
     with pytest.raises(SystemExit) as exit:
         cli.main(["status", "--nats-url", f"{dead},{dead}"])
     assert f"no nats-server answered at {dead}" in str(exit.value)

@@ -17,7 +17,7 @@ def started(monkeypatch, stack: up.Stack) -> dict[str, list[str]]:
     """The arguments of every child the stack spawns, by name (nothing is started)."""
     children = {}
     monkeypatch.setattr(up.procs, "start_nats", lambda *a, **k: None)
-    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None: done())
+    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None, storage=None: done())
     monkeypatch.setattr(up.Stack, "spawn", lambda self, name, module, *args, **kw: children.setdefault(name, [*args]))
     stack.start()
     return children

@@ -15,7 +15,7 @@ def started(monkeypatch, tmp_path, **stack) -> dict[str, list[str]]:
     """The arguments of every child `up.Stack(**stack).start()` spawns, by name (nothing is started)."""
     children = {}
     monkeypatch.setattr(up.procs, "start_nats", lambda *a, **k: None)
-    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None: done())
+    monkeypatch.setattr(up, "prepare", lambda url, credentials=None, partitions=None, storage=None: done())
     monkeypatch.setattr(up.Stack, "spawn", lambda self, name, module, *args, **kw: children.setdefault(name, [*args]))
     up.Stack("/models/tiny", 8000, tmp_path, **stack).start()
     return children
