@@ -66,7 +66,8 @@ def test_a_negative_worker_count_is_refused_by_the_parser(capsys):
 def test_the_stack_starts_colocated_prefill_and_decode_workers_with_unique_ids_and_their_roles(monkeypatch, tmp_path):
     children = started(monkeypatch, tmp_path, workers=1, worker_args=["--max-num-seqs", "8"], prefill_workers=2,
                        decode_workers=1)
-    workers = {name: args for name, args in children.items() if name not in ("tokenizer", "router", "gateway")}
+    services = ("tokenizer", "router", "recorder", "gateway")
+    workers = {name: args for name, args in children.items() if name not in services}
     assert list(workers) == ["w0", "p0", "p1", "d0"]
     for name, args in workers.items():
         assert args[args.index("--id") + 1] == name and args[-2:] == ["--max-num-seqs", "8"]
