@@ -39,15 +39,16 @@ def since(text: str) -> float:
     return (t if t.tzinfo else t.replace(tzinfo=datetime.UTC)).timestamp()
 
 
-async def read(nats_url: str, tenant: str | None = None, start: float | None = None) -> list[Usage]:
+async def read(nats_url: str, tenant: str | None = None, start: float | None = None,
+               partitions: int | None = None) -> list[Usage]:
     """The usage records on the bus (those no recorder has taken yet) of `tenant` (all tenants: None) stored
     since `start` (unix time)."""
     nc = await broker.connect(nats_url, "tokenbus-usage", role="usage")
     try:
         js = nc.jetstream()
-        await bus.ensure_streams(js)
+        await bus.ensure_streams(js, partitions)
         records = []
-        for part in subjects.parts():               # each partition's TB_USAGE on a partitioned bus
+        for part in subjects.parts(partitions):     # each partition's TB_USAGE on a partitioned bus
             records += await read_stream(js, subjects.stream(subjects.USAGE_STREAM, part),
                                          subjects.tenant_filters(subjects.USAGE_STREAM, tenant, part), start)
         return records
@@ -101,9 +102,10 @@ def database(url: str) -> Database | None:
     return None if getattr(db, "path", None) is not None and not db.path.exists() else db
 
 
-async def report(nats_url: str, url: str, window: Window) -> tuple[list[dict], list[Usage]]:
+async def report(nats_url: str, url: str, window: Window,
+                 partitions: int | None = None) -> tuple[list[dict], list[Usage]]:
     """The database's sums in the window, and the bus's records not yet in the database (the tail)."""
-    tail = [u for u in await read(nats_url, window.tenant, window.since)
+    tail = [u for u in await read(nats_url, window.tenant, window.since, partitions)
             if window.until is None or u.finished < window.until]
     db = database(url)
     if db is None:
@@ -116,9 +118,9 @@ async def report(nats_url: str, url: str, window: Window) -> tuple[list[dict], l
     return rows, [u for u in tail if u.id not in recorded]
 
 
-async def requests(nats_url: str, url: str, window: Window) -> list[Usage]:
+async def requests(nats_url: str, url: str, window: Window, partitions: int | None = None) -> list[Usage]:
     """Every request's usage in the window: the database's rows and the tail's, once each, in the order finished."""
-    _, tail = await report(nats_url, url, window)
+    _, tail = await report(nats_url, url, window, partitions)
     db = database(url)
     stored = [] if db is None else await asyncio.to_thread(db.usage, window)
     if db is not None:

@@ -251,7 +251,7 @@ class Run:
             answered = r.completed + len(self.probe_done)    # each has its records on the way: wait for them all
             r.stored, r.recorded, r.duplicated, r.metered = asyncio.run(logs(
                 self.stack.nats_url, answered, partitions=self.stack.partitions, database=self.stack.database_url))
-            self.bill(asyncio.run(usage_records(self.stack.nats_url, self.stack.database_url)))
+            self.bill(asyncio.run(usage_records(self.stack.nats_url, self.stack.database_url, self.stack.partitions)))
             self.result.workers_registered = asyncio.run(registered(self.stack.nats_url))
         finally:
             self.stack.stop()
@@ -531,12 +531,14 @@ def expected_tokens(model: str, cids: list[str], max_tokens: int) -> dict[str, l
     return {c: o.token_ids for c, o in zip(cids, outs)}
 
 
-async def usage_records(nats_url: str, database: str) -> list:
-    """Every usage record but the filler's: the recorder's database's and those still on the bus, once each."""
+async def usage_records(nats_url: str, database: str, partitions: int = 1) -> list:
+    """Every usage record but the filler's: the recorder's database's and those still on the bus (of its
+    partitions), once each."""
     from ops import usage as metering
     from services.recorder.store import Window
 
-    return [u for u in await metering.requests(nats_url, database, Window()) if u.tenant != FILLER_TENANT]
+    return [u for u in await metering.requests(nats_url, database, Window(), partitions)
+            if u.tenant != FILLER_TENANT]
 
 
 async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: int = 1,
@@ -558,7 +560,7 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: 
             for part in subjects.parts(partitions):
                 requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
                 done += await ids(js, subjects.RESULTS_STREAM, part, Completion, lambda c: c.finish_reason != "error")
-            metered = {u.id for u in await usage_records(nats_url, database)} if database else set()
+            metered = {u.id for u in await usage_records(nats_url, database, partitions)} if database else set()
             counts = len(requests), len(set(done)), len(done) - len(set(done)), len(metered)
             if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
                 return counts
