@@ -105,6 +105,17 @@ def database(url: str) -> Database | None:
 async def report(nats_url: str, url: str, window: Window,
                  partitions: int | None = None) -> tuple[list[dict], list[Usage]]:
     """The database's sums in the window, and the bus's records not yet in the database (the tail)."""
+    return await from_database(nats_url, url, window, partitions, Database.sums)
+
+
+async def requests(nats_url: str, url: str, window: Window, partitions: int | None = None) -> list[Usage]:
+    """Every request's usage in the window: the database's rows and the tail's, once each, in the order finished."""
+    stored, tail = await from_database(nats_url, url, window, partitions, Database.usage)
+    return sorted(stored + tail, key=lambda u: (u.finished, u.id))
+
+
+async def from_database(nats_url: str, url: str, window: Window, partitions: int | None, query) -> tuple[list, list]:
+    """query(database, window)'s answer ([] without a database) and the bus's tail of records not in it."""
     tail = [u for u in await read(nats_url, window.tenant, window.since, partitions)
             if window.until is None or u.finished < window.until]
     db = database(url)
@@ -112,20 +123,10 @@ async def report(nats_url: str, url: str, window: Window,
         return [], tail
     try:
         recorded = await asyncio.to_thread(db.recorded, [u.id for u in tail])
-        rows = await asyncio.to_thread(db.sums, window)
+        answer = await asyncio.to_thread(query, db, window)
     finally:
         db.close()
-    return rows, [u for u in tail if u.id not in recorded]
-
-
-async def requests(nats_url: str, url: str, window: Window, partitions: int | None = None) -> list[Usage]:
-    """Every request's usage in the window: the database's rows and the tail's, once each, in the order finished."""
-    _, tail = await report(nats_url, url, window, partitions)
-    db = database(url)
-    stored = [] if db is None else await asyncio.to_thread(db.usage, window)
-    if db is not None:
-        db.close()
-    return sorted(stored + tail, key=lambda u: (u.finished, u.id))
+    return answer, [u for u in tail if u.id not in recorded]
 
 
 CSV_FIELDS = ("request_id", "tenant", "key_id", "model", "revision", "fallback", "api", "finish_reason",

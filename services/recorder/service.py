@@ -66,16 +66,10 @@ class Batcher:
     async def take(self) -> list:
         """The next batch: what arrived within `linger` of its first record, at most BATCH."""
         msgs = [await self.queue.get()]
-        end = time.monotonic() + self.linger
-        while len(msgs) < BATCH:
-            while not self.queue.empty() and len(msgs) < BATCH:
-                msgs.append(self.queue.get_nowait())
-            left = end - time.monotonic()
-            if left <= 0 or len(msgs) >= BATCH:
-                break
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    msgs.append(await self.queue.get())
+        with contextlib.suppress(TimeoutError):                 # a get cut off leaves its record queued
+            async with asyncio.timeout(self.linger):
+                while len(msgs) < BATCH:
+                    msgs.append(self.queue.get_nowait() if not self.queue.empty() else await self.queue.get())
         return msgs
 
 
@@ -141,13 +135,8 @@ class Recorder:
             except Exception as e:
                 failures += 1
                 ERRORS.labels(stream).inc()
-                if self.db.refused(e) and len(records) > 1:    # a record the database cannot take: found alone
-                    await self.one_by_one(stream, write, records)
-                    return
-                if self.db.refused(e):
-                    BAD.labels(stream).inc()
-                    self.log.error("record refused by the database: acked, not recorded", stream=stream,
-                                   request_id=records[0].id, error=f"{type(e).__name__}: {e}")
+                if self.db.refused(e):                      # a record the database cannot take: set aside
+                    await self.set_aside(stream, write, records, e)
                     return
                 if failures == 1 or failures % 30 == 0:
                     self.log.error("batch not written; holding it and trying again", stream=stream,
@@ -159,11 +148,16 @@ class Recorder:
                     with contextlib.suppress(nats.errors.Error):
                         await msg.in_progress()
 
-    async def one_by_one(self, stream: str, write, records: list) -> None:
-        """A batch the database refused: each record written alone (held while the database is away); those it
-        refuses alone are acked unrecorded, with an error line each, so one bad record never blocks the rest."""
-        for record in records:
-            await self.held([], stream, write, [record])
+    async def set_aside(self, stream: str, write, records: list, e: Exception) -> None:
+        """Records the database refused: each of a batch written alone (held while the database is away); one
+        it refuses alone is acked unrecorded, with an error line, so a bad record never blocks the rest."""
+        if len(records) > 1:
+            for record in records:
+                await self.held([], stream, write, [record])
+            return
+        BAD.labels(stream).inc()
+        self.log.error("record refused by the database: acked, not recorded", stream=stream,
+                       request_id=records[0].id, error=f"{type(e).__name__}: {e}")
 
     def write_usage(self, usage: list[Usage]) -> None:
         new, _ = self.db.write(usage, [])
