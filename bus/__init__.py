@@ -23,6 +23,7 @@ from bus.streams import (
                          ensure_streams,
                          gateways,
                          handoffs,
+                         infos,
                          limits,
                          recorder,
                          registry,
@@ -37,7 +38,7 @@ from bus.streams import (
 
 __all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "HANDOFFS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT",
            "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "NotStored", "add_consumer", "close", "connect",
-           "consume", "ended", "ensure_streams", "gateways", "gone", "handoffs", "lapsed", "limits",
+           "consume", "ended", "ensure_streams", "gateways", "gone", "handoffs", "infos", "lapsed", "limits",
            "live_workers", "partition", "publish", "recorder", "recreate", "refused", "registry", "replicated",
            "responses", "restated", "router", "run", "run_until_signal", "servers_of", "spare", "store_end", "streams",
            "suspects", "watch", "work_filter", "worker_consumer"]

@@ -4,6 +4,7 @@ tenants' shared limits, live gateways, suspects, stored responses). ensure_strea
 brings them to this build's config, each with REPLICAS copies on a cluster and one on a single server;
 the bucket functions find or make one bucket. Names, subjects and sizes are schemas/subjects.py's: this
 module turns them into nats.js.api configs."""
+import contextlib
 import dataclasses
 
 import nats.js.errors
@@ -77,6 +78,16 @@ def work_filter(worker: str, part: int | None = None) -> str:
 
 def worker_consumer(worker: str, part: int | None = None) -> api.ConsumerConfig:
     return consumer(s.worker_durable(worker), work_filter(worker, part), s.WORK_ACK_WAIT)
+
+
+async def infos(js, base: str, partitions: int | None = None) -> list[api.StreamInfo]:
+    """Stream `base`'s info in each partition of a bus of `partitions` (default TB_BUS_PARTITIONS); a stream
+    not made yet is left out (it holds nothing)."""
+    out = []
+    for part in s.parts(partitions):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            out.append(await js.stream_info(s.stream(base, part)))
+    return out
 
 
 def recorder(base: str, part: int | None = None) -> api.ConsumerConfig:

@@ -3,10 +3,8 @@ role, model and revision (name@revision), load, KV use, prefix hits, speculation
 prefix cache's tiers below the pool (host memory, disk); then the bus's streams: what each may hold, what
 it holds and how long it keeps a record (docs/records.md)."""
 import asyncio
-import contextlib
 import dataclasses
 
-import nats.js.errors
 import orjson
 
 import bus
@@ -38,12 +36,9 @@ async def streams(js) -> list[dict]:
     """Each stream of the bus (summed over its partitions): max_bytes, bytes and messages held, and what it keeps."""
     out = []
     for name in subjects.STREAM_NAMES:
-        room = held = messages = 0
-        for part in subjects.parts():
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                info = await js.stream_info(subjects.stream(name, part))
-                room, held, messages = room + max(info.config.max_bytes or 0, 0), held + info.state.bytes, \
-                    messages + info.state.messages
+        found = await bus.infos(js, name)
+        room = sum(max(i.config.max_bytes or 0, 0) for i in found)
+        held, messages = sum(i.state.bytes for i in found), sum(i.state.messages for i in found)
         out.append({"name": name, "max_bytes": room, "bytes": held, "messages": messages, "keeps": KEEPS[name]})
     return out
 

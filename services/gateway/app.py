@@ -132,8 +132,7 @@ async def backlog(gw: Gateway) -> None:
 async def backed_up(js) -> str:
     """Why new requests are refused: a stream of records that is BACKLOG_FULL of its max_bytes; "" if none is."""
     for base in (subjects.USAGE_STREAM, subjects.RESULTS_STREAM):
-        for part in subjects.parts():
-            info = await js.stream_info(subjects.stream(base, part))
+        for info in await bus.infos(js, base):
             room, held = info.config.max_bytes, info.state.bytes
             if room and room > 0 and held >= subjects.BACKLOG_FULL * room:
                 return (f"metering backlog full: {info.config.name} holds {held / 2**20:.1f} MiB of records the "

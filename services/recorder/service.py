@@ -194,15 +194,15 @@ class Recorder:
                     self.log.error("archive not pruned", error=f"{type(e).__name__}: {e}")
 
     async def measure(self, base: str) -> None:
-        backlog, age, held, room = 0, 0.0, 0, 0
+        backlog, age = 0, 0.0
         for p in self.parts:
             stream = subjects.stream(base, p)
             info = await self.js.consumer_info(stream, subjects.RECORDER_DURABLE)
             backlog += info.num_pending + info.num_ack_pending
             if info.num_pending + info.num_ack_pending:
                 age = max(age, await self.age(stream, info.ack_floor.stream_seq + 1))
-            sinfo = await self.js.stream_info(stream)
-            held, room = held + sinfo.state.bytes, room + max(sinfo.config.max_bytes, 0)
+        found = await bus.infos(self.js, base)
+        held, room = sum(i.state.bytes for i in found), sum(max(i.config.max_bytes, 0) for i in found)
         BACKLOG.labels(base).set(backlog)
         BACKLOG_AGE.labels(base).set(age)
         FILL.labels(base).set(held / room if room else 0.0)
