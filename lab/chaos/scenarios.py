@@ -46,6 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import nats.errors
 import orjson
 import websockets
 
@@ -554,13 +555,21 @@ async def logs(nats_url: str, want: int = 0, timeout: float = 30.0, partitions: 
     nc = await bus.connect(nats_url, "tokenbus-chaos", role="admin")
     deadline = time.monotonic() + timeout
     try:
-        js = nc.jetstream()
+        js = nc.jetstream(timeout=10)
         while True:
-            requests, done = [], []
-            for part in subjects.parts(partitions):
-                requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
-                done += await ids(js, subjects.RESULTS_STREAM, part, Completion, lambda c: c.finish_reason != "error")
-            metered = {u.id for u in await usage_records(nats_url, database, partitions)} if database else set()
+            try:
+                requests, done = [], []
+                for part in subjects.parts(partitions):
+                    requests += await ids(js, subjects.REQUESTS_STREAM, part, GenerateRequest)
+                    done += await ids(js, subjects.RESULTS_STREAM, part, Completion,
+                                      lambda c: c.finish_reason != "error")
+                metered = {u.id for u in await usage_records(nats_url, database, partitions)} if database else set()
+            except nats.errors.TimeoutError:
+                # a cluster still settling after a fault (a stream's new leader, a consumer being placed)
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
             counts = len(requests), len(set(done)), len(done) - len(set(done)), len(metered)
             if min(counts[0], counts[1], counts[3]) >= want or time.monotonic() > deadline:
                 return counts
@@ -587,11 +596,13 @@ async def ids(js, base: str, part: int | None, cls: type, keep=None) -> list[str
     count, out = (await js.stream_info(stream)).state.messages, []
     if count:
         sub = await js.subscribe(subjects.stream_subjects(base, part)[0], stream=stream, ordered_consumer=True)
-        for _ in range(count):
-            record = decode((await sub.next_msg(timeout=5)).data, cls)
-            if keep is None or keep(record):
-                out.append(record.id)
-        await sub.unsubscribe()
+        try:
+            for _ in range(count):
+                record = decode((await sub.next_msg(timeout=10)).data, cls)
+                if keep is None or keep(record):
+                    out.append(record.id)
+        finally:
+            await sub.unsubscribe()
     return out
 
 

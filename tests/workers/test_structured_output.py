@@ -210,6 +210,7 @@ def test_the_grammar_cache_drops_the_least_recently_asked_for_past_its_count_and
     monkeypatch.setattr(grammar, "MAX_GRAMMARS", 3)
     monkeypatch.setattr(grammar.Grammars, "compile", lambda self, params: Compiled())
     grammars = grammar.Grammars("unused", 100, (0,))
+    grammars.compiler = object()                       # no vocabulary: compile() is the stand-in's
     try:
         def ask(text: str) -> Future:
             future = grammars.submit(SamplingParams(regex=text))
@@ -259,22 +260,25 @@ def test_a_constraint_is_converted_once_per_text_in_a_process():
 
 @pytest.fixture
 def slow_grammars(monkeypatch):
-    """Grammars over VOCAB whose compile of the regex "slow" takes 0.6 s, past a MAX_COMPILE_SECONDS of
-    0.3 s; it counts the compiles."""
+    """Grammars over VOCAB whose compile of the regex "slow" takes 0.6 s of CPU, past a MAX_COMPILE_SECONDS
+    of 0.3 s; it counts the compiles."""
     import xgrammar as xgr
 
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[5])).compile_regex("(yes|no)")
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[5]))
+    compiled = compiler.compile_regex("(yes|no)")
     calls = []
 
     def compile(self, params):
         calls.append(params.regex)
-        time.sleep(0.6 if params.regex == "slow" else 0)
+        spin = time.thread_time() + (0.6 if params.regex == "slow" else 0)
+        while time.thread_time() < spin:
+            pass
         return compiled
 
     monkeypatch.setattr(grammar, "MAX_COMPILE_SECONDS", 0.3)
     monkeypatch.setattr(grammar.Grammars, "compile", compile)
     grammars = grammar.Grammars("unused", len(VOCAB), (5,))
-    grammars.calls = calls
+    grammars.compiler, grammars.calls = compiler, calls
     yield grammars
     grammars.close()
 
