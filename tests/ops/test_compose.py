@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose_spec.json").read_text())
 NODES = {"nats-1", "nats-2", "nats-3"}                  # the 3-node nats cluster
 SERVING = {"gateway", "tokenizer", "router", "worker", "worker-cpu"}   # the services with the model directory
-SERVICES = {*NODES, *SERVING, "postgres", "recorder"}
+SERVICES = {*NODES, *SERVING, "postgres", "recorder", "prometheus", "grafana"}
 NATS_URL = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
 PARSERS = {"services.gateway": "services.gateway.app", "services.tokenizer": "services.tokenizer.service",
            "services.router": "services.router.service", "workers.service": "workers.service",
@@ -161,7 +161,7 @@ def test_compose_runs_the_entry_points_of_tokenbus_up_with_flags_their_parsers_t
     started = up_commands(monkeypatch, tmp_path)
     doc = compose()
     modules = {}
-    for name in SERVICES - NODES - {"postgres"}:
+    for name in SERVICES - NODES - {"postgres", "prometheus", "grafana"}:
         cmd = argv(doc["services"][name])
         assert cmd[:2] == ["python", "-m"], cmd
         modules.setdefault(cmd[2], []).append(cmd[3:])
