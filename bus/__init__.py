@@ -9,11 +9,13 @@ each job has its module:
   bus/ends.py        a request's end record in TB_RESULTS, stored once (the first end wins), read back
   bus/consume.py     a durable pull consumer streamed into a handler, made again when lost
   bus/heartbeats.py  the worker registry: watch, live_workers, and when a worker has left or has room
+  bus/lifecycle.py   a process's probes (/healthz, /readyz) and its drain (SIGTERM, tokenbus drain)
   bus/log.py         structured JSON logs (structlog)"""
 from bus.connection import BUS_ERRORS, CLUSTER_PING, CLUSTER_PINGS, close, connect, run, run_until_signal, servers_of
 from bus.consume import add_consumer, consume, gone, recreate
 from bus.ends import ended, partition, store_end
 from bus.heartbeats import lapsed, live_workers, restated, spare, watch
+from bus.lifecycle import Life
 from bus.publish import PUBLISH_ATTEMPT, PUBLISH_DEADLINE, PUBLISH_RETRY, NotStored, publish, refused
 from bus.streams import (
                          HANDOFFS,
@@ -37,8 +39,8 @@ from bus.streams import (
 )
 
 __all__ = ["BUS_ERRORS", "CLUSTER_PING", "CLUSTER_PINGS", "HANDOFFS", "NOT_CLUSTERED", "PUBLISH_ATTEMPT",
-           "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "NotStored", "add_consumer", "close", "connect",
-           "consume", "ended", "ensure_streams", "gateways", "gone", "handoffs", "infos", "lapsed", "limits",
+           "PUBLISH_DEADLINE", "PUBLISH_RETRY", "ROUTER", "STREAMS", "Life", "NotStored", "add_consumer", "close",
+           "connect", "consume", "ended", "ensure_streams", "gateways", "gone", "handoffs", "infos", "lapsed", "limits",
            "live_workers", "partition", "publish", "recorder", "recreate", "refused", "registry", "replicated",
            "responses", "restated", "router", "run", "run_until_signal", "servers_of", "spare", "store_end", "streams",
            "suspects", "watch", "work_filter", "worker_consumer"]

@@ -13,26 +13,32 @@ PULL_EXPIRES = 5.0                       # seconds a pull request waits on the s
 CONSUMER_RETRY = 0.5
 
 
-async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batch: int = 64, room=None) -> None:
-    """Streams a durable pull consumer of `stream` into handle(msg), forever; handle acks.
-    Any number of replicas may run this on the same durable: each message goes to one of them.
+async def consume(nc, stream: str, config: api.ConsumerConfig, handle, log, batch: int = 64, room=None,
+                  stop: asyncio.Event | None = None) -> None:
+    """Streams a durable pull consumer of `stream` into handle(msg), until `stop` is set (default: forever);
+    handle acks. Any number of replicas may run this on the same durable: each message goes to one of them.
 
     Pull requests for up to `batch` messages stay outstanding on a private inbox and are topped up
     as messages arrive, so a message is handed over the moment it is stored: no round trip per
     fetch and no waiting for a batch to fill (nats-py's fetch(n) waits for n or its timeout).
-    room(): how many more messages the caller can take now (default: unbounded)."""
+    room(): how many more messages the caller can take now (default: unbounded). Once `stop` is set no
+    pull is made, and what the outstanding ones still bring is handled until they expire (PULL_EXPIRES at
+    most): a message the server handed to this replica is never left to wait out its ack wait."""
     await add_consumer(nc.jetstream(), stream, config, log)
     inbox, queue = nc.new_inbox(), asyncio.Queue()
     sub = await nc.subscribe(inbox, cb=queue.put)
     next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{config.durable_name}"
     outstanding, reconnects, asked = 0, nc.stats["reconnects"], 0.0
+    stop = stop or asyncio.Event()
     try:
         while True:
             if nc.stats["reconnects"] != reconnects:  # a restarted server forgot the pulls (and maybe the consumer)
                 reconnects, outstanding = nc.stats["reconnects"], 0
                 await add_consumer(nc.jetstream(), stream, config, log)
+            if stop.is_set() and queue.empty() and (outstanding == 0 or time.monotonic() - asked >= PULL_EXPIRES):
+                return
             want = min(batch, room() if room else batch) - outstanding
-            if want > 0 and outstanding <= batch // 2:
+            if want > 0 and outstanding <= batch // 2 and not stop.is_set():
                 request = {"batch": want, "expires": int(PULL_EXPIRES * 1e9)}
                 await nc.publish(next_subject, orjson.dumps(request), reply=inbox)
                 outstanding, asked = outstanding + want, time.monotonic()

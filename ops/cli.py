@@ -7,7 +7,7 @@ import importlib.metadata
 import os
 import sys
 
-from ops import bus, chat, commands, inspector, logs, models, records, replay, status, usage
+from ops import bus, chat, commands, drain, inspector, logs, models, records, replay, status, usage
 
 ENVIRONMENT = """environment:
   TOKENBUS_HOME     where tokenbus keeps its models and the data and logs of `tokenbus up`
@@ -15,7 +15,7 @@ ENVIRONMENT = """environment:
   TOKENBUS_API_KEY  the API key of `tokenbus chat` and `tokenbus bench`"""
 COMMANDS = (models.register, commands.generate, commands.evaluate, commands.plan, commands.up, bus.register,
             logs.register, chat.register, status.register, usage.register, inspector.register, replay.register,
-            records.register)
+            records.register, drain.register)
 GROUP = "tokenbus.commands"                # entry points: NAME = "module:function", function(subparsers)
 
 

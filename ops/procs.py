@@ -120,11 +120,12 @@ def wait_port(port: int, proc: subprocess.Popen, name: str, timeout: float = 20.
     raise TimeoutError(f"{name} did not listen on port {port} within {timeout:.0f} s")
 
 
-def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
-    """SIGTERM to all, then SIGKILL to any still alive after timeout."""
+def stop(procs: list[subprocess.Popen], timeout: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """`sig` to all (SIGTERM: a service drains; SIGINT: it stops at once), then SIGKILL to any still alive
+    after timeout."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
     deadline = time.monotonic() + timeout
     for p in procs:
         try:

@@ -312,9 +312,10 @@ class Stack:
                                   self.log_starts.get(name, 0))
 
     def stop(self) -> None:
-        """Services first (so none reconnects in a loop), nats-server last."""
+        """Services first (so none reconnects in a loop), at once (SIGINT: the stack goes as a whole, nothing
+        to hand over to), nats-server last."""
         services = [p for name, p in self.children.items() if name not in self.brokers]
-        procs.stop(list(reversed(services)))
+        procs.stop(list(reversed(services)), sig=signal.SIGINT)
         procs.stop([self.children[name] for name in self.brokers])
 
     def kill(self, name: str) -> None:

@@ -378,6 +378,8 @@ class Heartbeat:
     forks: int = 0                                # choices admitted onto a sibling's computed prompt (n > 1)
     kv_tiers: dict[str, float] = field(default_factory=dict)   # the prefix cache's tiers below the pool, per tier
     #                                 (host_*, disk_*): hits, blocks, bytes, bytes_in, bytes_out, seconds; empty: none
+    draining: bool = False                        # it finishes what it holds and takes nothing new: the router and
+    #                                 admission choose it no more; its work, if handed over, moves without a strike
 
 
 @dataclass(slots=True)

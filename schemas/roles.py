@@ -75,6 +75,7 @@ def kv_write(bucket: str) -> list[str]:
 REGISTRY, LIMITS, GATEWAYS = s.WORKERS_BUCKET, s.LIMITS_BUCKET, s.GATEWAYS_BUCKET
 ENDS = f"{API}.STREAM.MSG.GET.{s.RESULTS_STREAM}"        # one request's end record (bus.ended)
 SUSPECTS, RESPONSES = s.SUSPECTS_BUCKET, s.RESPONSES_BUCKET
+DRAINING = [s.DRAINED_ALL], [s.DRAIN_ALL]              # every service's: says it drained; hears tokenbus drain
 
 ROLES: dict[str, Permissions] = {
     # accepts requests, streams their tokens, meters them; resumes a stream from the request log's copy;
@@ -84,10 +85,11 @@ ROLES: dict[str, Permissions] = {
                  *keep_streams(), *reader(f"KV_{REGISTRY}"), ENDS, *kv_get(LIMITS),
                  *kv_write(LIMITS), *kv_write(GATEWAYS), s.TOKENIZE, s.PREPARE, *kv_get(RESPONSES),
                  *kv_write(RESPONSES),
-                 f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}"],
-        subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL], replies=1),
+                 f"{API}.STREAM.MSG.GET.{s.REQUESTS_STREAM}", *DRAINING[0]],
+        subscribe=[each(s.out), s.PROGRESS_ALL, s.ROUTER_STATS_ALL, s.RESUMED_ALL, *DRAINING[1]], replies=1),
     # answers tb.prepare and tb.tokenize: a request's tokens; writes nothing
-    "tokenizer": Permissions(publish=[*keep_streams()], subscribe=[s.PREPARE, s.TOKENIZE], replies=1),
+    "tokenizer": Permissions(publish=[*keep_streams(), *DRAINING[0]], subscribe=[s.PREPARE, s.TOKENIZE, *DRAINING[1]],
+                             replies=1),
     # the request log (tokenized, or tokenized here by asking tb.prepare) and handed-back prefilled requests
     # → one worker's work queue; moves a departed worker's work; ends requests past their deadline (their
     # end records)
@@ -97,8 +99,8 @@ ROLES: dict[str, Permissions] = {
                  *durable(s.ROUTE_STREAM, s.ROUTER_DURABLE), *reader(f"KV_{REGISTRY}"), each(s.done), ENDS,
                  f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*", f"{API}.CONSUMER.DELETE.{s.WORK_STREAM}.*",
                  f"{API}.CONSUMER.CREATE.{s.WORK_STREAM}.*.{each(s.work)}",
-                 f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
-        subscribe=[s.KV_EVENTS_ALL, s.RESULTS_SUBJECTS]),
+                 f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>", *DRAINING[0]],
+        subscribe=[s.KV_EVENTS_ALL, s.RESULTS_SUBJECTS, *DRAINING[1]], replies=1),
     # runs its work queue: tokens, end records, usage (when the gateway's is missing), dead letters,
     # heartbeats, the request it runs alone, KV events; disaggregated: hands prefilled requests back to the
     # router, and pulls and serves KV blocks
@@ -107,8 +109,9 @@ ROLES: dict[str, Permissions] = {
                  s.KV_EVENTS_ALL, s.PROGRESS_ALL, *keep_streams(), *kv_write(REGISTRY), *kv_get(REGISTRY),
                  *kv_write(SUSPECTS), *kv_get(SUSPECTS), ENDS,
                  f"{API}.CONSUMER.DURABLE.CREATE.{s.WORK_STREAM}.*", f"{API}.CONSUMER.INFO.{s.WORK_STREAM}.*",
-                 f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>"],
-        subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot), s.KV_TRANSFER_ALL], replies=MAX_REPLIES),
+                 f"{API}.CONSUMER.MSG.NEXT.{s.WORK_STREAM}.*", f"$JS.ACK.{s.WORK_STREAM}.>", *DRAINING[0]],
+        subscribe=[s.CANCEL_ALL, s.RESEND_ALL, each(s.kv_snapshot), s.KV_TRANSFER_ALL, *DRAINING[1]],
+        replies=MAX_REPLIES),
     # tokenbus status: the registry
     "status": Permissions(publish=[*keep_streams(), *reader(f"KV_{REGISTRY}")], subscribe=[]),
     # the recorder: usage records into the database, end records into the archive, acked after; trims the
@@ -116,8 +119,8 @@ ROLES: dict[str, Permissions] = {
     "recorder": Permissions(
         publish=[*keep_streams(), *durable(s.USAGE_STREAM, s.RECORDER_DURABLE),
                  *durable(s.RESULTS_STREAM, s.RECORDER_DURABLE), f"{API}.STREAM.PURGE.{s.RESULTS_STREAM}",
-                 f"{API}.STREAM.MSG.GET.{s.USAGE_STREAM}", f"{API}.STREAM.MSG.GET.{s.RESULTS_STREAM}"],
-        subscribe=[]),
+                 f"{API}.STREAM.MSG.GET.{s.USAGE_STREAM}", f"{API}.STREAM.MSG.GET.{s.RESULTS_STREAM}", *DRAINING[0]],
+        subscribe=[*DRAINING[1]], replies=1),
     # tokenbus usage: the metering log's tail not yet in the database; with the recorder, TB_USAGE's only reader
     "usage": Permissions(publish=[*keep_streams(), *reader(s.USAGE_STREAM)], subscribe=[]),
     # tokenbus replay: logged requests sent again, their tokens read

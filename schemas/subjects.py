@@ -118,6 +118,22 @@ def router_stats(router: str) -> str:
 ROUTER_STATS_ALL = "tb.router.stats.*"
 
 
+def drain(name: str) -> str:
+    """Request-reply: the process of this name (a worker id, a service instance's id) or every process of
+    this role (gateway, tokenizer, router, recorder, worker) answers with its name and drains (tokenbus
+    drain)."""
+    return f"tb.drain.{token('name', name)}"
+
+
+def drained(name: str) -> str:
+    """A drained process says so as it leaves: what it held is finished or handed over."""
+    return f"tb.drained.{token('name', name)}"
+
+
+DRAIN_ALL = "tb.drain.*"
+DRAINED_ALL = "tb.drained.*"
+
+
 REQUEST_ID = "Tb-Request-Id"            # the header that names the request in every stage's messages
 
 
@@ -282,6 +298,9 @@ SUSPECT_TTL = QUEUE_MAX_AGE              # a worker's suspect is kept as long as
 REQUEST_DEADLINE = 300.0                 # seconds from acceptance to a done or error frame, at most (gateway)
 STALL_SECONDS = 5.0                      # a stream silent this long is checked (outcome, resend)
 RESUME_GRACE = 10.0                      # seconds a stream whose client's connection dropped waits for a resume
+DRAIN_TIMEOUT = 300.0                    # seconds a draining process finishes what it holds before handing it
+#                                          over: a 4,096-token answer at 70 ms a token
+DRAIN_SETTLE = 2 * HEARTBEAT_SECONDS     # a drain's first seconds: the readers of its draining beat see it
 CHUNK_RATE = 1000.0                      # token chunks per second a worker publishes at most (its --chunk-rate)
 MAX_CHUNK_INTERVAL = 0.1                 # seconds a stream's tokens wait in the worker for their chunk, at most
 

@@ -143,6 +143,10 @@ class Cluster:
         live = [hb for hb in self.workers.values() if not lapsed(hb, now) or now < self.grace_until]
         if not live:
             raise ApiError(503, "no worker is registered; retry shortly", "unavailable", retry_after=BUSY_RETRY)
+        live = [hb for hb in live if not hb.draining]
+        if not live:
+            raise ApiError(503, "every registered worker is draining; retry shortly", "unavailable",
+                           retry_after=BUSY_RETRY)
         live = [hb for hb in live if serves(hb, model, revision)]
         if not live:
             asked = f"model {model!r}" + (f" revision {revision!r}" if revision else "")

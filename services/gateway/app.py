@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import nats.errors
@@ -27,6 +28,8 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import InvalidState
 
 import bus
+from bus import lifecycle
+from bus.lifecycle import Life
 from bus.log import configure
 from schemas import generation, served, subjects
 from schemas.messages import Heartbeat, decode
@@ -43,14 +46,16 @@ from services.gateway.session import Gateway
 from text import toolcalls
 
 PAGE = Path(__file__).with_name("chat.html")
-SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish when the gateway stops
+SHUTDOWN_GRACE = 5.0                     # seconds open streams get to finish when the gateway stops (SIGINT)
+DRAIN_POLL = 0.1                         # seconds between a draining gateway's looks at its websockets
 
 
 def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None,
                max_tokens: int = subjects.MAX_TOKENS, model_name: str | None = None,
                request_timeout: float = subjects.REQUEST_DEADLINE, resume_grace: float = subjects.RESUME_GRACE,
                models_file: str | None = None, upstream: Upstream | None = None,
-               tool_parser: str | None = None, generation_config: str = "auto") -> Starlette:
+               tool_parser: str | None = None, generation_config: str = "auto",
+               drain_timeout: float = subjects.DRAIN_TIMEOUT) -> Starlette:
     """The app of one model (model_dir, served as model_name) or of every model of a served models file;
     ValueError (naming the file and the key) for a bad keys, models or generation config file. upstream: the
     fallback, if any. generation_config: where the models' sampling defaults come from (schemas/generation.py)."""
@@ -59,10 +64,12 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
         Models.one(model_dir, model_name, tool_parser, generation_config)
     model = models.default
     default = models.by_name[model].revisions[0]
+    gateway_id = uuid.uuid4().hex[:12]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         log = configure("gateway")
+        life = app.state.life = Life("gateway", gateway_id, log, drain_timeout)
         nc = await bus.connect(nats_url, "gateway", log)
         loops, gw = [], None
         try:
@@ -71,7 +78,8 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             gw = app.state.gateway = Gateway(nc, js, await bus.registry(js), default.tokenizer, log, model,
                                              default.max_model_len, max_tokens, key_table,
                                              request_timeout=request_timeout,
-                                             resume_grace=resume_grace, models=models, upstream=upstream)
+                                             resume_grace=resume_grace, models=models, upstream=upstream,
+                                             id=gateway_id, life=life)
             gw.limits = Limits(await bus.limits(js), await bus.gateways(js), gw.id, log, gw.metrics)
             gw.admission.bucket = gw.limits.lease
             await gw.limits.beat()                           # N counted before the first lease is drawn
@@ -82,8 +90,10 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
             await nc.subscribe(subjects.PROGRESS_ALL, cb=gw.on_progress)
             await nc.subscribe(subjects.RESUMED_ALL, cb=gw.on_resumed)
             known = asyncio.Event()
+            await life.listen(nc)
             loops = [asyncio.create_task(watch(gw, known)), asyncio.create_task(gw.sweep()),
-                     asyncio.create_task(gw.limits.run()), asyncio.create_task(backlog(gw))]
+                     asyncio.create_task(gw.limits.run()), asyncio.create_task(backlog(gw)),
+                     asyncio.create_task(draining(app, gw))]
             with contextlib.suppress(TimeoutError):         # admission starts knowing the registered workers
                 await asyncio.wait_for(known.wait(), 5)
             app.state.started = int(time.time())
@@ -93,6 +103,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
                      fallback=upstream.url if upstream else None, sampling_defaults=default.sampling)
             if key_table is None:
                 log.warning("no API keys: one tenant, no authentication, loopback only")
+            life.ready = True
             yield
         finally:
             for task in loops:
@@ -101,10 +112,13 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
                 await upstream.close()
             if gw is not None and gw.limits is not None:
                 await gw.limits.close()                     # the leases back to the shared buckets
+            if gw is not None:
+                await life.left(len(gw.requests))
             await bus.close(nc)
             log.info("gateway stopped")
 
-    routes = [Route("/", page), Route("/healthz", healthz), Route("/health", healthz), Route("/metrics", metrics),
+    routes = [Route("/", page), Route("/healthz", healthz), Route("/health", healthz), Route("/livez", livez),
+              Route("/readyz", readyz), Route("/metrics", metrics),
               Route("/openapi.json", openapi_json), Route("/v1/models", api.models),
               Route("/v1/models/{model:path}", api.models),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -113,7 +127,7 @@ def create_app(nats_url: str, model_dir: str | None, api_keys: str | None = None
               Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET", "DELETE"]),
               Route("/tokenize", http_tokens.tokenize, methods=["POST"]),
               Route("/detokenize", http_tokens.detokenize, methods=["POST"]), WebSocketRoute("/ws", chat)]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit)],
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HeaderLimit), Middleware(Draining)],
                      exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
@@ -221,6 +235,40 @@ class HeaderLimit:
             await e.response()(scope, receive, send)
 
 
+PROBES = ("/livez", "/readyz", "/healthz", "/health", "/metrics")    # answered while the gateway drains
+
+
+class Draining:
+    """Counts the HTTP requests in flight (app.state.http: an SSE stream is one until its last event); while
+    the gateway drains, a new request (a websocket handshake too) is refused with 503 and Retry-After,
+    naming the drain, so the client goes to another gateway; the probes are still answered."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        state = scope["app"].state if "app" in scope else None
+        life = getattr(state, "life", None)
+        if scope["type"] not in ("http", "websocket") or life is None or scope["path"] in PROBES:
+            return await self.app(scope, receive, send)
+        if life.asked.is_set():
+            e = ApiError(503, "the gateway is draining: send the request to another gateway", "unavailable",
+                         retry_after=1)
+            counted(scope["app"], e)
+            if scope["type"] == "websocket":
+                return await WebSocket(scope, receive, send).send_denial_response(e.response())
+            return await e.response()(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await self.app(scope, receive, send)
+        state.http = getattr(state, "http", 0) + 1
+        state.gateway.metrics.connections.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.http -= 1
+            state.gateway.metrics.connections.dec()
+
+
 class Http(H11Protocol):
     """uvicorn's h11 protocol, but a request line and headers over MAX_HEADER_BYTES (h11 refuses them
     unparsed) get a 431 that names the limit; uvicorn would say only "Invalid HTTP request received"."""
@@ -293,9 +341,45 @@ async def healthz(request) -> Response:
     return Response(body, status_code=200 if n else 503, media_type="application/json")
 
 
+async def livez(request) -> Response:
+    """Liveness: the gateway answers (draining too); /healthz says whether it can serve (a worker registered)."""
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+async def readyz(request) -> Response:
+    """Readiness: 200 while it takes new clients; 503 while it starts or drains."""
+    life: Life = request.app.state.life
+    state = "ready" if life.serving else "draining" if life.asked.is_set() else "starting"
+    return Response(orjson.dumps({"status": state, "name": life.name}), status_code=200 if life.serving else 503,
+                    media_type="application/json")
+
+
+async def draining(app: Starlette, gw: Gateway) -> None:
+    """Once asked to drain (SIGTERM, tokenbus drain): new requests are refused (Draining), the probes still
+    answered (/readyz 503); each websocket is closed with 1012 (service restart: connect again and resume)
+    once the requests on it that cannot be resumed have ended; the HTTP requests in flight (SSE streams)
+    finish; then uvicorn stops. What is still open when the drain timeout passes is cut: resumable
+    clients resume elsewhere, the others get their error."""
+    life: Life = app.state.life
+    await life.asked.wait()
+    while not life.stopping.is_set() and time.monotonic() < life.deadline:
+        for conn in list(gw.connections):
+            if all(r.resumable for r in conn.inflight.values()):
+                await conn.close_for_drain()
+        if not gw.connections and not getattr(app.state, "http", 0):
+            break
+        await asyncio.sleep(DRAIN_POLL)
+    gw.log.info("clients drained" if not gw.connections and not getattr(app.state, "http", 0) else
+                "drain timeout: clients cut", websockets=len(gw.connections), http=getattr(app.state, "http", 0))
+    server = getattr(app.state, "server", None)
+    if server is not None:
+        server.config.timeout_graceful_shutdown = 0.1 if life.draining.is_set() else SHUTDOWN_GRACE
+        server.should_exit = True
+
+
 async def metrics(request) -> Response:
     gw = request.app.state.gateway
-    return Response(await gw.metrics.render(gw.kv, gw.log), media_type=CONTENT_TYPE)
+    return Response(await gw.metrics.render(gw.kv, gw.log, gw.js), media_type=CONTENT_TYPE)
 
 
 async def workers(gw: Gateway) -> int:
@@ -354,6 +438,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=toolcalls.PARSERS,
                    help="how the models write tool calls (default: chosen from each checkpoint's chat template)")
     p.add_argument("--generation-config", metavar="auto|none|FILE", default="auto", help=generation.HELP)
+    lifecycle.add_arguments(p, health=False)
     return p
 
 
@@ -371,10 +456,28 @@ def main(argv=None) -> None:
         keys.check_exposure(args.host, args.api_keys)
         app = create_app(args.nats_url, args.model, args.api_keys, args.max_tokens, args.served_model_name,
                          args.request_timeout, args.resume_grace, args.models,
-                         fallback(args), args.tool_call_parser, args.generation_config)
+                         fallback(args), args.tool_call_parser, args.generation_config, args.drain_timeout)
     except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json, a bad --fallback-*
         sys.exit(f"gateway: {e}")
-    server = uvicorn.Server(server_config(app, args.host, args.port))
+    server = app.state.server = Server(server_config(app, args.host, args.port))
     for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead
         signal.signal(sig, lambda *_: None)
     server.run()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, but the first SIGTERM drains (draining()); SIGINT, or a second SIGTERM, stops as
+    uvicorn does, streams given SHUTDOWN_GRACE."""
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        life, loop = getattr(self.config.app.state, "life", None), getattr(self, "loop", None)
+        if life is not None and loop is not None:
+            if sig == signal.SIGTERM and not life.asked.is_set():
+                loop.call_soon_threadsafe(life.drain, "SIGTERM")
+                return
+            loop.call_soon_threadsafe(life.stop, "SIGINT" if sig == signal.SIGINT else "a second SIGTERM")
+        super().handle_exit(sig, frame)

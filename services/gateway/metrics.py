@@ -12,20 +12,26 @@
 - what every router pushes on tb.router.stats.<router> each second (per router, the latest record
   kept by a core subscription): its decisions per worker, the guard's interventions, the
   predicted vs actual prefix-hit tokens of the requests it routed, and with prefill workers where it
-  had each prompt prefilled and why, and its handoffs to decode workers, counted since it started.
-With several gateways, sum the per-tenant series over them; the per-worker and per-router series
+  had each prompt prefilled and why, and its handoffs to decode workers, counted since it started;
+- what JetStream says at scrape time (stream and consumer infos, one API request each, all at once): every
+  tokenbus stream's messages and bytes (TB_DEAD's: the dead letters), and the lag of the stages' durable
+  consumers: the routers' on TB_REQUESTS and TB_ROUTE, each live worker's on TB_WORK, the recorders' on
+  TB_USAGE and TB_RESULTS (tokenbus_stream_*, tokenbus_consumer_*; each partition's stream by its name).
+With several gateways, sum the per-tenant series over them; the per-worker, per-router and bus series
 are the same on every gateway."""
 import asyncio
 import contextlib
 import time
 
 import nats.errors
+import nats.js.errors
+from nats.js import api
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bus import live_workers
+from schemas import subjects
 from schemas.messages import Heartbeat, RouterStats, decode
-from schemas.subjects import ROUTER_STATS_SECONDS
 from schemas.wire import WireError
 
 disable_created_metrics()                  # no *_created series: counters start at the process's start
@@ -36,7 +42,7 @@ LATENCY = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 PER_TOKEN = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
              0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 READ_TIMEOUT = 2.0
-ROUTER_TTL = 3 * ROUTER_STATS_SECONDS      # a router silent for this long has left
+ROUTER_TTL = 3 * subjects.ROUTER_STATS_SECONDS     # a router silent for this long has left
 
 # heartbeat field -> (metric name, kind, help); labelled by worker
 WORKER_METRICS = {
@@ -233,6 +239,66 @@ class BreakerState:
         return [family]
 
 
+class Bus:
+    """A collector of the streams' and the stages' consumers' infos (read just before each scrape)."""
+
+    def __init__(self):
+        self.streams: list[api.StreamInfo] = []
+        self.consumers: list[api.ConsumerInfo] = []
+
+    def collect(self):
+        messages = GaugeMetricFamily("tokenbus_stream_messages", "Messages a tokenbus stream holds (TB_DEAD's: the "
+                                     "dead letters of the last LOG_MAX_AGE, 7 days).", labels=["stream"])
+        size = GaugeMetricFamily("tokenbus_stream_bytes", "Bytes a tokenbus stream holds.", labels=["stream"])
+        stored = CounterMetricFamily("tokenbus_stream_messages_stored", "Messages a tokenbus stream has stored since "
+                                     "it was made, those removed since included (its last sequence number).",
+                                     labels=["stream"])
+        for info in self.streams:
+            name, state = info.config.name, info.state
+            messages.add_metric([name], state.messages)
+            size.add_metric([name], state.bytes)
+            stored.add_metric([name], state.last_seq)
+        pending = GaugeMetricFamily("tokenbus_consumer_pending_messages", "Messages a stage's durable consumer has "
+                                    "not delivered yet (JetStream's num_pending): its lag.",
+                                    labels=["stream", "consumer"])
+        unacked = GaugeMetricFamily("tokenbus_consumer_ack_pending_messages", "Messages a stage's durable consumer "
+                                    "delivered and not acked yet (JetStream's num_ack_pending): in work, or waiting "
+                                    "out ack_wait to be delivered again.", labels=["stream", "consumer"])
+        for info in self.consumers:
+            pending.add_metric([info.stream_name, info.name], info.num_pending)
+            unacked.add_metric([info.stream_name, info.name], info.num_ack_pending)
+        return [messages, size, stored, pending, unacked]
+
+
+# (stream, durable) of the stages' consumers whose lag /metrics shows, besides each live worker's on TB_WORK
+STAGES = [(subjects.REQUESTS_STREAM, subjects.ROUTER_DURABLE), (subjects.ROUTE_STREAM, subjects.ROUTER_DURABLE),
+          (subjects.USAGE_STREAM, subjects.RECORDER_DURABLE), (subjects.RESULTS_STREAM, subjects.RECORDER_DURABLE)]
+
+
+def lagging(workers: list[str]) -> list[tuple[str, str]]:
+    """(stream, durable) of STAGES and of each worker's work consumer, in every partition."""
+    work = [(subjects.WORK_STREAM, subjects.worker_durable(w)) for w in workers if subjects.TOKEN.fullmatch(w)]
+    return [(subjects.stream(base, p), durable) for base, durable in [*STAGES, *work] for p in subjects.parts()]
+
+
+async def bus_infos(js, workers: list[str], log) -> tuple[list[api.StreamInfo], list[api.ConsumerInfo]]:
+    """The infos of every tokenbus stream (each partition's) and of the consumers lagging(workers) names, asked
+    all at once, each answer awaited READ_TIMEOUT at most. A stream or consumer not made yet is left out (it
+    holds nothing); so is one whose read failed, the failures logged in one line."""
+    streams = [subjects.stream(base, p) for base in subjects.STREAM_NAMES for p in subjects.parts()]
+    reads = [*map(js.stream_info, streams), *(js.consumer_info(name, durable) for name, durable in lagging(workers))]
+    answers = await asyncio.gather(*(asyncio.wait_for(r, READ_TIMEOUT) for r in reads), return_exceptions=True)
+    failed = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, nats.js.errors.NotFoundError)]
+    for e in failed:
+        if not isinstance(e, nats.errors.Error | TimeoutError):
+            raise e
+    if failed:
+        e = failed[0]
+        log.warning("bus read failed", reads=len(failed), of=len(reads), error=str(e) or type(e).__name__)
+    streams = [a for a in answers if isinstance(a, api.StreamInfo)]
+    return streams, [a for a in answers if isinstance(a, api.ConsumerInfo)]
+
+
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -270,10 +336,15 @@ class Metrics:
                                      "gateway admits from 1/N of each tenant's limit, else 0.", registry=r)
         self.limits_gateways = Gauge("tokenbus_rate_limit_gateways", "Live gateways sharing the tenants' limits "
                                      "(N), as this gateway last counted them.", registry=r)
+        self.connections = Gauge("tokenbus_gateway_connections", "Clients this gateway serves now: open websockets "
+                                 "and HTTP requests in flight (an SSE stream is one until its last event).",
+                                 registry=r)
         self.workers = Workers()
         r.register(self.workers)
         self.routers = Routers()
         r.register(self.routers)
+        self.bus = Bus()
+        r.register(self.bus)
 
     async def on_router_stats(self, msg) -> None:
         with contextlib.suppress(WireError):               # a bad record is not worth a log line a second
@@ -313,8 +384,13 @@ class Metrics:
     def deadline(self, tenant: str) -> None:
         self.deadlines.labels(tenant).inc()
 
-    async def render(self, kv, log) -> bytes:
+    async def render(self, kv, log, js=None) -> bytes:
+        """The registry's text, the heartbeats (kv: the tb_workers bucket) and, given the JetStream context,
+        the bus's stream and consumer infos read first."""
         self.workers.beats = await heartbeats(kv, log)
+        workers = [hb.worker for hb in self.workers.beats]
+        if js is not None:
+            self.bus.streams, self.bus.consumers = await bus_infos(js, workers, log)
         return generate_latest(self.registry)
 
 

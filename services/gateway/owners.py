@@ -6,6 +6,7 @@ the gateway's resume_grace."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from services.gateway.stream import Request
 
 CLEAN_CLOSE = (1000, 1001)           # websocket close codes of a client that left on purpose: no resume
+DRAIN_CLOSE = 1012                   # service restart: the gateway drains; reconnect and resume
 
 
 class Connection:
@@ -39,12 +41,23 @@ class Connection:
 
     async def run(self) -> None:
         await self.ws.accept()
+        self.gw.connections.add(self)
+        self.gw.metrics.connections.inc()
         event = {}
         try:
             while (event := await self.ws.receive())["type"] == "websocket.receive":
                 await self.on_frame(event)
         finally:
+            self.gw.connections.discard(self)
+            self.gw.metrics.connections.dec()
             await leave(self, event.get("code") not in CLEAN_CLOSE)
+
+    async def close_for_drain(self) -> None:
+        """The gateway drains: close code 1012 (service restart) tells the client to connect again, to any
+        gateway, and resume its resumable requests by the resume ids it was given; they stream on meanwhile."""
+        self.gw.connections.discard(self)
+        with contextlib.suppress(Exception):
+            await self.ws.close(DRAIN_CLOSE, "the gateway is draining: reconnect and resume")
 
     async def on_frame(self, event: dict) -> None:
         t0 = time.perf_counter()
@@ -67,6 +80,9 @@ class Connection:
     async def generate(self, frame: dict, cid: str, t0: float) -> None:
         n = frames.n(frame)
         self.room(cid, n)
+        if self.gw.life is not None and self.gw.life.asked.is_set():
+            raise FrameError("the gateway is draining: connect again (to any gateway) and send the request there",
+                             cid, "unavailable", 0)
         spec, constraint = None, {}
         if any(k in frame for k in frames.TOOLING) and "messages" in frame:
             try:

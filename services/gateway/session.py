@@ -23,6 +23,7 @@ from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
 import bus
+from bus.lifecycle import Life
 from schemas import generation, subjects
 from schemas.messages import (
     Cancel,
@@ -77,6 +78,8 @@ class Gateway:
     upstream: Upstream | None = None              # --fallback-url: where what the cluster cannot take goes
     limits: Limits | None = None                  # tenants' rate limits shared with the other gateways
     models: Models | None = None                  # every served model; None: `model`, with `tokenizer`
+    life: Life | None = None                      # its probes and drain (bus/lifecycle.py)
+    connections: set = field(default_factory=set)  # the websocket connections open (owners.Connection)
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import nats.errors
 import nats.js.errors
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
 
 import bus
+from bus import lifecycle
+from bus.lifecycle import Life, first
 from bus.log import configure
 from schemas import records, subjects
 from schemas.messages import Completion, Usage, decode
@@ -59,6 +61,10 @@ class Batcher:
     stream: str
     linger: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tasks: set = field(default_factory=set)     # its batches being written
+
+    def idle(self) -> bool:
+        return self.queue.empty() and not self.tasks
 
     def room(self) -> int:
         return max(0, BATCH - self.queue.qsize())
@@ -75,32 +81,56 @@ class Batcher:
 
 class Recorder:
     def __init__(self, nc, db: Database, archive: Archive, retention: float = subjects.LOG_MAX_AGE,
-                 recorder_id: str | None = None):
+                 recorder_id: str | None = None, life: Life | None = None):
         self.nc, self.js, self.db, self.archive = nc, nc.jetstream(), db, archive
         self.retention = retention
         self.id = subjects.token("recorder", recorder_id or f"rec-{os.getpid()}")
         self.log = LOG.bind(recorder=self.id)
         self.parts = subjects.parts()
+        self.life = life or Life("recorder", self.id, self.log)      # SIGTERM, tokenbus drain: bus/lifecycle.py
 
     async def run(self) -> None:
+        """Records until asked to stop or drain. Draining, it pulls no more (other recorders, or the next one,
+        take what comes) and writes and acks what it took, within the drain timeout."""
         await bus.ensure_streams(self.js)
         await asyncio.to_thread(self.db.version)               # connects and migrates, or says why not
+        await self.life.listen(self.nc)
         self.log.info("recorder ready", database=redacted(self.db.url), archive=self.archive.url,
                       partitions=len(self.parts))
-        loops = []
+        self.life.ready = True
+        pulls, batchers = [], []
         for p in self.parts:
             for base, linger, write in ((subjects.USAGE_STREAM, USAGE_LINGER, self.write_usage),
                                         (subjects.RESULTS_STREAM, RESULTS_LINGER, self.write_ends)):
                 stream, batcher = subjects.stream(base, p), Batcher(base, linger)
-                loops.append(bus.consume(self.nc, stream, bus.recorder(base, p), batcher.queue.put, self.log,
-                                         batch=BATCH, room=batcher.room))
-                loops.append(self.drain(batcher, write))
-        await asyncio.gather(*loops, self.watch())
+                pulls.append(bus.consume(self.nc, stream, bus.recorder(base, p), batcher.queue.put, self.log,
+                                         batch=BATCH, room=batcher.room, stop=self.life.asked))
+                batchers.append((batcher, write))
+        loops = [asyncio.create_task(self.drain(b, w)) for b, w in batchers] + [asyncio.create_task(self.watch())]
+        try:
+            await first(asyncio.gather(*pulls), self.life.stopping.wait())
+            await first(self.settled([b for b, _ in batchers]), self.life.stopping.wait(),
+                        asyncio.sleep(max(0.0, self.life.deadline - time.monotonic())))
+        finally:
+            for t in loops:
+                t.cancel()
+        await self.life.left()
+
+    @staticmethod
+    async def settled(batchers: list[Batcher]) -> None:
+        """Until every record taken is written and acked: no batcher holds one (twice, a linger apart: a batch
+        being gathered is in neither its queue nor its tasks)."""
+        while True:
+            if all(b.idle() for b in batchers):
+                await asyncio.sleep(RESULTS_LINGER + 0.1)
+                if all(b.idle() for b in batchers):
+                    return
+            await asyncio.sleep(0.05)
 
     async def drain(self, batcher: Batcher, write) -> None:
         """Forever: a batch decoded, written (tried again until it is), then acked; IN_FLIGHT batches at a time,
         so that the next is decoded while one is in the database."""
-        room, tasks = asyncio.Semaphore(IN_FLIGHT), set()
+        room, tasks = asyncio.Semaphore(IN_FLIGHT), batcher.tasks
         while True:
             msgs = await batcher.take()
             await room.acquire()
@@ -249,21 +279,27 @@ def parser() -> argparse.ArgumentParser:
                    f"(default: ${records.ARCHIVE_ENV}, else archive/ in the stack's data dir)")
     p.add_argument("--archive-retention", type=float, default=subjects.LOG_MAX_AGE,
                    help=f"seconds the archive keeps a request (default {subjects.LOG_MAX_AGE:g}: 7 days)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics on this port (default: none)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics, /healthz (liveness) and /readyz "
+                   "(readiness: 503 while starting or draining) on this port (default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address /metrics binds (0.0.0.0 in a container)")
+    lifecycle.add_arguments(p, health=False)
     return p
 
 
 async def serve(args) -> None:
     db = Database.open(args.database or records.default_database())
     archive = Archive(args.archive or records.default_archive())
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+    name = subjects.token("recorder", args.id or f"rec-{os.getpid()}")
+    life = Life("recorder", name, LOG.bind(recorder=name), args.drain_timeout, metrics=generate_latest)
+    life.on_signals()
+    await life.serve_probes(args.metrics_host, args.metrics_port)
     recorder = Recorder(await bus.connect(args.nats_url, "recorder", LOG), db, archive, args.archive_retention,
-                        args.id)
+                        name, life)
     try:
-        await bus.run_until_signal(recorder.run, recorder.nc)
+        await recorder.run()
     finally:
+        await bus.close(recorder.nc)
+        await life.close()
         db.close()
 
 

@@ -147,11 +147,11 @@ class Registry:
              priority: int = 0, group: str = "") -> Choice | None:
         """A worker for a request (a handoff: a decode-capable one), or None when none can take it.
         `hashes` may bring the prompt's block hashes per block size, already known (the simulator's).
-        Only workers serving `model` (and `revision`) are candidates; "" means any. A batch `priority`
+        Only workers serving `model` (and `revision`), not draining, are candidates; "" means any. A batch `priority`
         takes a worker with spare capacity if there is one. A `group`'s requests follow its first."""
         self.known = hashes or {}
         batch = priority >= BATCH_PRIORITY
-        live = [w for w in self.live(now) if serves(w.hb, model, revision)]
+        live = [w for w in self.live(now) if serves(w.hb, model, revision) and not w.hb.draining]
         group = "" if handoff else group
         there = [w for w in live if group and w.hb.worker == self.groups.get(group)]
         if there:

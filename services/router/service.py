@@ -28,6 +28,8 @@ from nats.js import api
 from nats.js.kv import KV_DEL, KV_PURGE
 
 import bus
+from bus import lifecycle
+from bus.lifecycle import Life, first
 from bus.log import configure
 from schemas import subjects
 from schemas.messages import (
@@ -60,7 +62,7 @@ LOG = configure("router")
 
 class RouterService:
     def __init__(self, nc, options: Options | None = None, router_id: str | None = None, index_cap: int = INDEX_CAP,
-                 part: int | None = None):
+                 part: int | None = None, life: Life | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.parts = subjects.parts() if part is None else [part]    # the bus partitions it routes
         self.options = options or Options()
@@ -68,6 +70,7 @@ class RouterService:
         self.registry = Registry(self.options, KvIndex(index_cap))
         self.index = self.registry.index
         self.log = LOG.bind(router=self.id)
+        self.life = life or Life("router", self.id, self.log)    # SIGTERM and tokenbus drain: bus/lifecycle.py
         self.tasks: set[asyncio.Task] = set()
         self.syncing: set[str] = set()              # workers whose snapshot is awaited
         self.pending: OrderedDict[str, tuple[Choice, int]] = OrderedDict()   # request id -> (decision, prompt)
@@ -79,21 +82,31 @@ class RouterService:
         self.rerouting: set[tuple] = set()          # (departed worker, partition) whose work is being moved
 
     async def run(self) -> None:
+        """Routes until asked to stop or drain. Draining, it pulls no more (the other replicas take what
+        comes), routes what its pulls still bring, and lets its re-routes of departed workers' work finish
+        within the drain timeout."""
         await bus.ensure_streams(self.js)
         await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv)
         await self.nc.subscribe(subjects.RESULTS_SUBJECTS, cb=self.on_completion)
+        await self.life.listen(self.nc)
         watching = bus.watch(self.nc, self.seen, self.log)      # starts over after a reconnect
         loops = [asyncio.create_task(f) for f in (watching, self.lapse_loop(), self.stats_loop())]
         self.log.info("router ready", **self.options_log())
+        self.life.ready = True
+        stop = self.life.asked
         try:
-            await asyncio.gather(*(c for p in self.parts for c in (
+            consuming = asyncio.gather(*(c for p in self.parts for c in (
                 bus.consume(self.nc, subjects.stream(subjects.REQUESTS_STREAM, p), bus.router(p), self.handle_new,
-                            self.log),
+                            self.log, stop=stop),
                 bus.consume(self.nc, subjects.stream(subjects.ROUTE_STREAM, p), bus.handoffs(p), self.handle,
-                            self.log))))
+                            self.log, stop=stop))))
+            await first(consuming, self.life.stopping.wait())
+            if self.tasks and not self.life.stopping.is_set():
+                await asyncio.wait(list(self.tasks), timeout=max(0.0, self.life.deadline - time.monotonic()))
         finally:
             for t in loops:
                 t.cancel()
+        await self.life.left()
 
     def options_log(self) -> dict:
         o = self.options
@@ -184,9 +197,10 @@ class RouterService:
 
     def leave(self, worker: str, why: str) -> None:
         if worker in self.registry.workers:
-            suspect = self.registry.workers[worker].hb.isolated   # a request it ran alone: the crash is its
-            self.registry.remove(worker)
-            self.log.warning("worker left", worker=worker, why=why)
+            hb = self.registry.workers[worker].hb
+            suspect = None if hb.draining else hb.isolated   # drained: no crash; a request it ran alone: the crash
+            self.registry.remove(worker)                     # is that one's
+            self.log.warning("worker left", worker=worker, why=why, drained=hb.draining)
             self.spawn(self.reroute(worker, suspect))
 
     # -- the prefix index -------------------------------------------------------------------------
@@ -277,15 +291,16 @@ class RouterService:
 
     # -- routing ----------------------------------------------------------------------------------
 
-    async def reroute(self, worker: str, suspect: str = "") -> None:
+    async def reroute(self, worker: str, suspect: str | None = "") -> None:
         """reroute_part() in each partition it routes."""
         await asyncio.gather(*(self.reroute_part(worker, suspect, p) for p in self.parts))
 
-    async def reroute_part(self, worker: str, suspect: str, part: int | None) -> None:
+    async def reroute_part(self, worker: str, suspect: str | None, part: int | None) -> None:
         """Moves what a departed worker still held (queued for it, or taken and never acked) to live
         workers. Its consumer is deleted first, so it gets nothing more. Each item it had taken gets a
         strike (the strikes follow the request id, across re-routes) — only the suspect, when its last
-        heartbeat said one request ran alone; items only queued for it get none. A moved request
+        heartbeat said one request ran alone; items only queued for it get none, and a drained worker's
+        (suspect None: its last heartbeat said it was draining) none at all. A moved request
         continues on its new worker from the tokens its client has (the worker asks the gateway).
         One re-route per worker at a time; one that fails (a server slow to answer) is tried again every
         REROUTE_RETRY until it is done, the worker is back, the connection is closed or REQUEST_DEADLINE
@@ -320,7 +335,7 @@ class RouterService:
     def back(self, worker: str) -> bool:
         return any(w.hb.worker == worker for w in self.registry.live(time.time()))
 
-    async def move_all(self, worker: str, suspect: str, taken: int, part: int | None = None) -> None:
+    async def move_all(self, worker: str, suspect: str | None, taken: int, part: int | None = None) -> None:
         stream = subjects.stream(subjects.WORK_STREAM, part)
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(stream, subjects.worker_durable(worker))
@@ -350,7 +365,7 @@ class RouterService:
             return 0
         return info.delivered.stream_seq if info.delivered else 0
 
-    async def drain(self, stream: str, worker: str, name: str, taken: int, suspect: str) -> int:
+    async def drain(self, stream: str, worker: str, name: str, taken: int, suspect: str | None) -> int:
         """Moves every item of the re-route consumer. An empty fetch ends it only once the consumer says
         nothing is left to deliver: on a busy server a fetch can time out with the items still there."""
         sub = await self.js.pull_subscribe_bind(stream=stream, name=name)
@@ -371,7 +386,7 @@ class RouterService:
         finally:
             await sub.unsubscribe()
 
-    async def move(self, msg, departed: str, taken: bool = False, suspect: str = "") -> int:
+    async def move(self, msg, departed: str, taken: bool = False, suspect: str | None = "") -> int:
         """1 when the item moved to a live worker, 0 when it was dropped or given up (past its deadline),
         -1 when the only pick is the departed worker itself, back already (re-publishing to its subject
         would feed this very loop: the item stays for it, re-published with its strike if it had taken it)."""
@@ -383,7 +398,7 @@ class RouterService:
             await self.give_up(msg, item.request)
             return 0
         worker = choice.worker
-        strike = taken and suspect in ("", item.request.id)
+        strike = taken and suspect is not None and suspect in ("", item.request.id)
         if worker == departed and not strike:
             await msg.nak()
             return -1
@@ -561,6 +576,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--index-cap", type=int, default=INDEX_CAP, help=f"hashes kept per worker (default {INDEX_CAP})")
     p.add_argument("--partition", type=int, default=None,
                    help="on a partitioned bus (TB_BUS_PARTITIONS): the one partition it routes (default: every one)")
+    lifecycle.add_arguments(p)
     return p
 
 
@@ -570,9 +586,17 @@ async def serve(args) -> None:
     parts = subjects.parts()
     if args.partition is not None and args.partition not in parts:
         raise SystemExit(f"--partition {args.partition}: the bus has partitions {parts} ({subjects.PARTITIONS_ENV})")
-    service = RouterService(await bus.connect(args.nats_url, "router", LOG), options, args.id, args.index_cap,
-                            args.partition)
-    await bus.run_until_signal(service.run, service.nc)
+    name = subjects.token("router", args.id or f"r-{os.getpid()}")
+    life = Life("router", name, LOG.bind(router=name), args.drain_timeout)
+    life.on_signals()
+    await life.serve_probes(args.health_host, args.health_port)
+    service = RouterService(await bus.connect(args.nats_url, "router", LOG), options, name, args.index_cap,
+                            args.partition, life)
+    try:
+        await service.run()
+    finally:
+        await bus.close(service.nc)
+        await life.close()
 
 
 def main(argv=None) -> None:

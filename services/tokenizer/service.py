@@ -7,9 +7,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import time
 from pathlib import Path
 
 import bus
+from bus import lifecycle
+from bus.lifecycle import Life
 from bus.log import configure
 from schemas import served, subjects
 from schemas.messages import MAX_TEXT_CHARS, GenerateRequest, Tokens, decode, encode
@@ -131,21 +135,31 @@ class Tokenizers:
 
 
 class TokenizerService:
-    def __init__(self, nc, tokenizer: Tokenizer | Tokenizers):
+    def __init__(self, nc, tokenizer: Tokenizer | Tokenizers, life: Life | None = None):
         self.nc = nc
         self.toks = tokenizer if isinstance(tokenizer, Tokenizers) else Tokenizers.one(tokenizer)
         self.log = LOG
+        self.life = life or Life("tokenizer", f"t-{os.getpid()}", LOG)   # SIGTERM, tokenbus drain
 
     @property
     def tok(self) -> Tokenizer:
         return self.toks.of[self.toks.default]
 
     async def run(self) -> None:
-        await self.nc.subscribe(subjects.PREPARE, queue=subjects.TOKENIZE_QUEUE, cb=self.prepare)
-        await self.nc.subscribe(subjects.TOKENIZE, queue=subjects.TOKENIZE_QUEUE, cb=self.tokenize)
+        """Answers until asked to stop or drain. Draining, it leaves the queue group (the other replicas
+        answer what comes) and answers what it had received."""
+        subs = [await self.nc.subscribe(subjects.PREPARE, queue=subjects.TOKENIZE_QUEUE, cb=self.prepare),
+                await self.nc.subscribe(subjects.TOKENIZE, queue=subjects.TOKENIZE_QUEUE, cb=self.tokenize)]
+        await self.life.listen(self.nc)
         self.log.info("tokenizer ready", max_model_len=self.tok.max_model_len,
                       models=[f"{n}{SEPARATOR}{r}" for n, r in self.toks.of])
-        await asyncio.Event().wait()             # the subscriptions serve until the connection closes
+        self.life.ready = True
+        await self.life.asked.wait()
+        if not self.life.stopping.is_set():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*(sub.drain() for sub in subs)),
+                                       max(0.0, self.life.deadline - time.monotonic()))
+        await self.life.left()
 
     async def prepare(self, msg) -> None:
         """tb.prepare: the request's tokens as the pipeline runs them, or its refusal (code, message)."""
@@ -196,6 +210,8 @@ def parser() -> argparse.ArgumentParser:
     which.add_argument("--models", metavar="FILE", help="a served models file (schemas/served.py, written by "
                        "tokenbus up): a tokenizer for each model and revision")
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--id", help="tokenizer id, a subject token (default t-<pid>)")
+    lifecycle.add_arguments(p)
     return p
 
 
@@ -206,8 +222,16 @@ def tokenizers(args) -> Tokenizers:
 
 
 async def serve(args) -> None:
-    service = TokenizerService(await bus.connect(args.nats_url, "tokenizer", LOG), tokenizers(args))
-    await bus.run_until_signal(service.run, service.nc)
+    name = subjects.token("tokenizer id", args.id or f"t-{os.getpid()}")
+    life = Life("tokenizer", name, LOG.bind(tokenizer=name), args.drain_timeout)
+    life.on_signals()
+    await life.serve_probes(args.health_host, args.health_port)
+    service = TokenizerService(await bus.connect(args.nats_url, "tokenizer", LOG), tokenizers(args), life)
+    try:
+        await service.run()
+    finally:
+        await bus.close(service.nc)
+        await life.close()
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,7 @@
 """The observability files (ops/observability/, docs/observability.md): Grafana's dashboard and provisioning and
 Prometheus's config and rules parse; every PromQL expression parses with a real PromQL parser; every metric they
-name is one that a live stack's gateway or recorder exposes on /metrics; the SLO lines and burn-rate alerts are
+name is one that a live stack's gateway or recorder exposes on /metrics (its gateway's bus series say that
+the stages' consumers have nothing left after the requests); the SLO lines and burn-rate alerts are
 ops/plan.py's SLOs in the SRE workbook's windows; compose.yaml's observability services mount files that exist
 and scrape the ports the gateway and recorder serve."""
 import inspect
@@ -13,6 +14,7 @@ from pathlib import Path
 import promql_parser
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ops.plan import Plan
 from ops.procs import free_port
@@ -192,6 +194,16 @@ def scrape(url: str) -> tuple[set[str], dict[str, set[float]]]:
     return names, bounds
 
 
+def bus_series(url: str) -> dict[tuple[str, str, str], float]:
+    """(name, stream, consumer) → value of the tokenbus_stream_* and tokenbus_consumer_* samples a /metrics page
+    exposes (consumer "" for a stream's)."""
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, s.labels["stream"], s.labels.get("consumer", "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(("tokenbus_stream_", "tokenbus_consumer_"))}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_every_metric_named_is_one_a_live_gateway_or_recorder_exposes(tiny_model, tmp_path):
@@ -208,7 +220,17 @@ def test_every_metric_named_is_one_a_live_gateway_or_recorder_exposes(tiny_model
         time.sleep(1.5)                                       # a heartbeat after the requests (every 0.5 s)
         gateway, buckets = scrape(f"{stack.http}/metrics")
         recorder, _ = scrape(f"http://127.0.0.1:{stack.recorder_port}/metrics")
+        bus = bus_series(f"{stack.http}/metrics")
     assert "tokenbus_time_to_first_token_seconds_bucket" in gateway and "tokenbus_spec_decode_k" in gateway
+    held = {stream: v for (name, stream, _), v in bus.items() if name == "tokenbus_stream_messages"}
+    assert held.keys() == {"TB_REQUESTS", "TB_ROUTE", "TB_WORK", "TB_RESULTS", "TB_USAGE", "TB_DEAD"}, held
+    assert held["TB_REQUESTS"] >= 2 and held["TB_DEAD"] == 0, held
+    lag = {(stream, consumer): v for (name, stream, consumer), v in bus.items()
+           if name == "tokenbus_consumer_pending_messages"}
+    [worker] = [c for stream, c in lag if stream == "TB_WORK"]               # the one live worker's
+    assert worker.startswith("worker-") and lag.keys() >= {("TB_REQUESTS", "router"), ("TB_ROUTE", "router"),
+                                                           ("TB_USAGE", "recorder"), ("TB_RESULTS", "recorder")}
+    assert not any(lag.values()), lag                                       # everything delivered
     assert "tokenbus_recorder_backlog_records" in recorder
     missing = {name: sorted(where) for name, where in referenced().items() if name not in gateway | recorder}
     assert not missing, f"metrics named but not on /metrics: {missing}"

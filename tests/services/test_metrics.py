@@ -1,13 +1,17 @@
 """The gateway's /metrics: Prometheus text that the official parser reads, per-tenant request metrics that
 move as requests run through the gateway (fake downstream), per-worker metrics from the heartbeats,
-per-router metrics from the routers' stats records, and the disaggregated series (roles, KV transfers,
-prefill decisions) from the collectors directly."""
+per-router metrics from the routers' stats records, the streams' sizes and the stages' consumers' lag from
+JetStream, and the disaggregated series (roles, KV transfers, prefill decisions) from the collectors directly."""
 import asyncio
 import dataclasses
 import time
 import urllib.request
 
+import nats.errors
+import nats.js.errors
 import orjson
+import pytest
+from nats.js import api
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
@@ -16,7 +20,7 @@ from websockets.asyncio.client import connect
 import bus
 from schemas import subjects
 from schemas.messages import Heartbeat, KvTransfer, RouterStats, Speculation, encode
-from services.gateway.metrics import Metrics
+from services.gateway.metrics import STAGES, Metrics, bus_infos, lagging
 from tests.services.fake_pipeline import Downstream, gateway
 
 HISTOGRAMS = ("tokenbus_time_to_first_token_seconds", "tokenbus_time_per_output_token_seconds",
@@ -161,6 +165,92 @@ def test_router_metrics_come_from_the_stats_of_live_routers(nats_url, tiny_model
     assert m[("tokenbus_router_routed_total", (("router", "r1"), ("worker", "w1")))] == 3
     assert m[("tokenbus_router_index_blocks", (("router", "r1"), ("worker", "w0")))] == 40
     assert not any(dict(labels).get("router") in ("r0", "r2") for _, labels in m)
+
+
+def test_bus_metrics_count_each_streams_messages_and_the_stages_consumers_undelivered_and_unacked(nats_url,
+                                                                                                   tiny_model):
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+
+    async def body():
+        async with gateway(nats_url, tiny_model, tok, requests=False) as down:    # fake0 has a heartbeat
+            js = down.nc.jetstream()
+            before = await asyncio.to_thread(scrape, down.http)
+            await js.add_consumer(subjects.REQUESTS_STREAM, bus.router())
+            await js.add_consumer(subjects.WORK_STREAM, bus.worker_consumer("fake0"))
+            for i in range(3):
+                await js.publish(subjects.request_new("t", f"r{i}"), b"request")
+                await js.publish(subjects.work("fake0", f"r{i}"), b"work item")
+            await js.publish(subjects.dead("t", "r0"), b"dead letter")
+            router = await js.pull_subscribe_bind(subjects.ROUTER_DURABLE, subjects.REQUESTS_STREAM)
+            taken = []
+            while len(taken) < 3:
+                taken += await router.fetch(3 - len(taken), timeout=5)
+            for msg in taken:                                        # the router routed all three
+                await msg.ack_sync()
+            worker = await js.pull_subscribe_bind(subjects.worker_durable("fake0"), subjects.WORK_STREAM)
+            await worker.fetch(1, timeout=5)                         # the worker runs one, not acked yet
+            return before, await asyncio.to_thread(scrape, down.http)
+
+    before, m = asyncio.run(asyncio.wait_for(body(), 30))
+    streams = {dict(labels)["stream"]: v for (name, labels), v in before.items() if name == "tokenbus_stream_messages"}
+    assert streams == dict.fromkeys(subjects.STREAM_NAMES, 0)
+    consumers = {tuple(sorted(dict(labels).values())) for name, labels in before
+                 if name == "tokenbus_consumer_pending_messages"}
+    assert consumers == {("TB_USAGE", "recorder")}           # made with its stream; the others not made yet
+
+    def held(name, stream):
+        return m[(name, (("stream", stream),))]
+
+    assert held("tokenbus_stream_messages", "TB_DEAD") == 1 and held("tokenbus_stream_bytes", "TB_DEAD") > 0
+    assert held("tokenbus_stream_messages_stored_total", "TB_DEAD") == 1
+    assert held("tokenbus_stream_messages", "TB_REQUESTS") == 3 and held("tokenbus_stream_messages", "TB_WORK") == 3
+    assert held("tokenbus_stream_messages", "TB_RESULTS") == 0
+
+    def lag(stream, consumer):
+        labels = (("consumer", consumer), ("stream", stream))
+        return m[("tokenbus_consumer_pending_messages", labels)], m[("tokenbus_consumer_ack_pending_messages", labels)]
+
+    assert lag("TB_REQUESTS", "router") == (0, 0)
+    assert lag("TB_WORK", "worker-fake0") == (2, 1)
+    assert lag("TB_USAGE", "recorder") == (0, 0)
+    assert ("tokenbus_consumer_pending_messages", (("consumer", "router"), ("stream", "TB_ROUTE"))) not in m
+
+
+class Log:
+    def __init__(self):
+        self.warnings = []
+
+    def warning(self, event, **fields):
+        self.warnings.append((event, fields))
+
+
+def test_bus_reads_that_fail_or_take_too_long_are_left_out_and_logged_in_one_line(monkeypatch):
+    monkeypatch.setattr("services.gateway.metrics.READ_TIMEOUT", 0.05)
+
+    class Js:
+        async def stream_info(self, name):
+            if name == subjects.WORK_STREAM:
+                raise nats.errors.TimeoutError
+            if name == subjects.DEAD_STREAM:
+                await asyncio.sleep(1)                                      # past READ_TIMEOUT
+            if name == subjects.ROUTE_STREAM:
+                raise nats.js.errors.NotFoundError                          # not made yet: no failure
+            return api.StreamInfo(api.StreamConfig(name=name), api.StreamState(5, 500, 1, 5, 1))
+
+        async def consumer_info(self, stream, durable):
+            raise nats.js.errors.NotFoundError
+
+    class Broken(Js):
+        async def consumer_info(self, stream, durable):
+            return 1 / 0
+
+    log = Log()
+    streams, consumers = asyncio.run(bus_infos(Js(), ["w0"], log))
+    assert [i.config.name for i in streams] == ["TB_REQUESTS", "TB_RESULTS", "TB_USAGE"] and consumers == []
+    assert [(event, fields["reads"], fields["of"]) for event, fields in log.warnings] == [("bus read failed", 2, 11)]
+    assert lagging(["w0", "bad id"]) == [*STAGES, ("TB_WORK", "worker-w0")]       # one stream each: no partitions
+    with pytest.raises(ZeroDivisionError):                                  # a bug is raised, not logged
+        asyncio.run(bus_infos(Broken(), [], log))
 
 
 def collected(metrics) -> dict[tuple, float]:

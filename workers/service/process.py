@@ -3,15 +3,15 @@
 `python -m workers.service --model M ...` runs `main` (workers/service/__main__.py). Runs on the main
 thread: argparse, then the event loop (`serve`); the engine is built and warmed up on the step thread."""
 import argparse
-import asyncio
 import dataclasses
 import os
-import signal
 import sys
 
 import torch
 
 import bus
+from bus import lifecycle
+from bus.lifecycle import Life
 from bus.log import configure
 from schemas import subjects
 from schemas.messages import SCHEDULING_POLICIES
@@ -93,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-speculative-adaptive", action="store_true",
                    help="with --speculative: always K draft tokens, not the K each step's cost and the measured "
                         "acceptance favour")
+    lifecycle.add_arguments(p)
     p.add_argument("--step-trace", metavar="PATH", help="an operator's diagnostic, off unless given: appends a JSON "
                    "line per engine step to PATH (its shape and seconds; `tokenbus sim-check --steps` compares them "
                    "with the simulator's)")
@@ -122,9 +123,13 @@ def speculative_config(args) -> dict | None:
 
 
 async def serve(args) -> None:
-    model = catalogue.resolve(args.model)
     log = configure("worker").bind(worker=args.id)
+    life = Life("worker", args.id, log, args.drain_timeout)
+    life.on_signals()
+    await life.serve_probes(args.health_host, args.health_port)   # alive while the model loads; ready after
+    model = catalogue.resolve(args.model)
     nc = await bus.connect(args.nats_url, f"worker-{args.id}", log, role="worker")
+    await life.listen(nc)
     blamed = await last_suspect(nc, args.id)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,14 +142,12 @@ async def serve(args) -> None:
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
         service = WorkerService(nc, engine, args.id, name, log, args.chunk_rate, args.role,
                                 args.kv_load_failure_policy, args.nats_url, revision_of(model), stepper,
-                                injected, args.step_trace, blamed)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.stop.set)
+                                injected, args.step_trace, blamed, life)
         await service.run()
     finally:
         engine.close()
         stepper.close()                          # after: the followers of a tensor-parallel engine die with its thread
+        await life.close()
     if service.failed:
         sys.exit(1)
 

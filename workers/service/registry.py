@@ -45,6 +45,7 @@ class Registry:
         self.suspect = ""                            # the request the last heartbeat said runs alone
         self.spec_k: int | None = None               # k at the last look where some request could draft
         self.kv_seq = 0                              # KV events published
+        self.draining = False                        # said in every heartbeat from the drain's start
 
     async def open(self) -> None:
         self.bucket = await bus.registry(self.js)
@@ -52,14 +53,14 @@ class Registry:
 
     async def leave(self, side: Sideline | None) -> None:
         """Lets the ends being stored (outcomes, records, dead letters) finish for up to LEAVE_WAIT
-        seconds (what is left stays unacked and is redelivered), deregisters, closes."""
+        seconds (what is left stays unacked and is redelivered), deregisters: the router moves at once
+        what the worker still held (without strikes when its last heartbeat said it was draining)."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=LEAVE_WAIT)
         if side is not None:                     # before the deregistration: it could write a heartbeat after it
             await side.stop()
         try:
             await self.bucket.delete(self.id)
-            await bus.close(self.nc)
         except Exception as e:                   # the server may be gone already
             self.log.warning("leaving uncleanly", error=str(e))
 
@@ -91,6 +92,16 @@ class Registry:
         self.build_beat()
         await self.put_beat()
 
+    async def say_draining(self) -> None:
+        """The last heartbeat again at once, saying the worker drains (not after the step under way: what the
+        router sends meanwhile would still come here)."""
+        if self.beat is not None:
+            self.beat = dataclasses.replace(self.beat, ts=time.time(), draining=True)
+            try:
+                await self.put_beat()
+            except bus.BUS_ERRORS as e:             # the next heartbeat says it
+                self.log.warning("heartbeat failed", error=str(e) or type(e).__name__)
+
     async def put_beat(self) -> None:
         """Writes the last heartbeat built; one not acknowledged within two heartbeat periods (a cluster
         electing the bucket's leader) is given up for the next, which carries a fresh time."""
@@ -109,7 +120,7 @@ class Registry:
             s["prefix_cache_queries"], s["prefix_cache_hits"], c.finished, s["preemptions"], c.prompt_tokens,
             c.generation_tokens, self.engine.scheduler.queued_blocks() + self.taken_blocks(), self.suspect, spec,
             self.role, self.transport.snapshot() if self.role != "both" else None,
-            self.engine.config.scheduling_policy, self.revision, s["forks"], tiers_of(s)), \
+            self.engine.config.scheduling_policy, self.revision, s["forks"], tiers_of(s), self.draining), \
             time.monotonic()
 
     def taken_blocks(self) -> int:

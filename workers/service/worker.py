@@ -21,6 +21,7 @@ import time
 import orjson
 
 import bus
+from bus.lifecycle import Life, first
 from schemas import subjects
 from workers.distributed import WorkerFailure
 from workers.engine.engine import LLMEngine
@@ -34,19 +35,22 @@ from workers.service.streaming import Streaming
 from workers.sideline import Sideline
 from workers.stepper import Stepper
 
+DRAIN_POLL = 0.1               # seconds between a draining worker's looks at what it holds
+
 
 class WorkerService:
     def __init__(self, nc, engine: LLMEngine, worker_id: str, model_name: str, log,
                  chunk_rate: float = subjects.CHUNK_RATE, role: str = "both",
                  kv_load_failure_policy: str = "recompute", nats_url: str | None = None, revision: str = "",
                  stepper: Stepper | None = None, faults: Faults = NO_FAULTS, step_trace: str | None = None,
-                 blamed: str = ""):
+                 blamed: str = "", life: Life | None = None):
         self.state = s = State(nc, nc.jetstream(), engine, asyncio.Lock(), subjects.token("worker", worker_id), log)
         self.nc, self.engine, self.engine_lock, self.id, self.log = nc, engine, s.engine_lock, s.id, log
         self.running = s.running
         self.model_name, self.role, self.revision = model_name, role, revision   # revision: schemas/revision.py
         self.wake = asyncio.Event()                  # set when work arrives for an idle engine
-        self.stop = asyncio.Event()
+        self.stop = asyncio.Event()                  # a failure: stop at once
+        self.life = life or Life("worker", self.id, log)   # SIGTERM and tokenbus drain: bus/lifecycle.py
         self.failed = False
         self.stepper = stepper                       # the step thread (run() starts one if none is given)
         self.nats_url = nats_url                     # for the side thread's connection (default: nc's servers)
@@ -74,13 +78,53 @@ class WorkerService:
         self.stepper = self.stepper or Stepper(self.engine)
         loops = [asyncio.create_task(f()) for f in (self.step_loop, self.intake.fetch_loop,
                                                      self.registry.heartbeat_loop, self.intake.progress_loop)]
-        await self.stop.wait()
+        self.life.ready = True
+        await first(self.stop.wait(), self.life.asked.wait())
+        handed_over = await self.drain() if self.life.draining.is_set() and not self.stop.is_set() else \
+            len(self.running)
         for t in loops:
             t.cancel()
         await self.stepper.finish(LEAVE_WAIT)   # the engine is closed after this: no step may be under way
         if own:
             self.stepper.close()
         await self.registry.leave(self.side)
+        await self.life.left(handed_over)
+        await bus.close(self.nc)
+
+    async def drain(self) -> int:
+        """The worker says it is draining (the router and admission choose it no more), runs what it holds
+        and what was routed to it before they saw that, until it holds nothing or its drain timeout passes;
+        returns the requests it hands over (the router moves them at once when it leaves, each continuing
+        from the tokens its client has, without a strike)."""
+        self.registry.draining = True
+        await self.registry.say_draining()
+        self.log.info("draining", running=len(self.running), drain_timeout=self.life.drain_timeout)
+        settled = time.monotonic() + subjects.DRAIN_SETTLE
+        while not (self.stop.is_set() or self.life.stopping.is_set()):
+            if time.monotonic() >= settled and await self.holds_nothing():
+                return 0
+            if time.monotonic() >= self.life.deadline:
+                break
+            await asyncio.sleep(DRAIN_POLL)
+        held = sorted(self.running)
+        self.log.warning("drain ended with requests held: handing them over", requests=held,
+                         why="stopped" if self.stop.is_set() or self.life.stopping.is_set() else
+                         f"--drain-timeout {self.life.drain_timeout:g} s passed")
+        return len(held)
+
+    async def holds_nothing(self) -> bool:
+        """Nothing runs here, nothing is on its way in, and nothing waits in its work queue."""
+        if self.running or self.intake.admitting or self.intake.pulling:
+            return False
+        for p in subjects.parts():
+            try:
+                info = await self.state.js.consumer_info(subjects.stream(subjects.WORK_STREAM, p),
+                                                         subjects.worker_durable(self.id))
+            except bus.BUS_ERRORS:
+                return False
+            if info.num_pending or info.num_ack_pending:
+                return False
+        return True
 
     async def open_bus(self) -> None:
         """The streams and buckets the worker uses, and its subscriptions (cancels, resends, KV snapshots)."""
