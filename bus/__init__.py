@@ -10,7 +10,8 @@ each job has its module:
   bus/consume.py     a durable pull consumer streamed into a handler, made again when lost
   bus/heartbeats.py  the worker registry: watch, live_workers, and when a worker has left or has room
   bus/lifecycle.py   a process's probes (/healthz, /readyz) and its drain (SIGTERM, tokenbus drain)
-  bus/log.py         structured JSON logs (structlog)"""
+  bus/log.py         structured JSON logs (structlog)
+  bus/tracing.py     OpenTelemetry traces, off unless an OTLP endpoint is given: the trace context in headers"""
 from bus.connection import BUS_ERRORS, CLUSTER_PING, CLUSTER_PINGS, close, connect, run, run_until_signal, servers_of
 from bus.consume import add_consumer, consume, gone, recreate
 from bus.ends import ended, partition, store_end

@@ -15,6 +15,7 @@ import time
 import nats.errors
 import orjson
 
+from bus import tracing
 from schemas import subjects
 
 PROBE_READ_SECONDS = 5.0                 # a probe's request line and headers, at most
@@ -142,7 +143,9 @@ async def first(*aws) -> None:
 
 
 def add_arguments(p, health: bool = True) -> None:
-    """--drain-timeout, and (health) --health-port and --health-host: every service's."""
+    """--drain-timeout, --otlp-endpoint (bus/tracing.py), and (health) --health-port and --health-host: every
+    service's."""
+    tracing.add_argument(p)
     p.add_argument("--drain-timeout", type=float, default=subjects.DRAIN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM or `tokenbus drain`: seconds to finish what it holds before handing the rest "
                         f"over (default {subjects.DRAIN_TIMEOUT:g}); SIGINT stops at once")

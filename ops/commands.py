@@ -225,6 +225,9 @@ def up_access(u) -> None:
     u.add_argument("--tls-cert", metavar="FILE", help="the embedded nats-server serves TLS with this certificate (PEM)")
     u.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
     u.add_argument("--tls-ca", metavar="FILE", help="the CA every service verifies the nats-server's certificate with")
+    u.add_argument("--otlp-endpoint", metavar="URL", help="every service exports its traces by OTLP over HTTP to this "
+                   "collector, e.g. Jaeger's http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT, which the "
+                   "services inherit; without either, no tracing); docs/tracing.md")
 
 
 def up_gateway(u) -> None:

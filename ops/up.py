@@ -127,6 +127,7 @@ class Stack:
     database: str | None = None                   # the recorder's; None: SQLite under data_dir
     archive: str | None = None                    # the request log's archive; None: data_dir/archive
     recorder_port: int = 0                        # the recorder's /metrics (0: none)
+    otlp_endpoint: str | None = None              # every service's --otlp-endpoint (docs/tracing.md); None: none given
 
     @property
     def address(self) -> str:
@@ -278,13 +279,14 @@ class Stack:
 
     def spawn(self, name: str, module: str, *args: str, env: dict | None = None, role: str | None = None) -> None:
         """Starts a service as `role` (default: its name, less a router's number) with the stack's credentials
-        for that role, told the bus's partitions."""
+        for that role, told the bus's partitions and where its traces go (--otlp-endpoint)."""
         role = role or ("router" if name in self.routers else name)
         creds = self.credentials.env(role) if self.credentials else {}
         self.envs[name] = {**creds, subjects.PARTITIONS_ENV: str(self.partitions),
                            subjects.BUS_STORAGE_ENV: str(self.storage), **(env or {})}
         self.log_starts[name] = self.log_size(name)
-        self.children[name] = procs.spawn(procs.python_module(module, *args), self.log(name), self.envs[name])
+        traced = ["--otlp-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []
+        self.children[name] = procs.spawn(procs.python_module(module, *args, *traced), self.log(name), self.envs[name])
 
     def log(self, name: str) -> Path:
         return self.data_dir / "logs" / f"{name}.log"
@@ -573,7 +575,7 @@ def main(args) -> None:
                   gateways=args.gateways, nats_sync=args.nats_sync, prefill_workers=args.prefill_workers,
                   decode_workers=args.decode_workers, models=entries, partitions=partitions(args),
                   database=args.database, archive=args.archive, recorder_port=procs.free_port(), storage=storage,
-                  **security)
+                  otlp_endpoint=args.otlp_endpoint, **security)
     if args.database:
         Database.open(args.database)              # a URL of neither kind: said before anything starts
     stack.plan()                                  # a models file's mistakes before anything starts

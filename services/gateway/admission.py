@@ -81,6 +81,7 @@ class Ticket:
     settled: bool = False
     bucket: object = None                         # what it was charged to, refunded at the end (None: its tenant's)
     placed: str | None = None                     # the worker it was counted on
+    admitted: tuple[int, int] = ()                # with tracing on: when admission began and ended (ns since epoch)
 
 
 def estimate(req: GenerateRequest) -> int:

@@ -174,8 +174,8 @@ async def resume(request: HttpRequest, api: str, gw: Gateway, ex: Exchange, key,
     except FrameError as e:
         raise bad(str(e), "Last-Event-ID") from None
     opts = stream_options(await body(request, optional=True), True)
-    req = await gw.find(key, rid, seq, offset, api)
-    r = await gw.resume(ex, "http", key, req, seq, offset, t0)
+    req, headers = await gw.find(key, rid, seq, offset, api)
+    r = await gw.resume(ex, "http", key, req, seq, offset, t0, headers)
     prefix = "chatcmpl-" if api == "chat" else "cmpl-"
     return Call(api, req, True, *opts, req.sampling.logprobs is not None, prefix + rid, int(req.created),
                 r.model, r.revision or None), r

@@ -28,7 +28,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import InvalidState
 
 import bus
-from bus import lifecycle
+from bus import lifecycle, tracing
 from bus.lifecycle import Life
 from bus.log import configure
 from schemas import generation, served, subjects
@@ -459,6 +459,7 @@ def main(argv=None) -> None:
                          fallback(args), args.tool_call_parser, args.generation_config, args.drain_timeout)
     except (ValueError, OSError) as e:            # a bad keys file, a --model without config.json, a bad --fallback-*
         sys.exit(f"gateway: {e}")
+    tracing.setup("gateway", f"gateway-{os.getpid()}", args.otlp_endpoint)
     server = app.state.server = Server(server_config(app, args.host, args.port))
     for sig in (signal.SIGTERM, signal.SIGINT):   # uvicorn re-raises the signal it stopped on: exit 0 instead
         signal.signal(sig, lambda *_: None)

@@ -142,8 +142,8 @@ class Connection:
         self.room(cid)
         rid, seq, offset = frames.resume(frame)
         try:
-            req = await self.gw.find(self.key, rid, seq, offset, "ws")
-            await self.gw.resume(self, cid, self.key, req, seq, offset, t0)
+            req, headers = await self.gw.find(self.key, rid, seq, offset, "ws")
+            await self.gw.resume(self, cid, self.key, req, seq, offset, t0, headers)
         except ApiError as e:
             raise refused(e, cid) from None
 

@@ -23,6 +23,7 @@ from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
 import bus
+from bus import tracing
 from bus.lifecycle import Life
 from schemas import generation, subjects
 from schemas.messages import (
@@ -123,6 +124,13 @@ class Gateway:
         does not cover the request draws first (one round trip); then admission decides in memory.
         place=False: the tenant's limits only (a fallback). A request that may fall back is refused at once
         while NATS is reconnecting."""
+        began = time.time_ns() if tracing.ON else 0
+        ticket = await self.admit_now(key, req, priority, place)
+        if began:
+            ticket.admitted = began, time.time_ns()
+        return ticket
+
+    async def admit_now(self, key: Key, req: GenerateRequest, priority: int | None, place: bool) -> Ticket:
         req.priority = key.priority if priority is None else max(priority, key.priority)
         n = req.sampling.max_tokens
         if n > self.max_tokens:
@@ -169,10 +177,17 @@ class Gateway:
         req.meter = Meter(ticket.key.id, api, model)
         r = Request(owner, cid, req.id, req.sampling.stop, t0, ticket, api, req.created, resumable=resumable,
                     model=model, served=rev)
+        if tracing.ON:
+            r.span = root_span(req, ticket.key.tenant, api, model, t0)
+            if ticket.admitted:
+                tracing.start("admission", tracing.traced(r.span), {"tokenbus.request_id": req.id,
+                              "tokenbus.priority": req.priority}, start_time=ticket.admitted[0]).end(ticket.admitted[1])
         try:
             await self.follow(r)
-        except ApiError:
+        except ApiError as e:
             self.admission.settle(ticket, 0)
+            tracing.error(r.span, e.code or str(e.status))
+            r.span.end()
             raise
         r.task = asyncio.create_task(r.submit(req))
         return r
@@ -187,10 +202,11 @@ class Gateway:
 
     # -- resuming -------------------------------------------------------------------------------
 
-    async def find(self, key: Key, rid: str, seq: int, offset: int, api: str) -> GenerateRequest:
-        """The request a client asks to resume, from the request log; ApiError if it is not there (404),
-        another tenant's (403), made on another API than an HTTP resume's (400) or shorter than offset (400)."""
-        req = await self.logged(rid, seq)
+    async def find(self, key: Key, rid: str, seq: int, offset: int, api: str) -> tuple[GenerateRequest, dict | None]:
+        """The request a client asks to resume, from the request log, and the headers it was stored with (its
+        trace context); ApiError if it is not there (404), another tenant's (403), made on another API than an
+        HTTP resume's (400) or shorter than offset (400)."""
+        req, headers = await self.logged(rid, seq)
         if req.tenant != key.tenant:
             raise ApiError(403, f"id: request {rid} is not tenant {key.tenant}'s; only the tenant that made a request "
                                 "may resume it", "forbidden", "id")
@@ -201,16 +217,17 @@ class Gateway:
         if offset > req.sampling.max_tokens:
             raise ApiError(400, f"offset: {offset} is more than the request's max_tokens={req.sampling.max_tokens}",
                            "invalid_request", "offset")
-        return req
+        return req, headers
 
-    async def logged(self, rid: str, seq: int) -> GenerateRequest:
+    async def logged(self, rid: str, seq: int) -> tuple[GenerateRequest, dict | None]:
         """Request `rid` at sequence number `seq` of the request log (of its partition: each is looked at, on
-        a partitioned bus); ApiError 404 if it is not there."""
-        req = None
+        a partitioned bus), and its headers; ApiError 404 if it is not there."""
+        req = headers = None
         for part in subjects.parts():
             stream = subjects.stream(subjects.REQUESTS_STREAM, part)
             try:
-                req = decode((await self.js.get_msg(stream, seq)).data, GenerateRequest)
+                msg = await self.js.get_msg(stream, seq)
+                req, headers = decode(msg.data, GenerateRequest), msg.headers
             except (nats.js.errors.NotFoundError, WireError):
                 continue
             except (nats.errors.Error, asyncio.TimeoutError) as e:
@@ -221,18 +238,25 @@ class Gateway:
         if req is None or req.id != rid:
             raise ApiError(404, f"id: no request {rid} at {seq} in the request log (never accepted, or older than "
                                 f"its retention)", "not_found", "id")
-        return req
+        return req, headers
 
     async def resume(self, owner, cid: str, key: Key, req: GenerateRequest, seq: int, offset: int,
-                     t0: float) -> Request:
+                     t0: float, headers: dict | None = None) -> Request:
         """Streams a request found to resume (find()) to a client that has its first `offset` output tokens. Its
         tokens come from its end record if it ended, else from the worker running it (Resend from 0) and its
         chunks; those before offset go through the detokenizer unsent. A stream of it held here or on another
-        gateway lets it go (Resumed). No admission charge: it was charged where it started."""
+        gateway lets it go (Resumed). No admission charge: it was charged where it started. With tracing on, its
+        span `resume` joins the request's trace (the context stored in `headers`, the request log's)."""
         api = req.meter.api if req.meter and req.meter.api else "ws"
         model, rev = self.served(req)
         r = Request(owner, cid, req.id, req.sampling.stop, t0, Ticket(key, 0, settled=True), api, req.created,
                     resumable=True, seq=seq, replay=offset, resumed=True, model=model, served=rev)
+        if tracing.ON:
+            r.span = tracing.start("resume", tracing.context_of(headers), {
+                "tokenbus.request_id": req.id, "tokenbus.tenant": key.tenant, "tokenbus.gateway": self.id,
+                "tokenbus.resume_offset": offset, "gen_ai.request.model": model}, tracing.SpanKind.SERVER,
+                tracing.perf_ns(t0))
+            tracing.remember(req.id, r.span)
         if (old := self.requests.get(req.id)) is not None:
             await old.let_go()
         await self.follow(r)
@@ -326,4 +350,21 @@ class Gateway:
             return
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(msg.reply, encode(Progress(rid, list(r.tokens))))
+
+
+OPERATIONS = {"chat": "chat", "responses": "chat", "completions": "text_completion"}   # gen_ai.operation.name
+
+
+def root_span(req: GenerateRequest, tenant: str, api: str, model: str, t0: float):
+    """The request's span at the gateway, its whole life here (from its arrival at t0, a perf_counter), the root
+    of its trace; its admission is a child, timed by the ticket."""
+    s = req.sampling
+    operation = OPERATIONS.get(api, "chat" if req.messages is not None else "text_completion")     # ws: either
+    attributes = {"tokenbus.request_id": req.id, "tokenbus.tenant": tenant, "tokenbus.api": api,
+                  "gen_ai.operation.name": operation,
+                  "gen_ai.request.model": model, "gen_ai.request.max_tokens": s.max_tokens,
+                  "gen_ai.request.temperature": s.temperature}
+    span = tracing.start("request", None, attributes, tracing.SpanKind.SERVER, tracing.perf_ns(t0))
+    tracing.remember(req.id, span)
+    return span
 

@@ -22,6 +22,7 @@ from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
 import bus
+from bus import tracing
 from schemas import subjects
 from schemas.messages import ErrorChunk, FinalChunk, TokenChunk, Tokens, Usage, decode, encode, ending
 from schemas.wire import WireError
@@ -70,6 +71,7 @@ class Request:
     unstored: bool = False                        # its publish failed: it never entered the pipeline
     model: str = ""                               # the served model's name
     served: Revision | None = None                # and its revision that answers (None: the gateway's one model)
+    span: object = tracing.INVALID_SPAN           # its span here: `request`, or `resume` (bus/tracing.py)
 
     @property
     def log(self) -> FilteringBoundLogger:
@@ -101,9 +103,9 @@ class Request:
                 return
             req.tokens = got.token_ids if got is not None else None
             try:
-                ack = await bus.publish(gw.js, subjects.request_new(req.tenant, req.id), encode(req),
-                                             subjects.msg_id(req.id), self.log,
-                                             min(bus.PUBLISH_DEADLINE, gw.request_timeout))
+                headers = tracing.inject(subjects.msg_id(req.id), tracing.traced(self.span))   # stored with it
+                ack = await bus.publish(gw.js, subjects.request_new(req.tenant, req.id), encode(req), headers,
+                                        self.log, min(bus.PUBLISH_DEADLINE, gw.request_timeout))
             except bus.NotStored as e:
                 reason, self.unstored = str(e), True
                 self.log.error("request publish failed", request_id=self.rid, error=reason)
@@ -119,7 +121,9 @@ class Request:
     async def prepare(self, req) -> Tokens | None:
         """A tokenizer's answer on tb.prepare; None if none answers in time (the router asks again)."""
         try:
-            reply = await self.conn.gw.nc.request(subjects.PREPARE, encode(req), timeout=subjects.PREPARE_SECONDS)
+            headers = tracing.inject({subjects.REQUEST_ID: req.id}, tracing.traced(self.span)) if tracing.ON else None
+            reply = await self.conn.gw.nc.request(subjects.PREPARE, encode(req), timeout=subjects.PREPARE_SECONDS,
+                                                  headers=headers)
             return decode(reply.data, Tokens)
         except (nats.errors.Error, asyncio.TimeoutError, WireError) as e:
             self.log.warning("request not prepared here: the router will ask", request_id=self.rid,
@@ -324,7 +328,24 @@ class Request:
         self.conn.gw.metrics.observe(tenant, frame, self.worker_timing.get("queue_ms"))
         self.log.info("request ended", request_id=self.rid, tenant=tenant, worker=self.worker,
                       end=frame.get("finish_reason") or frame.get("code"), tokens=self.received)
+        if self.span.is_recording():
+            self.end_span(frame)
         return True
+
+    def end_span(self, frame: dict) -> None:
+        """Ends its span with what its client got: the usage, the finish reason or the error's code."""
+        s = self.span
+        s.set_attributes({"gen_ai.usage.input_tokens": self.prompt_tokens, "gen_ai.usage.output_tokens": self.received,
+                          "tokenbus.cached_tokens": self.cached_tokens, "tokenbus.worker": self.worker})
+        if self.ttft is not None:
+            s.set_attribute("tokenbus.ttft_ms", ms(self.ttft))
+        if frame.get("code") == "resumed":         # streamed on by another connection: no error
+            s.set_attribute("tokenbus.end", "resumed")
+        elif frame.get("type") == "error":
+            tracing.error(s, frame.get("code") or "error")
+        else:
+            s.set_attribute("gen_ai.response.finish_reasons", [frame.get("finish_reason") or ""])
+        s.end()
 
     async def unsubscribe(self) -> None:
         with contextlib.suppress(nats.errors.Error):

@@ -22,7 +22,7 @@ import nats.js.errors
 from prometheus_client import Counter, Gauge, Histogram, generate_latest
 
 import bus
-from bus import lifecycle
+from bus import lifecycle, tracing
 from bus.lifecycle import Life, first
 from bus.log import configure
 from schemas import records, subjects
@@ -290,6 +290,7 @@ async def serve(args) -> None:
     db = Database.open(args.database or records.default_database())
     archive = Archive(args.archive or records.default_archive())
     name = subjects.token("recorder", args.id or f"rec-{os.getpid()}")
+    tracing.setup("recorder", name, args.otlp_endpoint)
     life = Life("recorder", name, LOG.bind(recorder=name), args.drain_timeout, metrics=generate_latest)
     life.on_signals()
     await life.serve_probes(args.metrics_host, args.metrics_port)

@@ -28,7 +28,7 @@ from nats.js import api
 from nats.js.kv import KV_DEL, KV_PURGE
 
 import bus
-from bus import lifecycle
+from bus import lifecycle, tracing
 from bus.lifecycle import Life, first
 from bus.log import configure
 from schemas import subjects
@@ -387,6 +387,17 @@ class RouterService:
             await sub.unsubscribe()
 
     async def move(self, msg, departed: str, taken: bool = False, suspect: str | None = "") -> int:
+        """move_item() in a span `migration` of the request's trace (its work item's headers carry it)."""
+        if not tracing.ON:
+            return await self.move_item(msg, departed, taken, suspect)
+        with tracing.span("migration", tracing.context_of(msg.headers), {
+                "tokenbus.request_id": (msg.headers or {}).get(subjects.REQUEST_ID, ""),
+                "tokenbus.departed_worker": departed, "tokenbus.router": self.id}) as span:
+            moved = await self.move_item(msg, departed, taken, suspect)
+            span.set_attribute("tokenbus.moved", moved)
+            return moved
+
+    async def move_item(self, msg, departed: str, taken: bool = False, suspect: str | None = "") -> int:
         """1 when the item moved to a live worker, 0 when it was dropped or given up (past its deadline),
         -1 when the only pick is the departed worker itself, back already (re-publishing to its subject
         would feed this very loop: the item stays for it, re-published with its strike if it had taken it)."""
@@ -403,6 +414,7 @@ class RouterService:
             await msg.nak()
             return -1
         strikes = item.strikes + strike
+        tracing.current().set_attributes({"tokenbus.attempt": item.attempt + 1, "tokenbus.strikes": strikes})
         if strike:
             self.log.warning("strike", request_id=item.request.id, worker=departed, strikes=strikes)
         await self.send(WorkItem(item.request, worker, time.time(), item.attempt + 1, strikes, choice.prefill))
@@ -410,11 +422,21 @@ class RouterService:
         return -1 if worker == departed else 1
 
     async def send(self, item: WorkItem) -> None:
-        """Publishes the work item, retried under its message id until stored (NotStored past the deadline)."""
-        headers = subjects.msg_id(item.request.id, item.msg_id)
+        """Publishes the work item, retried under its message id until stored (NotStored past the deadline);
+        its headers carry the current span's trace context (route or migration)."""
+        headers = tracing.inject(subjects.msg_id(item.request.id, item.msg_id))
         await bus.publish(self.js, subjects.work(item.worker, item.request.id), encode(item), headers, self.log)
 
     async def handle_new(self, msg) -> None:
+        """route_new() in a span `route` of the request's trace (the headers it was stored with carry it)."""
+        if not tracing.ON:
+            return await self.route_new(msg)
+        with tracing.span("route", tracing.context_of(msg.headers), {
+                "tokenbus.request_id": (msg.headers or {}).get(subjects.REQUEST_ID, ""),
+                "tokenbus.router": self.id}, tracing.SpanKind.CONSUMER):
+            await self.route_new(msg)
+
+    async def route_new(self, msg) -> None:
         """A new request from TB_REQUESTS: its tokens (asked of a tokenizer if it came without), then routed."""
         try:
             new = decode(msg.data, GenerateRequest)
@@ -442,7 +464,9 @@ class RouterService:
         TB_REQUESTS, kept alive) until REQUEST_DEADLINE after its creation: then None."""
         while not subjects.past_deadline(req.created, time.time()):
             try:
-                reply = await self.nc.request(subjects.PREPARE, msg.data, timeout=subjects.PREPARE_SECONDS)
+                headers = tracing.inject({subjects.REQUEST_ID: req.id}) if tracing.ON else None
+                reply = await self.nc.request(subjects.PREPARE, msg.data, timeout=subjects.PREPARE_SECONDS,
+                                              headers=headers)
                 return decode(reply.data, Tokens)
             except WireError as e:
                 return Tokens([], 0, "internal", f"the tokenizer's answer was not a Tokens message: {e}")
@@ -459,11 +483,14 @@ class RouterService:
         await msg.term()
 
     async def handle(self, msg) -> None:
-        """A prefilled request handed back from TB_ROUTE, routed to a decode worker."""
+        """A prefilled request handed back from TB_ROUTE, routed to a decode worker (in a span `route` of its
+        trace, with tracing on: the prefill worker's headers carry it)."""
         if (req := received(msg, TokenizedRequest, self.log, "tokenized request")) is None:
             await msg.term()
             return
-        await self.route(msg, req)
+        with tracing.span("route", tracing.context_of(msg.headers), {"tokenbus.request_id": req.id,
+                          "tokenbus.router": self.id, "tokenbus.handoff": True}, tracing.SpanKind.CONSUMER):
+            await self.route(msg, req)
 
     async def route(self, msg, req: TokenizedRequest) -> None:
         choice = await self.pick(msg, req)
@@ -534,6 +561,11 @@ class RouterService:
                 self.pending.popitem(last=False)
             if choice.why:
                 s.prefill[choice.why] = s.prefill.get(choice.why, 0) + 1
+        span = tracing.current()
+        if span.is_recording():
+            span.set_attributes({"tokenbus.worker": choice.worker, "tokenbus.predicted_hit_tokens": choice.hit_tokens,
+                                 "gen_ai.usage.input_tokens": n, "tokenbus.policy": self.options.policy,
+                                 "tokenbus.prefill": choice.why or "", "gen_ai.request.model": req.model or ""})
         self.log.info("routed", request_id=req.id, tenant=req.tenant, worker=choice.worker, prompt_tokens=n,
                       model=req.model or None, revision=req.revision or None,
                       predicted_hit_tokens=choice.hit_tokens, best_hit_tokens=choice.best_hit_tokens,
@@ -587,6 +619,7 @@ async def serve(args) -> None:
     if args.partition is not None and args.partition not in parts:
         raise SystemExit(f"--partition {args.partition}: the bus has partitions {parts} ({subjects.PARTITIONS_ENV})")
     name = subjects.token("router", args.id or f"r-{os.getpid()}")
+    tracing.setup("router", name, args.otlp_endpoint)
     life = Life("router", name, LOG.bind(router=name), args.drain_timeout)
     life.on_signals()
     await life.serve_probes(args.health_host, args.health_port)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import bus
-from bus import lifecycle
+from bus import lifecycle, tracing
 from bus.lifecycle import Life
 from bus.log import configure
 from schemas import served, subjects
@@ -162,8 +162,19 @@ class TokenizerService:
         await self.life.left()
 
     async def prepare(self, msg) -> None:
-        """tb.prepare: the request's tokens as the pipeline runs them, or its refusal (code, message)."""
-        await msg.respond(encode(self.prepared(msg.data)))
+        """tb.prepare: the request's tokens as the pipeline runs them, or its refusal (code, message); with
+        tracing on, in a span `tokenize` of the request's trace (the asker's headers carry it)."""
+        if not tracing.ON:
+            await msg.respond(encode(self.prepared(msg.data)))
+            return
+        rid = (msg.headers or {}).get(subjects.REQUEST_ID, "")
+        with tracing.span("tokenize", tracing.context_of(msg.headers), {"tokenbus.request_id": rid},
+                          tracing.SpanKind.SERVER) as span:
+            got = self.prepared(msg.data)
+            span.set_attribute("gen_ai.usage.input_tokens", len(got.token_ids))
+            if got.code:
+                tracing.error(span, got.code)
+            await msg.respond(encode(got))
 
     def prepared(self, data: bytes) -> Tokens:
         try:
@@ -223,6 +234,7 @@ def tokenizers(args) -> Tokenizers:
 
 async def serve(args) -> None:
     name = subjects.token("tokenizer id", args.id or f"t-{os.getpid()}")
+    tracing.setup("tokenizer", name, args.otlp_endpoint)
     life = Life("tokenizer", name, LOG.bind(tokenizer=name), args.drain_timeout)
     life.on_signals()
     await life.serve_probes(args.health_host, args.health_port)

@@ -19,6 +19,7 @@ import contextlib
 import time
 
 import bus
+from bus import tracing
 from schemas import subjects
 from schemas.hashing import hash_blocks
 from schemas.messages import Cancel, ErrorChunk, TokenizedRequest, WorkItem, encode, received
@@ -96,11 +97,13 @@ class Intake:
         if await self.too_late(item, msg) or await self.struck_out(item, msg, strikes):
             return
         self.count_taken(item, msg)
+        tracing.remember(item.request.id, tracing.context_of(msg.headers))    # its log lines: its trace id
         output = await self.resumed_output(item, delivered)
         if item.request.prefilled is not None and not await self.pulled(item, msg):
             return
         run = await self.enter(item, msg, output, strikes, delivered)
         if run is not None:
+            run.trace = tracing.context_of(msg.headers)
             await self.started(item, run)
 
     async def decoded(self, msg) -> WorkItem | None:
@@ -144,7 +147,12 @@ class Intake:
         """A handed-off request's KV is here, or the rest is to be recomputed. False: another delivery
         is pulling it, or the pull failed the request."""
         self.done_checking(msg)                  # a pull takes many steps; the loop does not wait for it
-        return item.request.id not in self.pulling and await self.pull(item, msg)
+        if item.request.id in self.pulling:
+            return False
+        with tracing.span("kv_transfer", tracing.context_of(msg.headers), {
+                "tokenbus.request_id": item.request.id, "tokenbus.worker": self.id,
+                "tokenbus.prefill_worker": item.request.prefilled.worker, "tokenbus.attempt": item.attempt}):
+            return await self.pull(item, msg)
 
     async def enter(self, item: WorkItem, msg, output: list[int], strikes: int, delivered: int) -> Running | None:
         """Into the engine after the step under way (the item joins the next one), and running here. None:
@@ -181,6 +189,10 @@ class Intake:
         self.log.info("request started", request_id=r.id, tenant=r.tenant, weight=r.weight, priority=r.priority,
                       attempt=item.attempt, strikes=run.strikes, prompt_tokens=len(r.prompt_token_ids),
                       resumed=run.sent)
+        if run.trace is not None:                # its wait, from its work item's store to the engine
+            tracing.start("queue", run.trace, {"tokenbus.request_id": r.id, "tokenbus.worker": self.id,
+                                               "tokenbus.attempt": item.attempt, "tokenbus.strikes": run.strikes},
+                          start_time=tracing.ns(stored_at(run.msg) or run.entered)).end(tracing.ns(run.entered))
         if self.cancelled.pop(r.id, None) is not None:
             await self.abort(r.id)
         self.wake.set()
@@ -233,6 +245,12 @@ class Intake:
         fields = {"request_id": r.id, "prefill_worker": p.worker, "offered": len(p.block_hashes),
                   "cached": pulled.cached, "pulled": pulled.blocks, "bytes": pulled.bytes,
                   "ms": round(pulled.seconds * 1e3, 3)}
+        if (span := tracing.current()).is_recording():
+            span.set_attributes({"tokenbus.kv.offered_blocks": len(p.block_hashes), "tokenbus.kv.cached_blocks":
+                                 pulled.cached, "tokenbus.kv.pulled_blocks": pulled.blocks, "tokenbus.kv.bytes":
+                                 pulled.bytes})
+            if pulled.error:
+                tracing.error(span, "kv_transfer_failed")
         if not pulled.error:
             self.log.info("kv pulled", **fields)
             return True
@@ -302,8 +320,9 @@ def running(item: WorkItem, msg, output: list[int], strikes: int, delivered: int
     """What the service knows of a request entering the engine; a handed-off one's timing and prefix hit
     are the prefill worker's."""
     r, p = item.request, item.request.prefilled
-    run = Running(item, msg, time.time(), sent=len(output), subject=subjects.out(r.id), strikes=strikes,
-                  stored=stored_at(msg) if delivered == 1 and p is None else 0.0)
+    now = time.time()
+    run = Running(item, msg, now, sent=len(output), subject=subjects.out(r.id), strikes=strikes,
+                  stored=stored_at(msg) if delivered == 1 and p is None else 0.0, entered=now)
     if p is not None:
         run.received, run.first_token, run.seq, run.cached_tokens = p.received, p.first_token, max(p.chunks, 1), \
             p.cached_tokens

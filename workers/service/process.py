@@ -10,7 +10,7 @@ import sys
 import torch
 
 import bus
-from bus import lifecycle
+from bus import lifecycle, tracing
 from bus.lifecycle import Life
 from bus.log import configure
 from schemas import subjects
@@ -124,6 +124,7 @@ def speculative_config(args) -> dict | None:
 
 async def serve(args) -> None:
     log = configure("worker").bind(worker=args.id)
+    tracing.setup("worker", args.id, args.otlp_endpoint)
     life = Life("worker", args.id, log, args.drain_timeout)
     life.on_signals()
     await life.serve_probes(args.health_host, args.health_port)   # alive while the model loads; ready after

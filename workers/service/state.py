@@ -24,6 +24,8 @@ class Running:
     strikes: int = 0                # workers it failed or crashed before this one (redeliveries included)
     cached_tokens: int = -1         # a handed-off request: the prefill worker's prefix hit (-1: the engine's)
     stored: float = 0.0             # time.time() its work item was stored in the stream (0: not known)
+    entered: float = 0.0            # time.time() it entered the engine here
+    trace: object = None            # with tracing on: its trace context, from its work item (bus/tracing.py)
 
     @property
     def tail(self) -> list[int]:

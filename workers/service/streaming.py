@@ -15,6 +15,7 @@ import dataclasses
 import nats.errors
 
 import bus
+from bus import tracing
 from schemas import subjects
 from schemas.messages import (
     FinalChunk,
@@ -91,6 +92,8 @@ class Streaming:
         if "final" not in self.faults.drop_chunks:
             await self.nc.publish(run.subject, encode(final))
         self.records.store_end(run, req, usage, timing)
+        if run.trace is not None:
+            trace_phases(run, req, self.id, now)
 
     async def failed(self, run: Running, req: Request) -> None:
         """The engine failed this request alone: it is dead-lettered at once (error chunk, outcome,
@@ -144,6 +147,8 @@ class Streaming:
                               max(req.num_cached_tokens, 0), run.seq, run.received, run.first_token)
         self.engine.abort(req.request_id)        # its blocks are freed; the offered ones stay pinned
         del self.running[req.request_id]
+        if run.trace is not None:
+            trace_phases(run, req, self.id, run.first_token, handed_off=True)
         self.spawn(self.publish_handoff(run, dataclasses.replace(r, prefilled=prefilled)))
         self.log.info("request handed off", request_id=r.id, tenant=r.tenant, blocks=len(hashes),
                       prompt_tokens=req.num_prompt_tokens, output_tokens=req.num_output_tokens)
@@ -154,12 +159,30 @@ class Streaming:
         rid = handed.id
         try:
             await bus.publish(self.js, subjects.route(handed.tenant, rid), encode(handed),
-                              subjects.msg_id(rid, f"{rid}.pd"), self.log)
+                              tracing.inject(subjects.msg_id(rid, f"{rid}.pd"), run.trace), self.log)
             await run.msg.ack()
         except (nats.errors.Error, asyncio.TimeoutError, bus.NotStored) as e:
             await self.transport.released(rid)
             self.log.error("handoff not stored; the prefill will run again", request_id=rid,
                            error=str(e) or type(e).__name__)
+
+
+def trace_phases(run: Running, req: Request, worker: str, now: float, handed_off: bool = False) -> None:
+    """The request's spans on this worker, made as it leaves it (no tracing work per token or step): `prefill`,
+    from entering the engine to its first token (none for a request prefilled elsewhere), and `decode`, from
+    then to `now` (none for a prefill handed off). attempt > 0: a moved request (a migration)."""
+    base = {"tokenbus.request_id": req.request_id, "tokenbus.worker": worker, "tokenbus.attempt": run.item.attempt}
+    first = run.first_token or now
+    if run.item.request.prefilled is None:
+        tracing.start("prefill", run.trace, {**base, "gen_ai.usage.input_tokens": req.num_prompt_tokens,
+                                             "tokenbus.cached_tokens": max(req.num_cached_tokens, 0),
+                                             "tokenbus.resumed_tokens": req.num_resumed_tokens},
+                      start_time=tracing.ns(run.entered)).end(tracing.ns(first))
+    if not handed_off:
+        tracing.start("decode", run.trace, {**base, "gen_ai.usage.output_tokens": req.num_output_tokens,
+                                            "gen_ai.response.finish_reasons": [req.finish_reason or ""]},
+                      start_time=tracing.ns(first if run.item.request.prefilled is None else run.entered)
+                      ).end(tracing.ns(now))
 
 
 def usage_of(run: Running, req: Request) -> dict:
