@@ -46,6 +46,12 @@ def bench(sub) -> None:
     bn.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     bn.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bn.add_argument("--factors", type=float, nargs="+", metavar="F",
+                    help="the load test: Poisson arrivals at each F × the peak for --duration seconds, open loop; "
+                         "prints what was served and refused, how fast refusals came, the served latency")
+    bn.add_argument("--peak", type=float, metavar="RPS", help="with --factors: the stated peak, requests/s "
+                    "(default: measured first at saturation, --concurrency 32 for --num-requests)")
+    bn.add_argument("--duration", type=float, default=30.0, help="with --factors: seconds at each factor")
     bn.set_defaults(func=delegate("lab.benchmarks.load"))
 
 

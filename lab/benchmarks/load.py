@@ -13,6 +13,7 @@ tokenizer's corpus cut to token lengths:
 Per request: TTFT (send → first token), TPOT ((e2e − TTFT) / (output tokens − 1)), the gaps
 between streamed chunks (ITL) and e2e; then percentiles, throughput, goodput under the SLOs,
 errors by code, and the client's own CPU per token (so one can see it is not the bottleneck)."""
+import argparse
 import asyncio
 import collections
 import itertools
@@ -279,7 +280,13 @@ async def bench(args, convs: list[Conversation]) -> tuple[list[Result], float, f
     return results, duration, cpu
 
 
+REFUSED = ("unavailable", "overloaded", "rate_limit_exceeded", "concurrency_limit_exceeded", "too_many_requests",
+           "http_429", "http_503")                 # refused at admission, with Retry-After: not served, not lost
+
+
 def main(args) -> dict:
+    if args.factors:
+        return overload(args)
     if args.request_rate is None and args.concurrency is None:
         args.concurrency = 8
     convs = workload(args, Corpus(load_tokenizer(args.model)))
@@ -287,3 +294,60 @@ def main(args) -> dict:
     report = summarize(args, results, duration, cpu)
     show(report, args, table, plot, results)
     return report
+
+
+def overload(args) -> dict:
+    """The load test: Poisson arrivals at each of --factors × the peak for --duration seconds, open loop (no
+    cap on concurrency: what the stack cannot take it must refuse). The peak is --peak requests/s, or the
+    request throughput measured first at saturation (closed loop, --concurrency, default 32, for
+    --num-requests). Per factor: what was offered, served and refused (by code), how fast a refusal came,
+    and the latency of what was served."""
+    corpus = Corpus(load_tokenizer(args.model))
+    peak, measured = args.peak, None
+    if peak is None:
+        saturate = argparse.Namespace(**{**vars(args), "request_rate": None, "concurrency": args.concurrency or 32})
+        results, duration, cpu = asyncio.run(bench(saturate, workload(saturate, corpus)))
+        measured = summarize(saturate, results, duration, cpu)
+        peak = measured["request_throughput"]
+    rows = []
+    for factor in args.factors:
+        rate = factor * peak
+        run = argparse.Namespace(**{**vars(args), "request_rate": rate, "concurrency": None,
+                                    "num_requests": max(1, round(rate * args.duration))})
+        results, duration, cpu = asyncio.run(bench(run, workload(run, corpus)))
+        rows.append(overloaded(factor, rate, summarize(run, results, duration, cpu), results))
+    report = {"workload": workload_desc(args), "peak_requests_per_s": round(peak, 3),
+              "peak": "stated" if args.peak is not None else "measured at saturation",
+              "duration_s": args.duration, "saturation": measured, "factors": rows}
+    print(overload_table(report))
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return report
+
+
+def overloaded(factor: float, rate: float, summary: dict, results: list[Result]) -> dict:
+    refused = [r for r in results if r.error in REFUSED]
+    other = collections.Counter(r.error for r in results if r.error is not None and r.error not in REFUSED)
+    return {"factor": factor, "offered_per_s": round(rate, 3), "sent": len(results),
+            "served": summary["requests"]["completed"], "refused": len(refused),
+            "refused_codes": dict(collections.Counter(r.error for r in refused)), "failed": dict(other),
+            "refusal_ms": stats([r.e2e * 1e3 for r in refused]), "served_per_s": summary["request_throughput"],
+            "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "goodput": summary["goodput"]}
+
+
+def overload_table(report: dict) -> str:
+    def pct(s: dict | None, k: str) -> str:
+        return f"{s[k]:.0f}" if s and s.get(k) is not None else "-"
+
+    head = ["factor", "offered/s", "sent", "served", "served/s", "refused", "refusal p50/p99 ms", "TTFT p50/p99 ms",
+            "TPOT p50/p99 ms", "failed"]
+    rows = [head] + [[f"{r['factor']:g}x", f"{r['offered_per_s']:.2f}", str(r["sent"]), str(r["served"]),
+                      f"{r['served_per_s']:.2f}", str(r["refused"]),
+                      f"{pct(r['refusal_ms'], 'p50')}/{pct(r['refusal_ms'], 'p99')}",
+                      f"{pct(r['ttft_ms'], 'p50')}/{pct(r['ttft_ms'], 'p99')}",
+                      f"{pct(r['tpot_ms'], 'p50')}/{pct(r['tpot_ms'], 'p99')}",
+                      ", ".join(f"{k}: {v}" for k, v in r["failed"].items()) or "0"] for r in report["factors"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join([f"peak {report['peak_requests_per_s']} requests/s ({report['peak']}), "
+                      f"{report['duration_s']:g} s at each factor", lines[0], "-" * len(lines[0]), *lines[1:]])

@@ -22,6 +22,13 @@ completion record and a usage record in the recorder's database or still on the 
 client was cut or resumed elsewhere still runs and is metered once); misbilled counts the completed
 requests whose usage record is missing or differs from the tokens their client got.
 
+The rolls are planned changes, not faults: roll-workers, roll-router and roll-tokenizer replace each
+process of their kind one by one as a Kubernetes rolling update does (the replacement started and ready,
+then the old one drained by SIGTERM and gone); roll-gateways drains each of two gateways in turn and
+starts it again on its port, its clients reconnecting to the other (close code 1012) and resuming. Their
+rows must be as clean as "none"; the TTFT p50 and p99 of the requests sent before and during the roll
+give the latency it added.
+
 Each stack's recorder writes to a PostgreSQL of its own (lab/common/postgres.py; SQLite where PostgreSQL
 is not installed, and the database scenarios are not run). The records scenarios: kill-recorder
 (SIGKILLed mid-batch, restarted), database-restart (PostgreSQL down --database-down seconds, 30 by
@@ -62,7 +69,8 @@ from schemas.messages import Usage, encode
 REFUSALS = {"unavailable", "overloaded", "rate_limit_exceeded", "concurrency_limit_exceeded", "too_many_requests"}
 SERVICES = ("worker", "router", "tokenizer", "gateway", "recorder")
 RECORDS_SCENARIOS = ("database-restart", "backlog-full")
-SCENARIOS = ("none", *(f"kill-{s}" for s in SERVICES), *(f"stop-{s}" for s in SERVICES), "broker-restart",
+ROLLS = ("roll-workers", "roll-gateways", "roll-router", "roll-tokenizer")   # rolling upgrades under load
+SCENARIOS = ("none", *(f"kill-{s}" for s in SERVICES), *(f"stop-{s}" for s in SERVICES), *ROLLS, "broker-restart",
              "poison", "slow-client", "overload", *RECORDS_SCENARIOS)
 NODE_SCENARIOS = ("kill-leader-node", "kill-follower-node", "partition-node")
 CLUSTER_SCENARIOS = ("none", *NODE_SCENARIOS, "throughput")         # the default of --cluster
@@ -100,6 +108,8 @@ class Outcome:
     frame: dict = field(default_factory=dict)        # the generate frame, sent again if it was never accepted
     resume_id: str | None = None                     # from its accepted frame
     resumed: int = 0                                 # times its client resumed it on a new connection
+    sent_at: float = 0.0                             # time.monotonic() of its generate frame
+    first_at: float = 0.0                            # and of its first token
 
 
 @dataclass(slots=True)
@@ -124,6 +134,8 @@ class Result:
     metered: int = 0                      # of them, with a usage record (the database's, or still on the bus)
     misbilled: int = 0                    # completed requests whose usage record is missing or differs
     backlog_refused: int = 0              # requests and probes refused with "metering backlog full"
+    ttft_before_ms: list[float] | None = None   # a roll: TTFT p50 and p99 of the requests sent before it
+    ttft_during_ms: list[float] | None = None   # and of those sent while it ran (the latency it added)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -155,7 +167,7 @@ class Client:
 
     async def send(self, cid: str, frame: dict) -> None:
         frame = {"type": "generate", "id": cid, **frame, "resumable": True}
-        self.outcomes[cid] = Outcome(frame=frame)
+        self.outcomes[cid] = Outcome(frame=frame, sent_at=time.monotonic())
         self.mine.add(cid)
         async with self.lock:
             with contextlib.suppress(websockets.ConnectionClosed, OSError):   # the reader resumes it
@@ -184,6 +196,7 @@ class Client:
                     got.resume_id = frame["resume_id"]
                 elif frame["type"] == "delta":
                     got.tokens += frame["token_ids"]
+                    got.first_at = got.first_at or time.monotonic()
                 else:
                     got.end = frame
         except websockets.ConnectionClosed:
@@ -227,10 +240,11 @@ class Run:
         self.scenario, self.model, self.expected, self.args = scenario, model, expected, args
         self.stack = Stack(model, procs.free_port(), data_dir, nats_port=procs.free_port(), workers=args.workers,
                            worker_args=["--max-num-seqs", str(args.max_num_seqs)],
-                           gateways=2 if scenario == "kill-gateway" else 1, partitions=args.bus_partitions)
+                           gateways=2 if scenario in ("kill-gateway", "roll-gateways") else 1,
+                           partitions=args.bus_partitions)
         self.outcomes: dict[str, Outcome] = {}
         self.result = Result(scenario)
-        self.fault_at = 0.0
+        self.fault_at = self.fault_end = 0.0
         self.probe_done: list[float] = []
         self.pg = None
 
@@ -294,6 +308,7 @@ class Run:
                 self.fault_at = time.monotonic()
             await asyncio.sleep(pace)
         await fault
+        self.fault_end = time.monotonic()
         await self.settle(clients, a.patience)
         probes.cancel()
         for c in clients:
@@ -316,7 +331,9 @@ class Run:
             return
         kind, _, target = self.scenario.partition("-")
         name = "w1" if target == "worker" else target
-        if kind == "kill":
+        if kind == "roll":
+            await self.roll(target)
+        elif kind == "kill":
             if name == "gateway":
                 await self.streaming_on(clients, 0)
             self.stack.kill(name)
@@ -340,6 +357,49 @@ class Run:
             await self.poison()
         elif self.scenario == "slow-client":
             await self.slow_client()
+
+    async def roll(self, target: str) -> None:
+        """A rolling upgrade of every process of a kind, one by one, as Kubernetes rolls a Deployment: a
+        replacement is started and ready before the old one is drained (SIGTERM: it finishes what it holds,
+        bus/lifecycle.py) and gone; gateways, whose port the replacement takes, are drained first and then
+        started again, their clients reconnecting to the other gateway meanwhile."""
+        stack = self.stack
+        names = {"workers": list(stack.worker_roles), "gateways": stack.gateway_names, "router": list(stack.routers),
+                 "tokenizer": ["tokenizer"]}[target]
+        for name in names:
+            if target == "gateways":
+                await asyncio.to_thread(self.drained, name)
+                stack.restart(name)
+                await asyncio.to_thread(self.ready, name, "gateway ready")
+                continue
+            old = stack.children[name]
+            args = list(old.args[old.args.index("-m") + 2:])
+            new = f"{name}-v2"
+            if "--id" in args:
+                args[args.index("--id") + 1] = new
+            else:
+                args += ["--id", new]
+            role = "worker" if target == "workers" else target
+            stack.spawn(new, old.args[old.args.index("-m") + 1], *args, env=stack.envs.get(name), role=role)
+            await asyncio.to_thread(self.ready, new, f"{role} ready")
+            await asyncio.to_thread(self.drained, name)
+            stack.children.pop(name)
+
+    def drained(self, name: str, timeout: float = subjects.DRAIN_TIMEOUT) -> None:
+        """SIGTERM to the process, then until it has exited (its drain done)."""
+        child = self.stack.children[name]
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout)
+        if code != 0:
+            self.result.notes.append(f"{name} exited with code {code} after its drain")
+
+    def ready(self, name: str, line: str, timeout: float = 120.0) -> None:
+        """Until the process's log says `line` (its \"... ready\" event) since it started."""
+        deadline = time.monotonic() + timeout
+        while f'"{line}"' not in self.stack.log(name).read_text(errors="replace")[self.stack.log_starts.get(name, 0):]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} was not ready within {timeout:.0f} s")
+            time.sleep(0.1)
 
     async def streaming_on(self, clients: list["Client"], gateway: int, within: float = 10.0) -> None:
         """Until a request is in flight (accepted, not ended) on a client of that gateway, so that killing
@@ -502,6 +562,20 @@ class Run:
         after = [t for t in self.probe_done if t >= self.fault_at]
         if after:
             r.recovery_s = round(after[0] - self.fault_at, 2)
+        if self.scenario in ROLLS:
+            firsts = [(o.sent_at, (o.first_at - o.sent_at) * 1e3) for cid, o in self.outcomes.items()
+                      if o.first_at and cid.startswith("c")]
+            r.ttft_before_ms = percentiles([t for at, t in firsts if at < self.fault_at])
+            r.ttft_during_ms = percentiles([t for at, t in firsts if self.fault_at <= at <= self.fault_end])
+            r.notes.insert(0, f"TTFT p50, p99: {r.ttft_before_ms} ms before the roll, {r.ttft_during_ms} ms during it")
+
+
+def percentiles(ms: list[float]) -> list[float] | None:
+    """[p50, p99] of these milliseconds, rounded; None if there are none."""
+    if not ms:
+        return None
+    ms = sorted(ms)
+    return [round(ms[len(ms) // 2], 1), round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 1)]
 
 
 async def relead(js, nodes: list[cluster.Node], stream: str, old: str, start: float, timeout: float = 60.0) -> float:

@@ -53,7 +53,8 @@ def test_the_table_has_a_row_per_scenario_under_the_issue_s_columns():
 def test_every_scenario_the_issue_names_is_there():
     for name in ("kill-worker", "kill-router", "kill-tokenizer", "kill-gateway", "stop-worker", "stop-router",
                  "stop-tokenizer", "stop-gateway", "broker-restart", "poison", "slow-client", "overload",
-                 "kill-recorder", "database-restart", "backlog-full"):
+                 "kill-recorder", "database-restart", "backlog-full", "roll-workers", "roll-gateways", "roll-router",
+                 "roll-tokenizer"):
         assert name in SCENARIOS
 
 
@@ -139,4 +140,22 @@ def test_chaos_cluster_kills_a_follower_node_and_loses_nothing(tiny_model, tmp_p
     assert r["sent"] == r["accepted"] == r["completed"] == 8, r
     assert (r["lost"], r["duplicated"], r["wrong"], r["errors"]) == (0, 0, 0, 0), r
     assert r["leaderless_s"] is not None and r["notes"][0].startswith("tb-"), r
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rolling_upgrades_of_every_service_under_load_lose_cut_and_duplicate_nothing(tiny_model, tmp_path):
+    """Workers, gateways, the router and the tokenizer replaced one by one (each drained) while requests
+    stream: every accepted request completes with the offline engine's tokens, once; the TTFT before and
+    during the roll is reported."""
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "chaos", "--model", tiny_model, "--scenarios",
+                           *chaos.ROLLS, "--requests", "12", "--max-tokens", "24", "--patience", "60",
+                           "--data-dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=580)
+    results = {r["scenario"]: r for r in json.loads(proc.stdout)}
+    assert set(results) == set(chaos.ROLLS)
+    for r in results.values():
+        assert r["sent"] == 12 and r["accepted"] == r["completed"], r
+        assert (r["lost"], r["duplicated"], r["wrong"], r["errors"], r["cut"], r["misbilled"]) == (0,) * 6, r
+        assert r["workers_registered"] == 2 and r["ttft_before_ms"] and r["ttft_during_ms"], r
     assert proc.returncode == 0, proc.stderr[-2000:]
