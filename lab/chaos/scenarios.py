@@ -25,9 +25,12 @@ requests whose usage record is missing or differs from the tokens their client g
 The rolls are planned changes, not faults: roll-workers, roll-router and roll-tokenizer replace each
 process of their kind one by one as a Kubernetes rolling update does (the replacement started and ready,
 then the old one drained by SIGTERM and gone); roll-gateways drains each of two gateways in turn and
-starts it again on its port, its clients reconnecting to the other (close code 1012) and resuming. Their
-rows must be as clean as "none"; the TTFT p50 and p99 of the requests sent before and during the roll
-give the latency it added.
+starts it again on its port, its clients reconnecting to the other (close code 1012) and resuming;
+roll-revision serves a new revision of the model as a canary (CANARY_SHARE of the requests once a worker
+serves it; a tiny model of another seed) and moves w1 to it. A third more requests follow each roll
+(roll-revision: as many again). Their rows must be as clean as "none" (roll-revision's answers checked
+against the offline engine of the revision that answered); the TTFT p50 and p99 of the requests sent
+before and during the roll give the latency it added.
 
 Each stack's recorder writes to a PostgreSQL of its own (lab/common/postgres.py; SQLite where PostgreSQL
 is not installed, and the database scenarios are not run). The records scenarios: kill-recorder
@@ -62,14 +65,16 @@ from lab.chaos import cluster as bench_cluster
 from lab.chaos import netns
 from lab.common.postgres import LocalPostgres, binary
 from ops import cluster, procs
-from ops.up import Stack
+from ops.up import Entry, Stack
 from schemas import roles, subjects
 from schemas.messages import Usage, encode
+from schemas.revision import revision
 
 REFUSALS = {"unavailable", "overloaded", "rate_limit_exceeded", "concurrency_limit_exceeded", "too_many_requests"}
 SERVICES = ("worker", "router", "tokenizer", "gateway", "recorder")
 RECORDS_SCENARIOS = ("database-restart", "backlog-full")
-ROLLS = ("roll-workers", "roll-gateways", "roll-router", "roll-tokenizer")   # rolling upgrades under load
+ROLLS = ("roll-workers", "roll-gateways", "roll-router", "roll-tokenizer", "roll-revision")   # planned changes
+CANARY_SHARE = 0.5                    # roll-revision: the new revision's share of the requests once it serves
 SCENARIOS = ("none", *(f"kill-{s}" for s in SERVICES), *(f"stop-{s}" for s in SERVICES), *ROLLS, "broker-restart",
              "poison", "slow-client", "overload", *RECORDS_SCENARIOS)
 NODE_SCENARIOS = ("kill-leader-node", "kill-follower-node", "partition-node")
@@ -136,6 +141,7 @@ class Result:
     backlog_refused: int = 0              # requests and probes refused with "metering backlog full"
     ttft_before_ms: list[float] | None = None   # a roll: TTFT p50 and p99 of the requests sent before it
     ttft_during_ms: list[float] | None = None   # and of those sent while it ran (the latency it added)
+    canary: int = 0                       # roll-revision: completed requests the new revision answered
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -242,6 +248,14 @@ class Run:
                            worker_args=["--max-num-seqs", str(args.max_num_seqs)],
                            gateways=2 if scenario in ("kill-gateway", "roll-gateways") else 1,
                            partitions=args.bus_partitions)
+        self.canary = self.canary_revision = None
+        self.canary_expected: dict[str, list[int]] = {}
+        if scenario == "roll-revision":               # a new revision of the served model, a canary with no worker
+            from workers.models.builder import build_tiny_model
+            self.canary = str(build_tiny_model(data_dir / "canary-model", seed=1))
+            self.canary_revision = revision(self.canary)
+            name = os.path.basename(os.path.normpath(model))
+            self.stack.models = [Entry(model, name), Entry(self.canary, name, workers=0, share=CANARY_SHARE)]
         self.outcomes: dict[str, Outcome] = {}
         self.result = Result(scenario)
         self.fault_at = self.fault_end = 0.0
@@ -282,7 +296,8 @@ class Run:
         by_id = {u.id: u for u in metered}
         for cid, o in self.outcomes.items():
             end = o.end
-            if end is None or end["type"] != "done" or o.resume_id is None or o.tokens != self.expected.get(cid):
+            if end is None or end["type"] != "done" or o.resume_id is None or cid not in self.expected or \
+                    o.tokens != self.wanted(cid, end):
                 continue
             u = by_id.get(o.resume_id.rsplit(".", 1)[0])
             if u is None or (u.prompt_tokens, u.completion_tokens) != (end["usage"]["prompt_tokens"],
@@ -309,6 +324,11 @@ class Run:
             await asyncio.sleep(pace)
         await fault
         self.fault_end = time.monotonic()
+        if self.scenario in ROLLS:                    # and after it: what replaced the old serves (the canary's
+            for i in range(n, n + (n if self.canary else n // 3)):      # share of a whole load more)
+                await clients[i % len(clients)].send(f"c{i}", request(f"c{i}", a.max_tokens))
+                self.result.sent += 1
+                await asyncio.sleep(pace)
         await self.settle(clients, a.patience)
         probes.cancel()
         for c in clients:
@@ -365,7 +385,7 @@ class Run:
         started again, their clients reconnecting to the other gateway meanwhile."""
         stack = self.stack
         names = {"workers": list(stack.worker_roles), "gateways": stack.gateway_names, "router": list(stack.routers),
-                 "tokenizer": ["tokenizer"]}[target]
+                 "tokenizer": ["tokenizer"], "revision": ["w1"]}[target]
         for name in names:
             if target == "gateways":
                 await asyncio.to_thread(self.drained, name)
@@ -375,11 +395,13 @@ class Run:
             old = stack.children[name]
             args = list(old.args[old.args.index("-m") + 2:])
             new = f"{name}-v2"
+            if target == "revision":                  # w1 moves to the new revision, the canary's only worker
+                args[args.index("--model") + 1] = self.canary
             if "--id" in args:
                 args[args.index("--id") + 1] = new
             else:
                 args += ["--id", new]
-            role = "worker" if target == "workers" else target
+            role = "worker" if target in ("workers", "revision") else target
             stack.spawn(new, old.args[old.args.index("-m") + 1], *args, env=stack.envs.get(name), role=role)
             await asyncio.to_thread(self.ready, new, f"{role} ready")
             await asyncio.to_thread(self.drained, name)
@@ -538,6 +560,14 @@ class Run:
                         self.result.backlog_refused += "metering backlog full" in frame.get("message", "")
                         return
 
+    def wanted(self, cid: str, end: dict) -> list[int]:
+        """The offline engine's tokens for the request, of the revision that answered it (roll-revision)."""
+        if self.canary is not None and end.get("revision") == self.canary_revision:
+            if not self.canary_expected:
+                self.canary_expected = expected_tokens(self.canary, list(self.expected), self.args.max_tokens)
+            return self.canary_expected[cid]
+        return self.expected[cid]
+
     def score(self) -> None:
         r = self.result
         for cid, o in self.outcomes.items():
@@ -555,8 +585,9 @@ class Run:
             elif end["type"] == "error":
                 r.errors += 1
                 r.notes.append(f"{cid}: {end.get('code')}: {end.get('message', '')[:80]}")
-            elif o.tokens == self.expected[cid] and end["usage"]["completion_tokens"] == len(o.tokens):
+            elif o.tokens == self.wanted(cid, end) and end["usage"]["completion_tokens"] == len(o.tokens):
                 r.completed += 1
+                r.canary += self.canary is not None and end.get("revision") == self.canary_revision
             else:
                 r.wrong += 1
         after = [t for t in self.probe_done if t >= self.fault_at]
@@ -568,6 +599,9 @@ class Run:
             r.ttft_before_ms = percentiles([t for at, t in firsts if at < self.fault_at])
             r.ttft_during_ms = percentiles([t for at, t in firsts if self.fault_at <= at <= self.fault_end])
             r.notes.insert(0, f"TTFT p50, p99: {r.ttft_before_ms} ms before the roll, {r.ttft_during_ms} ms during it")
+        if self.canary is not None:
+            r.notes.insert(1, f"{r.canary} of {r.completed} completed requests answered by the new revision "
+                              f"{self.canary_revision} (share {CANARY_SHARE:g} once it served), each with its tokens")
 
 
 def percentiles(ms: list[float]) -> list[float] | None:

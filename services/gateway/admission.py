@@ -135,6 +135,11 @@ class Cluster:
     def load(self, hb: Heartbeat) -> float:
         return max(hb.running + hb.waiting + self.added[hb.worker], 0) / max(hb.max_num_seqs, 1)
 
+    def serving(self, model: str, revision: str, now: float) -> bool:
+        """Whether a live worker that is not draining serves this model's revision."""
+        return any(serves(hb, model, revision) and not hb.draining for hb in self.workers.values()
+                   if not lapsed(hb, now) or now < self.grace_until)
+
     def place(self, tokens: int, now: float, batch: bool = False, model: str = "", revision: str = "",
               idle: bool = False) -> str:
         """The worker that would take a request of `tokens` (prompt + output) soon; ApiError 503 if none.

@@ -95,10 +95,15 @@ class Gateway:
     def choose(self, req: GenerateRequest, asked: str | None) -> None:
         """Names the model (`asked`: a name or name@revision; None: the default) and the revision that answer
         the request, the canary split decided by its id; ApiError 404 naming what is served. A name with one
-        revision is not pinned: any worker serving the name serves it."""
+        revision is not pinned: any worker serving the name serves it. A canary no worker serves (its first
+        worker not up yet in a rollout, or its last one gone) leaves its share to the stable revision; a
+        request that pins it still waits for it."""
         if self.models is None:
             return
         model, rev = self.models.find(self.models.default if asked is None else asked, req.id)
+        if rev.share and SEPARATOR not in (asked or "") and \
+                not self.admission.cluster.serving(model.name, rev.revision, time.time()):
+            rev = model.revisions[0]
         req.model = model.name
         req.revision = rev.revision if len(model.revisions) > 1 or SEPARATOR in (asked or "") else ""
 

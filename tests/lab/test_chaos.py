@@ -14,7 +14,7 @@ from ops import cli
 def scored(outcomes: dict[str, Outcome], expected: dict[str, list[int]]) -> Result:
     run = Run.__new__(Run)
     run.outcomes, run.expected, run.result = outcomes, expected, Result("t")
-    run.probe_done, run.fault_at = [], 0.0
+    run.scenario, run.canary, run.probe_done, run.fault_at = "t", None, [], 0.0
     run.score()
     return run.result
 
@@ -54,7 +54,7 @@ def test_every_scenario_the_issue_names_is_there():
     for name in ("kill-worker", "kill-router", "kill-tokenizer", "kill-gateway", "stop-worker", "stop-router",
                  "stop-tokenizer", "stop-gateway", "broker-restart", "poison", "slow-client", "overload",
                  "kill-recorder", "database-restart", "backlog-full", "roll-workers", "roll-gateways", "roll-router",
-                 "roll-tokenizer"):
+                 "roll-tokenizer", "roll-revision"):
         assert name in SCENARIOS
 
 
@@ -146,16 +146,19 @@ def test_chaos_cluster_kills_a_follower_node_and_loses_nothing(tiny_model, tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rolling_upgrades_of_every_service_under_load_lose_cut_and_duplicate_nothing(tiny_model, tmp_path):
-    """Workers, gateways, the router and the tokenizer replaced one by one (each drained) while requests
-    stream: every accepted request completes with the offline engine's tokens, once; the TTFT before and
-    during the roll is reported."""
+    """Workers, gateways, the router and the tokenizer replaced one by one (each drained), and a worker moved to
+    a new revision served as a canary, while requests stream: every accepted request completes with the
+    offline engine's tokens (of the revision that answered it), once; the TTFT before and during the roll is
+    reported."""
     proc = subprocess.run([sys.executable, "-m", "ops.cli", "chaos", "--model", tiny_model, "--scenarios",
                            *chaos.ROLLS, "--requests", "12", "--max-tokens", "24", "--patience", "60",
                            "--data-dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=580)
     results = {r["scenario"]: r for r in json.loads(proc.stdout)}
     assert set(results) == set(chaos.ROLLS)
     for r in results.values():
-        assert r["sent"] == 12 and r["accepted"] == r["completed"], r
+        after = 12 if r["scenario"] == "roll-revision" else 4                  # sent after the roll
+        assert r["sent"] == 12 + after and r["accepted"] == r["completed"], r
         assert (r["lost"], r["duplicated"], r["wrong"], r["errors"], r["cut"], r["misbilled"]) == (0,) * 6, r
         assert r["workers_registered"] == 2 and r["ttft_before_ms"] and r["ttft_during_ms"], r
+    assert results["roll-revision"]["canary"] > 0, results["roll-revision"]   # tokens checked per revision
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,18 +1,21 @@
 """Several models in one stack, without processes: revisions, the served models file's rules, the gateway's
 model lookup and canary split, and the router's and admission's choice of workers by model."""
+import dataclasses
 import math
 import time
 import uuid
 
 import pytest
 
-from schemas.messages import Heartbeat
+from schemas.messages import GenerateRequest, Heartbeat
 from schemas.revision import CACHE, revision
+from schemas.sampling import SamplingParams
 from schemas.served import Served, check, dump, load
 from services.gateway.admission import Admission
 from services.gateway.errors import ApiError
 from services.gateway.keys import OPEN
 from services.gateway.models import Model, Models, Revision, fraction
+from services.gateway.session import Gateway
 from services.router.policy import Registry
 
 
@@ -69,6 +72,30 @@ def test_a_name_a_pinned_revision_and_a_wrong_one_or_an_unknown_name_are_told_ap
         two.find("poem")
     assert e.value.status == 404 and "this server serves 'chat', 'code'" in e.value.message
     assert two.ids() == ["chat", "code", "chat@r1", "chat@r3", "code@r2"]
+
+
+def test_a_canary_no_worker_serves_leaves_its_share_to_the_stable_revision_until_one_does(two):
+    gw = Gateway.__new__(Gateway)
+    gw.models, gw.admission = two, Admission()
+    ids = [f"r{i}" for i in range(400)]
+    canary = {rid for rid in ids if fraction(rid) < 0.25}
+
+    def chosen() -> dict[str, str]:
+        reqs = {rid: GenerateRequest(rid, "default", SamplingParams(), prompt="p") for rid in ids}
+        for req in reqs.values():
+            gw.choose(req, "chat")
+        return {rid: req.revision for rid, req in reqs.items()}
+
+    gw.admission.cluster.update(beat("w0", "chat", "r1"))
+    assert set(chosen().values()) == {"r1"}                        # no worker serves r3 yet
+    pinned = GenerateRequest("p", "default", SamplingParams(), prompt="p")
+    gw.choose(pinned, "chat@r3")
+    assert pinned.revision == "r3"                                # pinned: it waits for one
+    gw.admission.cluster.update(beat("w1", "chat", "r3"))
+    got = chosen()
+    assert {rid for rid, rev in got.items() if rev == "r3"} == canary and len(canary) > 50
+    gw.admission.cluster.update(dataclasses.replace(beat("w1", "chat", "r3"), draining=True))
+    assert set(chosen().values()) == {"r1"}                        # its only worker drains
 
 
 @pytest.mark.parametrize(("models", "message"), [
