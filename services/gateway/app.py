@@ -239,7 +239,7 @@ PROBES = ("/livez", "/readyz", "/healthz", "/health", "/metrics")    # answered 
 
 
 class Draining:
-    """Counts the HTTP requests in flight (app.state.http: an SSE stream is one until its last event); while
+    """Counts the HTTP requests in flight (Gateway.http: an SSE stream is one until its last event); while
     the gateway drains, a new request (a websocket handshake too) is refused with 503 and Retry-After,
     naming the drain, so the client goes to another gateway; the probes are still answered."""
 
@@ -260,13 +260,11 @@ class Draining:
             return await e.response()(scope, receive, send)
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
-        state.http = getattr(state, "http", 0) + 1
-        state.gateway.metrics.connections.inc()
+        state.gateway.http += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            state.http -= 1
-            state.gateway.metrics.connections.dec()
+            state.gateway.http -= 1
 
 
 class Http(H11Protocol):
@@ -366,11 +364,11 @@ async def draining(app: Starlette, gw: Gateway) -> None:
         for conn in list(gw.connections):
             if all(r.resumable for r in conn.inflight.values()):
                 await conn.close_for_drain()
-        if not gw.connections and not getattr(app.state, "http", 0):
+        if not gw.clients:
             break
         await asyncio.sleep(DRAIN_POLL)
-    gw.log.info("clients drained" if not gw.connections and not getattr(app.state, "http", 0) else
-                "drain timeout: clients cut", websockets=len(gw.connections), http=getattr(app.state, "http", 0))
+    gw.log.info("drain timeout: clients cut" if gw.clients else "clients drained", websockets=len(gw.connections),
+                http=gw.http)
     server = getattr(app.state, "server", None)
     if server is not None:
         server.config.timeout_graceful_shutdown = 0.1 if life.draining.is_set() else SHUTDOWN_GRACE
@@ -379,6 +377,7 @@ async def draining(app: Starlette, gw: Gateway) -> None:
 
 async def metrics(request) -> Response:
     gw = request.app.state.gateway
+    gw.metrics.connections.set(gw.clients)
     return Response(await gw.metrics.render(gw.kv, gw.log, gw.js), media_type=CONTENT_TYPE)
 
 

@@ -42,14 +42,12 @@ class Connection:
     async def run(self) -> None:
         await self.ws.accept()
         self.gw.connections.add(self)
-        self.gw.metrics.connections.inc()
         event = {}
         try:
             while (event := await self.ws.receive())["type"] == "websocket.receive":
                 await self.on_frame(event)
         finally:
             self.gw.connections.discard(self)
-            self.gw.metrics.connections.dec()
             await leave(self, event.get("code") not in CLEAN_CLOSE)
 
     async def close_for_drain(self) -> None:

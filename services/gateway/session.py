@@ -81,6 +81,12 @@ class Gateway:
     models: Models | None = None                  # every served model; None: `model`, with `tokenizer`
     life: Life | None = None                      # its probes and drain (bus/lifecycle.py)
     connections: set = field(default_factory=set)  # the websocket connections open (owners.Connection)
+    http: int = 0                                 # HTTP requests in flight (app.Draining counts them)
+
+    @property
+    def clients(self) -> int:
+        """Clients it serves now: open websockets and HTTP requests in flight (tokenbus_gateway_connections)."""
+        return len(self.connections) + self.http
 
     def authorize(self, headers, query) -> Key:
         if self.keys is None:
