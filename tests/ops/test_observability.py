@@ -217,11 +217,16 @@ def test_every_metric_named_is_one_a_live_gateway_or_recorder_exposes(tiny_model
             status, body = post(f"{stack.http}/v1/completions", {"model": models["data"][0]["id"], "prompt": prompt,
                                                                   "max_tokens": 6, "ignore_eos": True})
             assert status == 200 and body["usage"]["completion_tokens"] == 6, body
-        time.sleep(1.5)                                       # a heartbeat after the requests (every 0.5 s)
-        gateway, buckets = scrape(f"{stack.http}/metrics")
+        deadline = time.monotonic() + 60              # a heartbeat after the requests (every 0.5 s), read in time
+        while True:
+            gateway, buckets = scrape(f"{stack.http}/metrics")
+            if "tokenbus_spec_decode_k" in gateway or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         recorder, _ = scrape(f"http://127.0.0.1:{stack.recorder_port}/metrics")
         bus = bus_series(f"{stack.http}/metrics")
-    assert "tokenbus_time_to_first_token_seconds_bucket" in gateway and "tokenbus_spec_decode_k" in gateway
+    assert "tokenbus_time_to_first_token_seconds_bucket" in gateway, sorted(gateway)
+    assert "tokenbus_spec_decode_k" in gateway, sorted(gateway)
     held = {stream: v for (name, stream, _), v in bus.items() if name == "tokenbus_stream_messages"}
     assert held.keys() == {"TB_REQUESTS", "TB_ROUTE", "TB_WORK", "TB_RESULTS", "TB_USAGE", "TB_DEAD"}, held
     assert held["TB_REQUESTS"] >= 2 and held["TB_DEAD"] == 0, held
