@@ -1,5 +1,5 @@
 // A bfloat16 linear layer on Intel AMX: y = x W^T (+ b), bfloat16 in and out, float32 inside
-// (see kernels/amx_linear.py).
+// (see kernels/bf16_linear.py).
 //
 // Batch invariance by construction: every output element is one tile accumulator's sum over the
 // inputs, 32 at a time in order, and a work item is a whole block of outputs, so an element's bits

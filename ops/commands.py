@@ -272,6 +272,9 @@ def up_engine(u) -> None:
     u.add_argument("--mock-gpu", choices=GPU_PRESETS,
                    help="with --engine mock: the GPU preset whose roofline times each worker's steps "
                         "(default h100-sxm)")
+    u.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="every worker's weights and activations (default: bfloat16 on a CPU with AMX or AVX-512 "
+                        "BF16, else float32; the checkpoint's 16-bit type on CUDA)")
     u.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every worker's " + KV_CACHE_DTYPE_HELP)
     u.add_argument("--quantization", choices=QUANTIZATIONS, help="every worker's " + QUANTIZATION_HELP)
     u.add_argument("--kv-host-memory", type=size, metavar="BYTES",

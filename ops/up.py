@@ -474,7 +474,7 @@ def worker_args(args) -> list[str]:
     return [*(["--tp", str(args.tp)] if args.tp > 1 else []),
             *given(args, "max-model-len", "max-num-seqs", "kv-cache-memory", "chunk-rate", "speculative",
                    "kv-load-failure-policy", "scheduling-policy"),
-            *given(args, "kv-cache-dtype"),
+            *given(args, "dtype", "kv-cache-dtype"),
             *given(args, "engine", "mock-gpu"),
             *given(args, "quantization"),
             *given(args, "kv-host-memory", "kv-disk-size"), *disk_dirs(args),

@@ -8,7 +8,7 @@ bit, long before a token flips."""
 import pytest
 import torch
 
-from kernels import amx_linear
+from kernels import bf16_linear
 from tests.workers.engine_helpers import make_request, threads
 from workers import SamplingParams
 from workers.engine.engine import EngineConfig, LLMEngine
@@ -217,7 +217,7 @@ BF16_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (
                (2048, 512), (4096, 11008)]
 BF16_PACKINGS = {
     "oneDNN in fixed calls": lambda w: torch.ops.mkldnn._reorder_linear_weight(w, pack_hint(w.dtype)),
-    "AMX": amx_linear.pack,
+    "the CPU's own (AMX or AVX-512 BF16)": bf16_linear.pack,
 }
 
 
@@ -234,10 +234,10 @@ def onednn_bf16() -> bool:
 @pytest.mark.parametrize("inputs, outputs", BF16_SHAPES)
 def test_a_bf16_linear_rows_result_is_the_same_alone_anywhere_in_a_batch_of_any_size_and_at_1_2_or_3_threads(
         inputs, outputs, packing):
-    """oneDNN's AMX kernels called on the whole batch are not: a row's bits change with the row
+    """oneDNN's kernels called on the whole batch are not: a row's bits change with the row
     count (from 2 rows up) and, for some shapes, with the thread count."""
-    if packing == "AMX" and not amx_linear.available():
-        pytest.skip("the CPU has no AMX")
+    if packing != "oneDNN in fixed calls" and not bf16_linear.available():
+        pytest.skip("the CPU has neither AMX nor AVX-512 BF16")
     if not onednn_bf16():
         pytest.skip("oneDNN has no bf16 linear on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     gen = torch.Generator().manual_seed(inputs + outputs)

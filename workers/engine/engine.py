@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kernels import bf16_linear
 from schemas.messages import MAX_PRIORITY, MAX_WEIGHT, MIN_PRIORITY, MIN_WEIGHT, SCHEDULING_POLICIES
 from schemas.sampling import SamplingParams, check, check_vocabulary, to_grammar
 from workers.distributed import SINGLE, Followers, TPGroup, WorkerFailure, leave
@@ -41,7 +42,8 @@ class EngineConfig:
     max_model_len: int | None = None       # default and upper bound: the model's context
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    dtype: str | None = None               # default: float32 on CPU, the checkpoint's 16-bit type on CUDA
+    dtype: str | None = None               # default: bfloat16 on a CPU with AMX or AVX-512 BF16, else float32;
+                                           # the checkpoint's 16-bit type on CUDA
     device: str | None = None              # default: cuda when available, else cpu
     seed: int = 0                          # draws the seeds of requests that bring none
     tensor_parallel_size: int = 1          # ranks one replica spans (one GPU each on CUDA)
@@ -532,11 +534,15 @@ def shut_down(followers: Followers | None, tp: TPGroup) -> None:
 
 
 def pick_dtype(asked: str | None, checkpoint: str, device: torch.device) -> torch.dtype:
+    """The dtype asked for, else: on the CPU bfloat16 where it has bfloat16 instructions (AMX or AVX-512 BF16,
+    kernels/bf16_linear.py), as OpenVINO and oneDNN pick, float32 where it has none (bfloat16 would be
+    emulated, slower than float32); on CUDA the checkpoint's 16-bit type. docs/decisions.md has the
+    figures behind the CPU's default."""
     if asked:
         dtype = getattr(torch, asked, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype {asked!r} is not a torch floating-point type (e.g. float32, bfloat16)")
         return dtype
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if bf16_linear.available() else torch.float32
     return torch.float16 if checkpoint == "float16" else torch.bfloat16

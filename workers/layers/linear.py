@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import amx_linear
+from kernels import bf16_linear
 from workers.distributed import TPGroup
 from workers.layers import quant
 
@@ -18,8 +18,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         return F.linear(x, weight, bias)
     if isinstance(packed, quant.Int8Weight | quant.Int4Weight):
         return quant.linear(x, packed, bias)
-    if isinstance(packed, amx_linear.Packed):
-        return amx_linear.linear(x, packed, bias)
+    if isinstance(packed, bf16_linear.Packed):
+        return bf16_linear.linear(x, packed, bias)
     if x.dtype != torch.float32:
         return in_fixed_calls(x, packed, bias)
     if x.shape[0] == 1:  # oneDNN sums a single row in another order (seen from 2048 inputs): take the 2-row path
@@ -61,9 +61,9 @@ def prepack_for_cpu(model: nn.Module) -> bool:
     quant.pack_for_cpu(model)
     layers = [m for m in model.modules()
               if hasattr(m, "packed_weight") and not isinstance(m.packed_weight, quant.Int8Weight | quant.Int4Weight)]
-    if layers and all(m.weight.dtype == torch.bfloat16 for m in layers) and amx_linear.available():
+    if layers and all(m.weight.dtype == torch.bfloat16 for m in layers) and bf16_linear.available():
         for m in layers:
-            m.packed_weight = amx_linear.pack(m.weight)
+            m.packed_weight = bf16_linear.pack(m.weight)
         return True
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), pack_hint(m.weight.dtype))

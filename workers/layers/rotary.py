@@ -4,6 +4,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import cpu_ops
+
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -55,5 +57,8 @@ class RotaryEmbedding(nn.Module):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by RotaryEmbedding's tables [T, 1, D], half-split layout: HF's
     x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) being x's halves swapped (a roll)
-    times the signed sine. The same bits as HF's in any dtype (a negation is exact)."""
+    times the signed sine. The same bits as HF's in any dtype (a negation is exact). In bfloat16 on the
+    CPU, rotated in place (kernels/cpu_ops.py, the same rounding steps) when each head's row is contiguous."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu_ops.takes(x, x.shape[-1] // 2):
+        return cpu_ops.rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--id", default=f"w-{os.getpid()}", help="worker id (a subject token)")
     p.add_argument("--served-model-name", help="the name of the model it serves, which requests name (default: the "
                    "--model directory's or file's name)")
-    p.add_argument("--dtype", help="float32, bfloat16, ... (default: float32 on CPU, the checkpoint's on CUDA)")
+    p.add_argument("--dtype", help="float32, bfloat16, ... (default: bfloat16 on a CPU with AMX or AVX-512 BF16, "
+                                     "else float32; the checkpoint's on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: requests run in arrival order (the default); priority: by each request's priority, "
