@@ -34,7 +34,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 # The longest files, dealt out first when the suite runs in parallel (make test: -n 2 --dist loadfile), so that
 # none is left to run on its own at the end; then the other files marked slow, then the rest.
-FIRST = ("tests/e2e/test_readme_snippets.py", "tests/lab/test_peer_clients.py", "tests/lab/test_chaos.py",
+FIRST = ("tests/e2e/test_readme_snippets.py", "tests/lab/test_peer_clients.py",
+         "tests/lab/test_bench_peers_openvino.py", "tests/lab/test_chaos.py",
          "tests/workers/test_structured_output.py", "tests/workers/test_smollm2_vs_hf.py")
 
 

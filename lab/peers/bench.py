@@ -12,7 +12,11 @@ Engines (--engines), each in turn, alone on the machine:
 - llama-f32, llama-f16, llama-bf16: llama.cpp's `llama-server` (lab/peers/llamacpp.py: built once from
   the llama-cpp-python sdist) serving our checkpoint written as GGUF in that type, with --parallel
   equal to the concurrency and each slot's context the workload's longest request; llama-q4_1: the
-  same server on the catalogue's own Q4_1 file, as a user would run it (another precision).
+  same server on the catalogue's own Q4_1 file, as a user would run it (another precision);
+- openvino, openvino-int8: OpenVINO GenAI's ContinuousBatchingPipeline (lab/peers/openvino_peer.py) on
+  our checkpoint exported by optimum-intel with fp32 / int8 weights, in a process of its own stepped as
+  the engine is; it computes in the precision OpenVINO picks for the CPU (bf16 where the CPU has bf16
+  instructions), which its row says, read from the compiled model.
 
 Workloads (--workloads), the same token ids for every engine: token-id prompts where the engine
 takes them (/v1/completions' and the websocket's token-id prompts, the engine's and HF's ids),
@@ -23,18 +27,18 @@ greedy, EOS ignored, every request run to its output length:
   conversations at a time; a turn's prompt is the history (the reply in it a fixed stand-in, so that
   every engine gets the same prompts), sent when the conversation's previous turn ended.
 A client keeps `concurrency` conversations in flight (a closed loop), over HTTP or websocket for the
-servers and in the engine's own loop for the engines in a process; HF generate's static batches
-start together. Each round (--repeat) draws fresh prompts, the same for every engine, so that no
-prefix cache carries over; an engine's best round counts (noise from the machine's neighbours only
-ever slows a run).
+servers and in the engine's own loop for the engines in a process (OpenVINO's too); HF generate's
+static batches start together. Each round (--repeat) draws fresh prompts, the same for every engine,
+so that no prefix cache carries over; an engine's best round counts (noise from the machine's
+neighbours only ever slows a run).
 
 Per engine: output tokens/s (output tokens / the seconds from the first request sent to the last
 token), TTFT and TPOT p50/p99 (TPOT = (end − first token) / (output tokens − 1)), peak RSS, the
 ratio to llama.cpp at the same precision, and the share of the CPU's matmul peak that its FLOPs
 reach (the ceiling). Peak RSS is the kernel's high-water mark (VmHWM) summed over the engine's
 processes: the spawned process that ran an in-process engine (its imports, weights and runs), the
-llama-server process, every process of the stack (nats-server, tokenizer, router, worker, gateway);
-each engine gets fresh processes for each workload.
+OpenVINO process, the llama-server process, every process of the stack (nats-server, tokenizer, router,
+worker, gateway); each engine gets fresh processes for each workload.
 """
 import asyncio
 import collections
@@ -52,13 +56,13 @@ from pathlib import Path
 from lab.common.clients import HttpClient, WsClient
 from lab.common.results import Result, fmt, ratio, show
 from lab.common.turns import BLOCK_SIZE, OPTIONS, EngineLoop, Turn, Workload, closed_loop, figures, warmup
-from lab.peers import llamacpp
+from lab.peers import llamacpp, openvino_peer
 from workers.models import catalogue
 
 
 @dataclass(frozen=True, slots=True)
 class Engine:
-    precision: str         # fp32, bf16, f16, q4_1
+    precision: str         # fp32, bf16, f16, q4_1, int8 (weights)
     about: str
 
 
@@ -73,8 +77,11 @@ ENGINES = {
     "llama-f16": Engine("f16", "llama.cpp server, F16 GGUF"),
     "llama-bf16": Engine("bf16", "llama.cpp server, BF16 GGUF"),
     "llama-q4_1": Engine("q4_1", "llama.cpp server, original Q4_1"),
+    "openvino": Engine("bf16", "OpenVINO GenAI CB, fp32 weights"),     # its row: the precision it computed in
+    "openvino-int8": Engine("int8", "OpenVINO GenAI CB, int8 weights"),
 }
-PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "f16": "bf16"}   # the matmul peak an engine's precision can reach
+PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "f16": "bf16",   # the matmul peak an engine's precision can reach
+           "int8": "bf16"}      # int8 weights: OpenVINO infers in bf16 (its int8 matmuls: the row's note)
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -398,6 +405,9 @@ def measure(name: str, args, model: str, rounds: list[Workload], llama: Llama, d
             result = llama.run(name, args.model, model, rounds, threads, vocab)
         elif name.startswith("pipeline-"):
             result = pipeline(name, model, rounds, threads, vocab, data_dir)
+        elif name.startswith("openvino"):
+            result = openvino_peer.measure(name, args.model, model, rounds, threads, vocab, data_dir,
+                                           log=lambda line: print(f"bench-peers: {line}", flush=True))
         else:
             result = in_process(name, model, rounds, threads)
     except llamacpp.PeerError as e:
@@ -409,15 +419,15 @@ def measure(name: str, args, model: str, rounds: list[Workload], llama: Llama, d
 
 
 def compare(rows: dict[str, dict], flops: list[float], peaks: dict[str, float]) -> None:
-    """Adds each row's ratio to llama.cpp at its precision and its share of the matmul peak (its
-    best round's FLOPs, of `flops` by round, per second)."""
+    """Adds each row's precision (its engine's, unless the row measured its own), its ratio to llama.cpp
+    at that precision and its share of the matmul peak (its best round's FLOPs, of `flops` by round, per
+    second)."""
     bases = {ENGINES[n].precision: r for n, r in rows.items() if n.startswith("llama-") and "error" not in r}
     for name, r in rows.items():
         if "error" in r:
             continue
-        precision = ENGINES[name].precision
+        precision = r.setdefault("precision", ENGINES[name].precision)
         base = bases.get(precision)
-        r["precision"] = precision
         r["vs_llama_cpp"] = None if base is None else {
             "output_tokens_per_s": ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]),
             **{f"{k}_p50": ratio(r[k]["p50"], base[k]["p50"]) for k in ("ttft_ms", "tpot_ms")}}
@@ -523,7 +533,7 @@ def table(report: dict) -> str:
                 lines.append(f"{'':34}({r['note']})")
     lines += ["", "tok/s: output tokens per second; TTFT, TPOT in ms; vs llama: tok/s over llama.cpp's at the same "
               "precision; peak RSS: VmHWM summed over the engine's processes; % peak: the workload's FLOPs per second "
-              "over the matmul peak at the engine's precision (fp32; bf16 for bf16 and f16)"]
+              "over the matmul peak at the engine's precision (fp32; bf16 for bf16, f16 and int8 weights)"]
     return "\n".join(lines)
 
 

@@ -6,12 +6,13 @@ from ops.args import MODEL, delegate
 from ops.models import DEFAULT_MODEL
 
 ENGINES = ("engine", "engine-bf16", "pipeline-ws", "pipeline-openai", "hf-generate", "hf-cb", "llama-f32",
-           "llama-f16", "llama-bf16", "llama-q4_1")   # lab.peers.bench.ENGINES, named here: it imports torch
+           "llama-f16", "llama-bf16", "llama-q4_1", "openvino",
+           "openvino-int8")                   # lab.peers.bench.ENGINES, named here: it imports torch
 
 
 def bench_peers(sub) -> None:
-    bpe = sub.add_parser("bench-peers", help="the engine vs llama.cpp's server and HF on the same workloads, "
-                                             "one client, each engine in turn")
+    bpe = sub.add_parser("bench-peers", help="the engine vs llama.cpp's server, HF and OpenVINO on the same "
+                                             "workloads, one client, each engine in turn")
     bpe.add_argument("--model", default=DEFAULT_MODEL, help=f"{MODEL}; llama.cpp needs a catalogue model")
     bpe.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), metavar="NAME",
                      help=f"which engines, in this order: {', '.join(ENGINES)} (default: all)")
