@@ -28,8 +28,11 @@ struct Linear {
   int64_t m, n, k;         // n a multiple of 16
 };
 
+// `ahead`: the weight strip this thread takes next, fetched into L2 as this one is computed (a strip
+// is read from memory once, for all the rows of the group, and the memory is the slower part for
+// it), or null.
 template <int MB, int NB>
-static inline void block(const Linear& a, int64_t row, int64_t col) {
+static inline void block(const Linear& a, int64_t row, int64_t col, const char* ahead) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; i++)
     for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
@@ -37,6 +40,8 @@ static inline void block(const Linear& a, int64_t row, int64_t col) {
   const uint32_t* x = (const uint32_t*)(a.x + row * a.k);   // a row's inputs, a pair per 32 bits
   const uint16_t* w = a.w + (col / 16) * pairs * 32;
   for (int64_t p = 0; p < pairs; p++) {
+    if (ahead)
+      for (int j = 0; j < NB; j++) _mm_prefetch(ahead + (j * pairs + p) * 64, _MM_HINT_T1);
     __m512bh wv[NB];
     for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * pairs + p) * 32);
     for (int i = 0; i < MB; i++) {
@@ -54,15 +59,15 @@ static inline void block(const Linear& a, int64_t row, int64_t col) {
 }
 
 template <int NB>
-static void rows(const Linear& a, int64_t first, int64_t last, int64_t col) {
+static void rows(const Linear& a, int64_t first, int64_t last, int64_t col, const char* ahead) {
   int64_t row = first;
-  for (; row + 6 <= last; row += 6) block<6, NB>(a, row, col);
+  for (; row + 6 <= last; row += 6, ahead = nullptr) block<6, NB>(a, row, col, ahead);
   switch (last - row) {
-    case 5: block<5, NB>(a, row, col); break;
-    case 4: block<4, NB>(a, row, col); break;
-    case 3: block<3, NB>(a, row, col); break;
-    case 2: block<2, NB>(a, row, col); break;
-    case 1: block<1, NB>(a, row, col); break;
+    case 5: block<5, NB>(a, row, col, ahead); break;
+    case 4: block<4, NB>(a, row, col, ahead); break;
+    case 3: block<3, NB>(a, row, col, ahead); break;
+    case 2: block<2, NB>(a, row, col, ahead); break;
+    case 1: block<1, NB>(a, row, col, ahead); break;
   }
 }
 
@@ -77,7 +82,9 @@ extern "C" void bf16_linear(const Linear* a, int32_t threads) {
   for (int64_t i = 0; i < items; i++) {
     const int64_t first = (i / col_items) * group, last = std::min(first + group, a->m);
     const int64_t col = (i % col_items) * width;
-    if (col + 32 <= a->n && width == 32) rows<2>(*a, first, last, col);
-    else rows<1>(*a, first, last, col);
+    // with one row the hardware's prefetch keeps up (the weights stream at the memory's bandwidth)
+    const char* ahead = width == 32 && col + 2 * width <= a->n ? (const char*)(a->w + (col + width) * a->k) : nullptr;
+    if (col + 32 <= a->n && width == 32) rows<2>(*a, first, last, col, ahead);
+    else rows<1>(*a, first, last, col, ahead);
   }
 }

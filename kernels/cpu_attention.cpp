@@ -248,9 +248,11 @@ struct Item {
     s.valid.resize(GROUP);
     load_queries();
     int64_t last = start + count - 1;
+    prefetch_tile(0, last);
     for (int64_t base = 0; base <= last; base += TILE) {
       int64_t keys = last + 1 - base < TILE ? last + 1 - base : TILE;
       load_tile(base, keys);
+      prefetch_tile(base + TILE, last);
       for (int64_t h = h0; h < h1; h++) {
         int64_t head_rows = count * group, r0 = (h - h0) * head_rows;
         int64_t skip = base > start ? (base - start) * group : 0;  // rows before the tile: none of its keys
@@ -283,6 +285,26 @@ struct Item {
             }
           }
         }
+  }
+
+  // Asks for the rows of the tile at `base` (up to position `last`) ahead of their use: the keys and
+  // values of a sequence's blocks are scattered over the pool, and a tile's compute is about as long
+  // as its rows take to come from memory, so the next tile's are fetched while this one is computed.
+  void prefetch_tile(int64_t base, int64_t last) const {
+    const int64_t bytes = a.head_dim * (KV ? 1 : (int64_t)sizeof(E));
+    const int64_t unit = KV ? 1 : (int64_t)sizeof(E);   // the pool's strides are in its elements
+    const int32_t* table = a.block_tables + seq * a.table_stride;
+    for (int64_t p = base; p <= last && p < base + TILE; p++) {
+      int64_t slot = table[p / a.block_size] * a.stride_block + p % a.block_size * a.stride_slot;
+      for (int64_t h = h0; h < h1; h++) {
+        const char* k = (const char*)a.k + (slot + h * a.stride_head) * unit;
+        const char* v = (const char*)a.v + (slot + h * a.stride_head) * unit;
+        for (int64_t off = 0; off < bytes; off += 64) {
+          __builtin_prefetch(k + off, 0, 3);
+          __builtin_prefetch(v + off, 0, 3);
+        }
+      }
+    }
   }
 
   // Pointers to the tile's keys and values of each head of the item: into the pool itself when its
