@@ -7,9 +7,11 @@ sum across threads, from the row count and the thread count, so a row's bits dep
 (tests/workers/test_batch_invariance.py); held at a fixed row count they are invariant but compute
 every padded row (a decode step of one request pays for 32). These kernels sum every output over
 the inputs in one fixed order, whatever the rows and threads, and compute only the rows there are
-(AMX: rounded up to 16). Built on first use, like kernels.cpu's attention.
+(AMX: rounded up to 16). Built on first use, like kernels.cpu's attention; not used where
+TOKENBUS_CPU_LAYERS is `torch` (kernels/cpu_ops.py: the reference path, oneDNN in fixed calls).
 """
 import ctypes
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
+from kernels import cpu, cpu_ops
 
 SOURCES = {"amx": Path(__file__).with_name("amx_linear.cpp"),
            "avx512_bf16": Path(__file__).with_name("avx512_bf16_linear.cpp")}
@@ -75,7 +77,7 @@ _library: tuple[str, ctypes._CFuncPtr] | None = None
 def available() -> bool:
     """Whether the CPU has AMX or AVX-512 BF16 and the kernel for it builds and may be used; the
     reason is logged when it cannot."""
-    if kernel() is None:
+    if kernel() is None or os.environ.get(cpu_ops.SWITCH) == "torch":
         return False
     try:
         library()

@@ -7,9 +7,11 @@ round to the neighbouring bfloat16 (tests/kernels/test_cpu_ops.py). A row is com
 one order, so its bits depend neither on the other rows nor on the thread count.
 
 Built on first use like kernels.cpu's attention; where it cannot be (no compiler, no AVX-512 BF16),
-`available()` is False and the layers keep torch's operations.
+or where TOKENBUS_CPU_LAYERS is `torch` (the reference path, for comparisons), `available()` is False
+and the layers keep torch's operations.
 """
 import ctypes
+import os
 import subprocess
 from pathlib import Path
 
@@ -66,6 +68,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x
 
 
+SWITCH = "TOKENBUS_CPU_LAYERS"   # `torch`: torch's operations and oneDNN's linears (kernels/bf16_linear.py)
 _library: ctypes.CDLL | None = None
 _failed = False
 
@@ -74,6 +77,8 @@ def available() -> bool:
     """Whether the library builds and loads here (AVX-512 BF16 and a compiler); the reason is logged
     once when not."""
     global _failed
+    if os.environ.get(SWITCH) == "torch":
+        return False
     if _library is not None:
         return True
     if _failed:

@@ -35,7 +35,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_batched_equals_hf_generate_each_prompt_alone(checkpoints, arch):
     path = checkpoints[arch]
-    engine = LLMEngine(str(path), EngineConfig(num_kv_blocks=64, device="cpu"))
+    engine = LLMEngine(str(path), EngineConfig(num_kv_blocks=64, device="cpu", dtype="float32"))
     ours = engine_greedy(engine, PROMPTS, MAX_TOKENS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, got in zip(PROMPTS, ours):
@@ -90,7 +90,7 @@ def test_a_sliding_window_caps_the_context_where_it_applies():
 def test_greedy_with_logit_bias_equals_hf_generate_with_the_same_sequence_bias(checkpoints):
     """logit_bias is HF's sequence_bias on one-token sequences: a bias added to the token's logit every step."""
     path = checkpoints["llama"]
-    engine = LLMEngine(str(path), EngineConfig(num_kv_blocks=64, device="cpu"))
+    engine = LLMEngine(str(path), EngineConfig(num_kv_blocks=64, device="cpu", dtype="float32"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = PROMPTS[1]
     plain = hf_greedy(hf, prompt, MAX_TOKENS)

@@ -546,5 +546,5 @@ def pick_dtype(asked: str | None, checkpoint: str, device: torch.device) -> torc
             raise ValueError(f"dtype {asked!r} is not a torch floating-point type (e.g. float32, bfloat16)")
         return dtype
     if device.type == "cpu":
-        return torch.bfloat16 if bf16_linear.available() else torch.float32
+        return torch.bfloat16 if bf16_linear.kernel() is not None else torch.float32
     return torch.float16 if checkpoint == "float16" else torch.bfloat16
