@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 static inline __m512 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -104,5 +105,54 @@ extern "C" void rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin,
         store_bf16(row + h + i, hi);
       }
     }
+  }
+}
+
+// Each row's first maximum of x [rows, n] (bfloat16), as torch's max(dim=-1).indices picks it: the
+// lowest index of the largest value, a NaN counting as the largest (the first NaN wins).
+extern "C" void argmax_bf16(const uint16_t* x, int64_t* out, int64_t rows, int64_t n, int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, n, threads))
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t* row = x + r * n;
+    __m512 best = _mm512_set1_ps(-__builtin_inff());
+    __m512i where = _mm512_set1_epi32(-1), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                        14, 15);
+    int64_t nan = -1, i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = load_bf16(row + i);
+      if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) {          // a NaN: the first one is the answer
+        for (int64_t j = i; j < i + 16 && nan < 0; j++)
+          if ((row[j] & 0x7fff) > 0x7f80) nan = j;
+        break;
+      }
+      const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);   // strictly larger: the first stays
+      best = _mm512_mask_mov_ps(best, more, v);
+      where = _mm512_mask_mov_epi32(where, more, index);
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+    }
+    if (nan >= 0) {
+      out[r] = nan;
+      continue;
+    }
+    float top = _mm512_reduce_max_ps(best);
+    int64_t at = n;                                           // the lowest lane index holding the top
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, best);
+    _mm512_store_epi32(indices, where);
+    for (int j = 0; j < 16; j++)
+      if (values[j] == top && indices[j] >= 0 && indices[j] < at) at = indices[j];
+    if (at == n && i > 0) at = 0;                             // all -inf so far: the first is the maximum
+    for (; i < n; i++) {                                      // the tail past the last 16
+      uint32_t bits = (uint32_t)row[i] << 16;
+      float v;
+      memcpy(&v, &bits, 4);
+      if (v != v) {
+        at = i;
+        break;
+      }
+      if (v > top || at == n) top = v, at = i;
+    }
+    out[r] = at;
   }
 }

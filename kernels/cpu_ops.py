@@ -24,7 +24,8 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 SIGNATURES = {"add_rms_norm_bf16": [P, P, P, P, P, I64, I64, F32, I32],
               "silu_mul_bf16": [P, P, I64, I64, I32],
-              "rope_bf16": [P, P, P, I64, I64, I64, I64, I32]}
+              "rope_bf16": [P, P, P, I64, I64, I64, I64, I32],
+              "argmax_bf16": [P, P, I64, I64, I32]}
 
 
 def takes(x: torch.Tensor, width: int) -> bool:
@@ -69,6 +70,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 SWITCH = "TOKENBUS_CPU_LAYERS"   # `torch`: torch's operations and oneDNN's linears (kernels/bf16_linear.py)
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> int64 [rows]: each row's first maximum (x.max(dim=-1).indices's rule, NaN the largest)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library().argmax_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
 _library: ctypes.CDLL | None = None
 _failed = False
 

@@ -70,3 +70,16 @@ def test_a_rows_bits_are_the_same_alone_in_any_batch_and_at_1_2_or_3_threads():
         with threads(count):
             assert torch.equal(cpu_ops.add_rms_norm(x, weight, 1e-5, residual)[0], norm)
             assert torch.equal(cpu_ops.silu_mul(gate_up), silu)
+
+
+def test_argmax_is_torchs_first_maximum_with_ties_infinities_and_nans():
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        x = torch.randint(-3, 3, (5, n), generator=gen).bfloat16()          # many ties
+        assert torch.equal(cpu_ops.argmax(x), x.max(dim=-1).indices), (seed, n)
+    x = torch.full((4, 48), float("-inf")).bfloat16()                       # a grammar's mask: all but a few
+    x[1, 47], x[2, 20], x[2, 30], x[3, 9], x[3, 33] = 0, float("nan"), float("nan"), float("inf"), float("inf")
+    assert cpu_ops.argmax(x).tolist() == x.max(dim=-1).indices.tolist() == [0, 47, 20, 9]
+    logits = randn(64, 49152, seed=9, scale=5)
+    assert torch.equal(cpu_ops.argmax(logits), logits.max(dim=-1).indices)
