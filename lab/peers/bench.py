@@ -6,8 +6,9 @@ Engines (--engines), each in turn, alone on the machine:
   per request), in float32 / bfloat16;
 - pipeline-ws, pipeline-openai: the whole stack of `tokenbus up` (one worker), over the websocket
   protocol and over the OpenAI API (/v1/completions);
-- hf-generate: HF transformers' `generate` in static batches of the concurrency (left-padded, each
-  batch run for its longest output, as lab/benchmarks/engine.py runs it); hf-cb: HF's continuous batching
+- hf-generate, hf-generate-bf16: HF transformers' `generate` (float32, bfloat16) in static batches of
+  the concurrency (left-padded, each batch run for its longest output, as lab/benchmarks/engine.py
+  runs it); hf-cb: HF's continuous batching
   (`init_continuous_batching`, requests added and collected as they end);
 - llama-f32, llama-f16, llama-bf16: llama.cpp's `llama-server` (lab/peers/llamacpp.py: built once from
   the llama-cpp-python sdist) serving our checkpoint written as GGUF in that type, with --parallel
@@ -72,6 +73,7 @@ ENGINES = {
     "pipeline-ws": Engine("fp32", "tokenbus pipeline, websocket"),
     "pipeline-openai": Engine("fp32", "tokenbus pipeline, OpenAI API"),
     "hf-generate": Engine("fp32", "HF generate, static batches"),
+    "hf-generate-bf16": Engine("bf16", "HF generate, static batches, bf16"),
     "hf-cb": Engine("fp32", "HF continuous batching"),
     "llama-f32": Engine("fp32", "llama.cpp server, F32 GGUF"),
     "llama-f16": Engine("f16", "llama.cpp server, F16 GGUF"),
@@ -206,10 +208,12 @@ class HfStatic:
     """HF generate in static batches of the concurrency: a batch's requests start together; each
     request's tokens are timed as generate streams the batch's steps."""
 
-    def __init__(self, model: str, workload: Workload):
+    def __init__(self, model: str, workload: Workload, dtype: str = "float32"):
+        import torch
+
         from workers.models.reference import hf_model
 
-        self.model = hf_model(model)
+        self.model = hf_model(model, getattr(torch, dtype))
 
     def run(self, workload: Workload) -> tuple[list[Result], float]:
         convs, c, results = workload.conversations, workload.concurrency, []
@@ -258,7 +262,7 @@ def local(name: str, model: str, rounds: list[Workload], threads: int) -> dict:
     elif name == "hf-cb":
         engine = HfContinuous(model, shape)
     else:
-        engine = HfStatic(model, shape)
+        engine = HfStatic(model, shape, "bfloat16" if name == "hf-generate-bf16" else "float32")
     run = engine.run if isinstance(engine, HfStatic) else lambda w: closed_loop(w, engine)
     try:
         run(warmup(first, vocab_size(model)))

@@ -5,9 +5,9 @@ import os
 from ops.args import MODEL, delegate
 from ops.models import DEFAULT_MODEL
 
-ENGINES = ("engine", "engine-bf16", "pipeline-ws", "pipeline-openai", "hf-generate", "hf-cb", "llama-f32",
-           "llama-f16", "llama-bf16", "llama-q4_1", "openvino",
-           "openvino-int8")                   # lab.peers.bench.ENGINES, named here: it imports torch
+# lab.peers.bench.ENGINES, named here: it imports torch
+ENGINES = ("engine", "engine-bf16", "pipeline-ws", "pipeline-openai", "hf-generate", "hf-generate-bf16", "hf-cb",
+           "llama-f32", "llama-f16", "llama-bf16", "llama-q4_1", "openvino", "openvino-int8")
 
 
 def bench_peers(sub) -> None:

@@ -223,7 +223,7 @@ def test_the_cli_takes_every_flag():
             parser().parse_args(["bench-peers", *bad])
 
 
-@pytest.mark.parametrize("name", ["engine", "hf-generate", "hf-cb"])
+@pytest.mark.parametrize("name", ["engine", "hf-generate", "hf-generate-bf16", "hf-cb"])
 def test_each_in_process_engine_runs_every_request_to_its_length(name, tiny_model):
     w = bp.build("chat", workload_args(conversations=2, turns=2), vocab=256, seed=0)
     r = bp.local(name, tiny_model, [w], threads=1)
