@@ -21,8 +21,9 @@ struct Linear {
   const uint16_t* x;       // [M, K] bfloat16, M a multiple of 16, K of 32, rows K apart
   const uint16_t* w;       // packed [N / 16][K / 32][16][16][2]
   const float* bias;       // [N] or null
-  uint16_t* y;             // [M, N] bfloat16, rows N apart
+  void* y;                 // [M, N] bfloat16, or float32 where f32 (logits: no rounding), rows N apart
   int64_t m, n, k;         // n a multiple of 16
+  int64_t f32;             // 1: y is float32
 };
 
 struct TileConfig {
@@ -77,8 +78,13 @@ static void block(const Linear& a, int64_t row, int64_t col, float* buf) {
     for (int c = 0; c < NB; c++) {
       __m512 v = _mm512_loadu_ps(buf + r * 32 + c * 16);
       if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + col + c * 16));
+      const int64_t at = (row + r) * a.n + col + c * 16;
+      if (a.f32) {
+        _mm512_storeu_ps((float*)a.y + at, v);
+        continue;
+      }
       __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch's .to(bfloat16)
-      memcpy(a.y + (row + r) * a.n + col + c * 16, &h, 32);
+      memcpy((uint16_t*)a.y + at, &h, 32);
     }
   }
 }

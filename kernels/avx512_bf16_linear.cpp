@@ -24,8 +24,9 @@ struct Linear {
   const uint16_t* x;       // [M, K] bfloat16, K a multiple of 32, rows K apart
   const uint16_t* w;       // packed [N / 16][K / 2][16][2]
   const float* bias;       // [N] or null
-  uint16_t* y;             // [M, N] bfloat16, rows N apart
+  void* y;                 // [M, N] bfloat16, or float32 where f32 (logits: no rounding), rows N apart
   int64_t m, n, k;         // n a multiple of 16
+  int64_t f32;             // 1: y is float32
 };
 
 // `ahead`: the weight strip this thread takes next, fetched into L2 as this one is computed (a strip
@@ -53,8 +54,13 @@ static inline void block(const Linear& a, int64_t row, int64_t col, const char* 
     for (int j = 0; j < NB; j++) {
       __m512 v = acc[i][j];
       if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + col + j * 16));
+      const int64_t at = (row + i) * a.n + col + j * 16;
+      if (a.f32) {
+        _mm512_storeu_ps((float*)a.y + at, v);
+        continue;
+      }
       __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch's .to(bfloat16)
-      memcpy(a.y + (row + i) * a.n + col + j * 16, &h, 32);
+      memcpy((uint16_t*)a.y + at, &h, 32);
     }
 }
 

@@ -30,7 +30,7 @@ ROWS = {"amx": 16, "avx512_bf16": 1}   # each kernel's rows are padded to a mult
 class Linear(ctypes.Structure):
     """The kernels' arguments (struct Linear in both sources)."""
     _fields_ = [("x", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("m", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("m", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("f32", ctypes.c_int64)]
 
 
 @dataclass(slots=True)
@@ -51,9 +51,10 @@ def pack(weight: torch.Tensor) -> Packed:
     return Packed(tiles, n, k)
 
 
-def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bfloat16 -> [M, N] bfloat16, the bias added in float32 before the rounding; rows
-    padded (zeros) as the kernel needs and trimmed after."""
+def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] bfloat16 -> [M, N] bfloat16, the bias added in float32 before the rounding, or (dtype
+    float32) the float32 sums unrounded; rows padded (zeros) as the kernel needs and trimmed after."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"bf16_linear takes bfloat16 inputs, not {x.dtype}")
     name, lib = library()
@@ -64,9 +65,9 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) ->
     n = packed.tiles.shape[0] * 16
     if bias is not None:
         bias = F.pad(bias.float(), (0, n - packed.n))
-    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    y = torch.empty(x.shape[0], n, dtype=dtype)
     args = Linear(x.data_ptr(), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                  x.shape[0], n, x.shape[1])
+                  x.shape[0], n, x.shape[1], dtype == torch.float32)
     lib(ctypes.byref(args), torch.get_num_threads())
     return y[:m, :packed.n]
 

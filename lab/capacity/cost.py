@@ -180,10 +180,13 @@ def cache_path(model_dir: str, dtype: str, threads: int) -> Path:
 def load_or_fit(model: str, threads: int, dtype: str | None = None, refit: bool = False) -> FittedCost:
     """The CPU cost of `model` (a name or checkpoint directory) at `threads` torch threads: the cached fit,
     or a new one measured on this machine and cached (keyed by model, dtype and threads)."""
+    import torch
+
+    from workers.engine.engine import pick_dtype
     from workers.models.catalogue import resolve
 
     model_dir = resolve(model)
-    want = dtype or "float32"                    # the engine's default on CPU
+    want = dtype or str(pick_dtype(None, "float32", torch.device("cpu"))).removeprefix("torch.")   # the default
     path = cache_path(model_dir, want, threads)
     if path.exists() and not refit:
         return FittedCost(**json.loads(path.read_text()))

@@ -24,8 +24,8 @@ from workers import LLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
-LONG = {"max_tokens": 120, "temperature": 0.8, "ignore_eos": True}
-RESUMED = 1500                 # a request that outlasts a drain's others: still streaming when its websocket closes
+LONG = {"max_tokens": 600, "temperature": 0.8, "ignore_eos": True}   # streams that outlast the probes
+RESUMED = 3000                 # a request that outlasts a drain's others: still streaming when its websocket closes
 
 
 def probe(port: int, path: str) -> int:
@@ -143,7 +143,7 @@ def test_a_worker_past_its_drain_timeout_hands_its_requests_over_at_once(tiny_mo
                  if '"work re-routed"' in line]
         assert moved and all(m["worker"] == "w1" for m in moved)
         assert "strike" not in stack.log("router").read_text()
-        assert seen["gone"] - seen["began"] < 10           # not an ack wait, nor the 120-token answers' time
+        assert seen["gone"] - seen["began"] < 10           # not an ack wait, nor the long answers' time
     finally:
         stack.stop()
 

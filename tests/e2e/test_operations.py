@@ -12,6 +12,7 @@ import urllib.request
 
 import orjson
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import bus
@@ -229,28 +230,31 @@ def test_a_worker_whose_heartbeat_only_lapsed_gets_work_again_and_nothing_loops(
 
 
 def test_replay_names_the_first_position_a_changed_engine_setting_changes(stack, tiny_model, capsys):
-    """The worker restarted in bfloat16: replay of a float32 request differs exactly where the offline
-    engine in bfloat16 leaves the float32 output."""
+    """The worker restarted in the other dtype (float32 where the default is bfloat16, and the reverse):
+    replay of a request it served in the default differs exactly where the offline engine in the other
+    dtype leaves the default's output."""
     prompts = [[11, 12, 13, 14, 15], [40, 41, 42], [7, 300, 9, 1000, 12], [100, 200, 300, 400]]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    fp32 = [o.token_ids for o in LLM(tiny_model).generate(prompts, params)]
-    bf16 = [o.token_ids for o in LLM(tiny_model, dtype="bfloat16").generate(prompts, params)]
-    where = [replay.first_difference(a, b) for a, b in zip(fp32, bf16)]
+    default = LLM(tiny_model)
+    other = "float32" if default.engine.dtype == torch.bfloat16 else "bfloat16"
+    logged = [o.token_ids for o in default.generate(prompts, params)]
+    changed = [o.token_ids for o in LLM(tiny_model, dtype=other).generate(prompts, params)]
+    where = [replay.first_difference(a, b) for a, b in zip(logged, changed)]
     k = next(i for i, p in enumerate(where) if p is not None and p > 0)
     got = generate(stack, [{"id": "dtype", "prompt_token_ids": prompts[k], "max_tokens": 64, "temperature": 0,
                             "ignore_eos": True}])["dtype"]
-    assert got["token_ids"] == fp32[k]
+    assert got["token_ids"] == logged[k]
     time.sleep(0.5)
     rid = record_of(stack.nats_url, prompts[k]).id
 
     procs.stop([stack.children["w0"]])
     stack.spawn("w0", "workers.service", "--nats-url", stack.nats_url, "--model", tiny_model, "--id", "w0",
-                *WORKER_ARGS, "--dtype", "bfloat16")
+                *WORKER_ARGS, "--dtype", other)
     stack.wait_ready()
     assert replay.main(replay_args(stack, "--request-id", rid, "--json", "--model", tiny_model)) == 1
     result = json.loads(capsys.readouterr().out)
     assert (result["replayed"], result["identical"]) == (1, 0)
     [diff] = result["diffs"]
     assert diff["request_id"] == rid and diff["position"] == where[k]
-    assert (diff["logged_token"], diff["replayed_token"]) == (fp32[k][where[k]], bf16[k][where[k]])
+    assert (diff["logged_token"], diff["replayed_token"]) == (logged[k][where[k]], changed[k][where[k]])
     assert diff["logged_text"] != diff["replayed_text"] and diff["replayed_tokens"] == 64

@@ -23,3 +23,15 @@ def test_the_bf16_linear_equals_float32_arithmetic_up_to_the_bf16_rounding_of_it
     want = x.float() @ weight.float().t() + (bias.float() if with_bias else 0)
     assert got.shape == (rows, outputs) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)   # bf16: 8 significant bits
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_float32_outputs_are_the_sums_unrounded_and_round_to_the_bf16_outputs(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(49152 // 16, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    packed = bf16_linear.pack(weight)
+    got = bf16_linear.linear(x, packed, dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ weight.float().t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.bfloat16(), bf16_linear.linear(x, packed))

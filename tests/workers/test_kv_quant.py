@@ -229,7 +229,7 @@ def test_a_transfer_carries_the_blocks_scales_and_the_decode_worker_continues_wi
 def test_a_transfer_between_pools_of_different_kv_dtypes_is_refused_naming_both(tiny_model, prefill_kv, decode_kv):
     prompt = [(7 + 31 * i) % 4000 + 10 for i in range(40)]
     pulled, _, d, _ = transfer(tiny_model, prompt, prefill_kv, decode_kv)
-    names = {"auto": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
+    names = {"auto": str(d.dtype).removeprefix("torch."), "int8": "int8", "fp8": "float8_e4m3fn"}  # auto: the model's
     assert pulled.blocks == 0 and f"KV is {names[prefill_kv]} " in pulled.error
     assert f"this worker's {names[decode_kv]} " in pulled.error and "kv_cache_dtype" in pulled.error
     assert not d.kv.cached
@@ -265,9 +265,9 @@ def test_up_passes_kv_cache_dtype_to_every_worker_and_generate_takes_it():
 
 def test_two_tensor_parallel_ranks_each_quantize_their_heads_and_give_one_ranks_tokens(tiny_model):
     prompts = PROMPTS[1:3]
-    want, _ = generate(tiny_model, prompts, kv_cache_dtype="int8", num_kv_blocks=32)
+    want, _ = generate(tiny_model, prompts, kv_cache_dtype="int8", num_kv_blocks=32, dtype="float32")
     engine = LLMEngine(tiny_model, EngineConfig(device="cpu", num_kv_blocks=32, kv_cache_dtype="int8",
-                                                tensor_parallel_size=2))
+                                                tensor_parallel_size=2, dtype="float32"))   # as test_tensor_parallel
     try:
         reqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
         while engine.has_unfinished():

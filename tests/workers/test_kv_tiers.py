@@ -236,7 +236,8 @@ def test_a_corrupted_disk_block_is_detected_and_recomputed(model_dir, never_evic
 
 
 def test_the_disk_tier_holds_at_most_its_size(model_dir, tmp_path):
-    eng = engine(model_dir, num_kv_blocks=6, kv_disk_dir=str(tmp_path), kv_disk_size=3 * 9000)
+    eng = engine(model_dir, num_kv_blocks=6, kv_disk_dir=str(tmp_path), kv_disk_size=3 * 9000,
+                 dtype="float32")                              # the size holds three float32 blocks
     evict_a(eng)
     files = os.listdir(eng.tiers.disk.dir)
     assert 0 < len(files) <= 3 and sum(os.path.getsize(os.path.join(eng.tiers.disk.dir, f)) for f in files) <= 27000

@@ -1,4 +1,4 @@
-"""Tensor parallel over gloo on the CPU: one replica over two processes gives the tokens of one,
+"""Tensor parallel over gloo on the CPU, in float32: one replica over two processes gives the tokens of one,
 each rank holds half of the weights and of the KV pool, and a dead rank ends the replica with an
 error that names it, leaving no process behind."""
 import os
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 # a long shared head (prefix-cache hits), a prompt longer than the 32-token budget (chunked
 # prefill) and short ones decoding beside it
 PROMPTS = [[1, 5, 9, 33, 100, 7], list(range(10, 90)), list(range(10, 50)) + [3] * 12, [7] * 20]
-OPTIONS = {"block_size": 8, "num_kv_blocks": 96, "max_num_batched_tokens": 32}
+OPTIONS = {"block_size": 8, "num_kv_blocks": 96, "max_num_batched_tokens": 32, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")

@@ -280,7 +280,7 @@ def test_dequantized_per_call_the_engine_generates_the_float_checkpoints_tokens(
     """Off the int4 kernel (as off CPU) the weight is widened for each call: float32 all through."""
     path, float_path, _, _ = checkpoint
     monkeypatch.setattr(quant, "pack_int4", lambda w: None)
-    assert generate(engine(path), PROMPTS) == generate(engine(float_path), PROMPTS)
+    assert generate(engine(path, dtype="float32"), PROMPTS) == generate(engine(float_path, dtype="float32"), PROMPTS)
 
 
 @pytest.mark.timeout(180)

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import bf16_linear
 from workers.distributed import TPGroup
 from workers.layers.linear import linear
 
@@ -42,5 +43,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits on rank 0 (the sampler's rank); None on the other ranks."""
-        logits = self.tp.gather_to_first(linear(hidden, self.weight, None, self.packed_weight))
+        if isinstance(self.packed_weight, bf16_linear.Packed):   # float32 logits: their sums, not rounded to
+            logits = bf16_linear.linear(hidden, self.packed_weight, dtype=torch.float32)   # bf16's 8 bits
+        else:
+            logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = self.tp.gather_to_first(logits)
         return None if logits is None else logits[..., :self.vocab_size]
