@@ -36,8 +36,8 @@ typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t h16_un __attribute__((vector_size(32), aligned(2)));
 
 constexpr int LANES = 16, TILE = 64, MAX_CHUNKS = 16;  // head_dim up to 256
-constexpr int64_t PARALLEL = 8192;  // (row, key) pairs from which a call takes threads: below, under
-                                    // 0.1 ms of work, waking them would cost more than it saves
+constexpr int64_t PARALLEL = 2048;  // (row, key) pairs from which a call takes threads: below, under
+                                    // a few microseconds of work, waking them would cost more than it saves
 
 static const float NEG_INF = -__builtin_inff();
 

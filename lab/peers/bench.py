@@ -70,7 +70,7 @@ class Engine:
 ENGINES = {
     "engine": Engine("fp32", "tokenbus engine, offline"),
     "engine-bf16": Engine("bf16", "tokenbus engine, offline, bf16"),
-    "pipeline-ws": Engine("fp32", "tokenbus pipeline, websocket"),
+    "pipeline-ws": Engine("fp32", "tokenbus pipeline, websocket"),        # its row: the worker's default dtype
     "pipeline-openai": Engine("fp32", "tokenbus pipeline, OpenAI API"),
     "hf-generate": Engine("fp32", "HF generate, static batches"),
     "hf-generate-bf16": Engine("bf16", "HF generate, static batches, bf16"),
@@ -331,7 +331,17 @@ def pipeline(name: str, model: str, rounds: list[Workload], threads: int, vocab:
         rss = sum(tree_peak_rss(p.pid) for p in stack.children.values())
     finally:
         stack.stop()
-    return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "every process of the stack, summed"}
+    return {"runs": runs, "peak_rss_bytes": rss, "rss_of": "every process of the stack, summed",
+            "precision": default_precision()}
+
+
+def default_precision() -> str:
+    """The precision a worker runs in by default here: bf16 on a CPU with bf16 instructions, else fp32."""
+    import torch
+
+    from workers.engine.engine import pick_dtype
+
+    return "bf16" if pick_dtype(None, "float32", torch.device("cpu")) == torch.bfloat16 else "fp32"
 
 
 class Llama:
