@@ -2,6 +2,7 @@
 with EOS ignored, and the closed loop that runs one through an engine in this process: `concurrency`
 conversations in flight, a turn sent when the one before it ended. figures() sums a run up."""
 import collections
+import gc
 import itertools
 import math
 import random
@@ -98,6 +99,7 @@ class EngineLoop:
         blocks = workload.concurrency * math.ceil(workload.context / BLOCK_SIZE)
         self.llm = LLM(model, **{"max_num_seqs": workload.concurrency, "num_kv_blocks": blocks,
                                  "block_size": BLOCK_SIZE, "dtype": dtype, **options})
+        gc.freeze()                                  # as a worker process does once its engine is built
         self.live: dict[str, tuple[int, Result, object]] = {}
         self.outputs: dict[int, list[int]] = {}      # key -> the output token ids of a turn that ended
 

@@ -1,7 +1,6 @@
 """The engine: add requests, step (schedule, run, update), abort. Tokens in, tokens out; text
 and stop strings are the caller's (the offline LLM or the gateway)."""
 import concurrent.futures
-import gc
 import json
 import os
 import random
@@ -169,7 +168,6 @@ class LLMEngine:
         if spec is not None:
             from workers.engine import speculative
             self.speculator = speculative.build(spec, self, self.max_model_len)
-        gc.freeze()     # the model's and tokenizer's objects, there for good: no full collection walks them again
 
     def close(self) -> None:
         """Writes the prefix cache down to the disk tier, if there is one, so that an engine started on the same

@@ -4,6 +4,7 @@
 thread: argparse, then the event loop (`serve`); the engine is built and warmed up on the step thread."""
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 
@@ -139,6 +140,7 @@ async def serve(args) -> None:
     engine = await stepper.build(LLMEngine, model, engine_config(args))
     try:
         await stepper.call(warm_up, engine)
+        gc.freeze()   # the engine's objects, there for the process's life: full collections stop walking them
         injected = faults.Faults.of(args.inject_fault)      # none unless asked for (tests, chaos)
         injected.inject(engine)
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
