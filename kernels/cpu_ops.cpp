@@ -108,21 +108,32 @@ extern "C" void rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin,
   }
 }
 
-// Each row's first maximum of x [rows, n] (bfloat16), as torch's max(dim=-1).indices picks it: the
-// lowest index of the largest value, a NaN counting as the largest (the first NaN wins).
-extern "C" void argmax_bf16(const uint16_t* x, int64_t* out, int64_t rows, int64_t n, int32_t threads) {
+// Each row's first maximum of x [rows, n] (bfloat16 or float32), as torch's max(dim=-1).indices picks it:
+// the lowest index of the largest value, a NaN counting as the largest (the first NaN wins).
+static inline __m512 load16(const uint16_t* p) { return load_bf16(p); }
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline float value(const uint16_t* p) {
+  uint32_t bits = (uint32_t)*p << 16;
+  float v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+static inline float value(const float* p) { return *p; }
+
+template <typename T>
+static void argmax(const T* x, int64_t* out, int64_t rows, int64_t n, int32_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows, n, threads))
   for (int64_t r = 0; r < rows; r++) {
-    const uint16_t* row = x + r * n;
+    const T* row = x + r * n;
     __m512 best = _mm512_set1_ps(-__builtin_inff());
     __m512i where = _mm512_set1_epi32(-1), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                                         14, 15);
     int64_t nan = -1, i = 0;
     for (; i + 16 <= n; i += 16) {
-      const __m512 v = load_bf16(row + i);
+      const __m512 v = load16(row + i);
       if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) {          // a NaN: the first one is the answer
         for (int64_t j = i; j < i + 16 && nan < 0; j++)
-          if ((row[j] & 0x7fff) > 0x7f80) nan = j;
+          if (value(row + j) != value(row + j)) nan = j;
         break;
       }
       const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);   // strictly larger: the first stays
@@ -144,9 +155,7 @@ extern "C" void argmax_bf16(const uint16_t* x, int64_t* out, int64_t rows, int64
       if (values[j] == top && indices[j] >= 0 && indices[j] < at) at = indices[j];
     if (at == n && i > 0) at = 0;                             // all -inf so far: the first is the maximum
     for (; i < n; i++) {                                      // the tail past the last 16
-      uint32_t bits = (uint32_t)row[i] << 16;
-      float v;
-      memcpy(&v, &bits, 4);
+      const float v = value(row + i);
       if (v != v) {
         at = i;
         break;
@@ -155,4 +164,12 @@ extern "C" void argmax_bf16(const uint16_t* x, int64_t* out, int64_t rows, int64
     }
     out[r] = at;
   }
+}
+
+extern "C" void argmax_bf16(const uint16_t* x, int64_t* out, int64_t rows, int64_t n, int32_t threads) {
+  argmax(x, out, rows, n, threads);
+}
+
+extern "C" void argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t n, int32_t threads) {
+  argmax(x, out, rows, n, threads);
 }

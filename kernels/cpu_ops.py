@@ -25,7 +25,8 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_flo
 SIGNATURES = {"add_rms_norm_bf16": [P, P, P, P, P, I64, I64, F32, I32],
               "silu_mul_bf16": [P, P, I64, I64, I32],
               "rope_bf16": [P, P, P, I64, I64, I64, I64, I32],
-              "argmax_bf16": [P, P, I64, I64, I32]}
+              "argmax_bf16": [P, P, I64, I64, I32],
+              "argmax_f32": [P, P, I64, I64, I32]}
 
 
 def takes(x: torch.Tensor, width: int) -> bool:
@@ -71,10 +72,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 SWITCH = "TOKENBUS_CPU_LAYERS"   # `torch`: torch's operations and oneDNN's linears (kernels/bf16_linear.py)
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, n] -> int64 [rows]: each row's first maximum (x.max(dim=-1).indices's rule, NaN the largest)."""
+    """x [rows, n] bfloat16 or float32 -> int64 [rows]: each row's first maximum (x.max(dim=-1).indices's rule,
+    NaN the largest)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    library().argmax_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    entry = library().argmax_bf16 if x.dtype == torch.bfloat16 else library().argmax_f32
+    entry(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
 
 

@@ -78,8 +78,12 @@ def test_argmax_is_torchs_first_maximum_with_ties_infinities_and_nans():
         n = int(torch.randint(1, 300, (1,), generator=gen))
         x = torch.randint(-3, 3, (5, n), generator=gen).bfloat16()          # many ties
         assert torch.equal(cpu_ops.argmax(x), x.max(dim=-1).indices), (seed, n)
+        assert torch.equal(cpu_ops.argmax(x.float()), x.max(dim=-1).indices), (seed, n)
     x = torch.full((4, 48), float("-inf")).bfloat16()                       # a grammar's mask: all but a few
     x[1, 47], x[2, 20], x[2, 30], x[3, 9], x[3, 33] = 0, float("nan"), float("nan"), float("inf"), float("inf")
-    assert cpu_ops.argmax(x).tolist() == x.max(dim=-1).indices.tolist() == [0, 47, 20, 9]
+    assert cpu_ops.argmax(x).tolist() == cpu_ops.argmax(x.float()).tolist() == x.max(dim=-1).indices.tolist() \
+        == [0, 47, 20, 9]
     logits = randn(64, 49152, seed=9, scale=5)
+    assert torch.equal(cpu_ops.argmax(logits), logits.max(dim=-1).indices)
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(10)) * 5      # float32: the lm_head's
     assert torch.equal(cpu_ops.argmax(logits), logits.max(dim=-1).indices)

@@ -21,7 +21,8 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if cpu_ops.takes(x, x.shape[-1]):              # the same bits in one native pass (kernels/cpu_ops.py)
+        if cpu_ops.takes(x, x.shape[-1]) and self.weight.dtype == torch.bfloat16:   # one native pass: torch's
+                                                       # steps, a sum in another order (kernels/cpu_ops.py)
             y, s = cpu_ops.add_rms_norm(x, self.weight, self.eps, residual)
             return y if residual is None else (y, s)
         if residual is None:
