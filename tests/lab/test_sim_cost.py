@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from kernels.bf16_linear import kernel
 from lab.capacity import cost as sim_cost
 from lab.capacity.cost import FittedCost, RooflineCost, StepShape
 from ops import plan
+from workers.engine.engine import pick_dtype
 from workers.models.config import ModelConfig
 
 TINY = ModelConfig.from_hf(plan.hf(vocab=100, hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1,
@@ -78,7 +79,7 @@ def test_the_cpu_fit_predicts_held_out_engine_steps_and_round_trips_its_cache(ti
     decode = StepShape(8, 8, 8, 8 * 300, 8 * 300)
     assert cost.seconds(StepShape(1024, 1, 1, 1024 * 512.5, 1024)) > cost.seconds(decode) > cost.const > 0
     [path] = (tmp_path / "sim").iterdir()
-    dtype = "float32" if kernel() is None else "bfloat16"                     # the engine's default dtype here
+    dtype = str(pick_dtype(None, "float32", torch.device("cpu"))).removeprefix("torch.")   # the engine's default
     assert path.name == f"{Path(tiny_model).name}-{dtype}-1t-v{sim_cost.SCENARIOS}.json"   # new scenarios: a new fit
     assert json.loads(path.read_text())["quality"] == q
     assert sim_cost.load_or_fit(tiny_model, threads=1) == cost                  # read, not measured again

@@ -259,8 +259,10 @@ def test_up_passes_its_limits_to_the_gateway_tokenizer_and_workers(tmp_path, tin
             assert [m["id"] for m in json.loads(r.read())["data"]] == ["my-model"]
         (beat,) = asyncio.run(read_registry(f"nats://127.0.0.1:{nats_port}"))
         config = json.loads((Path(tiny_model) / "config.json").read_text())
-        from kernels.bf16_linear import kernel
-        size = 4 if kernel() is None else 2          # the worker's default: bfloat16 where the CPU computes it
+        import torch
+
+        from workers.engine.engine import pick_dtype
+        size = pick_dtype(None, config["dtype"], torch.device("cpu")).itemsize      # the worker's default dtype
         block_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 16 * size
         assert beat.max_num_seqs == 3 and beat.kv_blocks_total == (2 << 20) // block_bytes
         status, body = post(f"{http}/v1/completions", {"model": "my-model", "prompt": "hi", "max_tokens": 21})
